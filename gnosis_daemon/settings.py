@@ -1,0 +1,224 @@
+"""One validated settings object per process.
+
+Precedence: defaults < TOML file (``--config``) < environment < CLI flags.
+This is the only module that reads the environment.
+
+Each field's environment name is ``GNOSIS_<FIELD>`` upper-cased, except the ones in
+``_ENV_ALIASES`` that the deployed system already uses (``THOTH_LIQUID_MEMORY``).
+The supervisor hands its resolved settings to its children through ``to_env()``, so
+a child started by the supervisor sees exactly the supervisor's values.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tomllib
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, Mapping
+
+ENV_PREFIX = "GNOSIS_"
+_ENV_ALIASES = {"liquid_memory": "THOTH_LIQUID_MEMORY"}
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off"}
+
+
+class SettingsError(ValueError):
+    """A setting has a bad value; the message names the setting and how to set it."""
+
+
+def _default_runtime_dir() -> str:
+    base = os.environ.get("XDG_RUNTIME_DIR") or f"/tmp/gnosis-daemon-{os.getuid()}"
+    return str(Path(base) / "gnosis-daemon")
+
+
+@dataclass(slots=True)
+class Settings:
+    # -- where things live
+    model: str | None = None  # HF directory or .gguf file; None = SmolLM2-135M-Instruct
+    runtime_dir: str = field(default_factory=_default_runtime_dir)
+    state_dir: str | None = None  # KV-session disk tier; None = <runtime_dir>/state
+    model_cache_dir: str | None = None  # converted GGUF checkpoints; None = ~/.cache/gnosis-daemon
+    # -- HTTP
+    host: str = "127.0.0.1"
+    port: int = 8000
+    served_model_name: str | None = None  # name in /v1/models; None = derived from the model
+    # -- logging
+    log_level: str = "info"
+    log_format: str = "auto"  # auto | json | console
+    # -- station
+    device: str = "auto"  # auto | cpu | cuda
+    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    max_model_len: int = 8192  # tokens per sequence (prompt + completion)
+    max_tokens_default: int = 512
+    max_frame_bytes: int = 16 * 1024 * 1024
+    kv_cache_bytes: int = 512 * 1024 * 1024  # CPU KV pool budget
+    kv_cache_gpu_fraction: float = 0.8  # of free GPU memory after loading weights
+    kv_block_size: int = 16  # tokens per KV block
+    max_batch_size: int = 32  # sequences decoded in one forward
+    prefill_chunk_tokens: int = 512  # long prompts are prefilled in chunks of this many
+    tenant_salt: str = ""  # server-side secret mixed into prefix-cache keys
+    disable_capabilities: str = ""  # GNOSIS_STATION_DISABLE: stale-station drill
+    # -- liquid memory
+    liquid_memory: bool = True  # THOTH_LIQUID_MEMORY
+    kv_session_budget: int = 256  # sessions kept before LRU expiry
+    # -- timeouts and supervision (seconds)
+    request_timeout_s: float = 600.0
+    station_start_timeout_s: float = 300.0
+    host_start_timeout_s: float = 60.0
+    health_interval_s: float = 2.0
+    health_timeout_s: float = 5.0
+    health_failures_before_kill: int = 3
+    backoff_initial_s: float = 0.5
+    backoff_max_s: float = 30.0
+    min_uptime_s: float = 10.0
+    max_fast_failures: int = 5
+    drain_grace_s: float = 30.0
+    stop_timeout_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        _check(self.port, 0 <= self.port <= 65535, "port", "an integer between 0 and 65535")
+        _check(self.log_level, self.log_level.lower() in
+               {"debug", "info", "warning", "error", "critical"}, "log_level",
+               "one of debug, info, warning, error, critical")
+        self.log_level = self.log_level.lower()
+        _check(self.log_format, self.log_format in {"auto", "json", "console"}, "log_format",
+               "one of auto, json, console")
+        _check(self.device, self.device in {"auto", "cpu", "cuda"} or self.device.startswith("cuda:"),
+               "device", "auto, cpu, cuda or cuda:N")
+        _check(self.dtype, self.dtype in {"auto", "float32", "bfloat16", "float16"}, "dtype",
+               "one of auto, float32, bfloat16, float16")
+        for name in ("max_model_len", "max_tokens_default", "max_frame_bytes", "kv_cache_bytes",
+                     "kv_block_size", "max_batch_size", "prefill_chunk_tokens",
+                     "kv_session_budget", "health_failures_before_kill", "max_fast_failures"):
+            value = getattr(self, name)
+            _check(value, value > 0, name, "a positive integer")
+        _check(self.kv_cache_gpu_fraction, 0 < self.kv_cache_gpu_fraction <= 1,
+               "kv_cache_gpu_fraction", "a number in (0, 1]")
+        for f in fields(self):
+            if f.name.endswith("_s"):
+                value = getattr(self, f.name)
+                _check(value, value > 0, f.name, "a positive number of seconds")
+        _check(self.backoff_max_s, self.backoff_max_s >= self.backoff_initial_s, "backoff_max_s",
+               "at least backoff_initial_s")
+        if self.model is not None:
+            _check(self.model, Path(self.model).exists(), "model",
+                   "an existing HF model directory or .gguf file")
+
+    # -- derived paths
+    @property
+    def station_socket(self) -> Path:
+        return Path(self.runtime_dir) / "station.sock"
+
+    @property
+    def control_socket(self) -> Path:
+        return Path(self.runtime_dir) / "control.sock"
+
+    @property
+    def status_file(self) -> Path:
+        return Path(self.runtime_dir) / "status.json"
+
+    @property
+    def effective_state_dir(self) -> Path:
+        return Path(self.state_dir) if self.state_dir else Path(self.runtime_dir) / "state"
+
+    @property
+    def disabled_capabilities(self) -> frozenset[str]:
+        return frozenset(c.strip() for c in self.disable_capabilities.split(",") if c.strip())
+
+    def to_env(self) -> dict[str, str]:
+        """Environment that rebuilds these exact settings in a child process."""
+        env: dict[str, str] = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if value is None:
+                continue
+            if isinstance(value, bool):
+                value = "1" if value else "0"
+            env[env_name(f.name)] = str(value)
+        return env
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _check(value: Any, ok: bool, name: str, expected: str) -> None:
+    if not ok:
+        raise SettingsError(
+            f"setting {name!r} = {value!r} is invalid: expected {expected} "
+            f"(set it with --{name.replace('_', '-')}, {env_name(name)}, or '{name}' in the TOML file)"
+        )
+
+
+def env_name(name: str) -> str:
+    if name == "disable_capabilities":
+        return "GNOSIS_STATION_DISABLE"
+    return _ENV_ALIASES.get(name, ENV_PREFIX + name.upper())
+
+
+def _coerce(name: str, raw: Any, source: str) -> Any:
+    ftype = _FIELD_TYPES[name]
+    try:
+        if raw is None:
+            return None
+        if "bool" in ftype:
+            if isinstance(raw, bool):
+                return raw
+            text = str(raw).strip().lower()
+            if text in _TRUE:
+                return True
+            if text in _FALSE:
+                return False
+            raise ValueError(raw)
+        if "int" in ftype:
+            if isinstance(raw, bool):
+                raise ValueError(raw)
+            return int(raw)
+        if "float" in ftype:
+            return float(raw)
+        return str(raw)
+    except (TypeError, ValueError):
+        raise SettingsError(
+            f"setting {name!r} from {source} has value {raw!r}, which is not a valid {ftype}"
+        ) from None
+
+
+_FIELD_TYPES = {f.name: str(f.type) for f in fields(Settings)}
+
+
+def load_settings(
+    config_file: str | os.PathLike[str] | None = None,
+    cli: Mapping[str, Any] | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> Settings:
+    """Build the one settings object: defaults < TOML < environment < CLI flags."""
+    values: dict[str, Any] = {}
+    environ = os.environ if environ is None else environ
+    if config_file is None:
+        config_file = environ.get(ENV_PREFIX + "CONFIG") or None
+    if config_file is not None:
+        path = Path(config_file)
+        try:
+            data = tomllib.loads(path.read_text())
+        except FileNotFoundError:
+            raise SettingsError(f"config file {str(path)!r} does not exist (--config)") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise SettingsError(f"config file {str(path)!r} is not valid TOML: {exc}") from None
+        data = data.get("gnosis", data)
+        for key, raw in data.items():
+            name = key.replace("-", "_")
+            if name not in _FIELD_TYPES:
+                raise SettingsError(f"config file {str(path)!r} has unknown setting {key!r}")
+            values[name] = _coerce(name, raw, f"config file {path}")
+    for name in _FIELD_TYPES:
+        raw = environ.get(env_name(name))
+        if raw is not None and raw != "":
+            values[name] = _coerce(name, raw, f"environment variable {env_name(name)}")
+    for name, raw in (cli or {}).items():
+        if raw is None:
+            continue
+        if name not in _FIELD_TYPES:
+            raise SettingsError(f"unknown setting {name!r}")
+        values[name] = _coerce(name, raw, f"flag --{name.replace('_', '-')}")
+    return Settings(**values)

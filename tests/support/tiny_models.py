@@ -1,0 +1,102 @@
+"""Tiny random-weight causal LMs built in-process, so no test downloads anything.
+
+``build_tiny_model(path, family)`` writes a transformers checkpoint (config, safetensors
+weights, a byte-level BPE tokenizer with a ChatML template) that the station loads like
+any HF model directory. Weights are initialised with a wide std so greedy argmax has
+clear margins: parity tests compare token ids and must not hinge on float noise.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+FAMILIES = ("llama", "mistral", "qwen2")
+
+
+def build_tokenizer():
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    vocab = {ch: i for i, ch in enumerate(alphabet)}
+    for token in SPECIAL_TOKENS:
+        vocab[token] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(SPECIAL_TOKENS)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<|im_start|>",
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        unk_token="<|endoftext|>",
+        chat_template=CHATML_TEMPLATE,
+    )
+
+
+def tiny_config(family: str = "llama", vocab_size: int = 259):
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config
+
+    common = dict(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+        initializer_range=0.3,
+        bos_token_id=257,
+        eos_token_id=258,
+        pad_token_id=256,
+        tie_word_embeddings=False,
+    )
+    if family == "llama":
+        return LlamaConfig(**common)
+    if family == "mistral":
+        return MistralConfig(**common, sliding_window=None)
+    if family == "qwen2":
+        return Qwen2Config(**common, use_sliding_window=False)
+    raise ValueError(f"unknown tiny model family {family!r}; expected one of {FAMILIES}")
+
+
+def build_tiny_model(path: str | Path, family: str = "llama", seed: int | None = None) -> Path:
+    """Write a tiny random model + tokenizer to ``path`` and return it (seed: per family)."""
+    if seed is None:
+        seed = FAMILIES.index(family) if family in FAMILIES else 0
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer()
+    config = tiny_config(family, vocab_size=len(tokenizer))
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.generation_config.eos_token_id = config.eos_token_id
+    model.generation_config.pad_token_id = config.pad_token_id
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def reference_generate(path: str | Path, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    """Greedy ``model.generate`` output (new tokens only): the parity oracle."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    model.eval()
+    ids = torch.tensor([prompt_ids])
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                             do_sample=False)
+    return out[0, len(prompt_ids):].tolist()
