@@ -156,8 +156,7 @@ def parse_request(message: Any) -> Request:
                             f"a frame must be a map, got {type(message).__name__}")
     request_id = message.get("id")
     if not isinstance(request_id, (int, str)) or isinstance(request_id, bool):
-        raise ProtocolError(ErrorCode.BAD_REQUEST, "frame field 'id' must be an int or a string",
-                            request_id=request_id if isinstance(request_id, (int, str)) else None)
+        raise ProtocolError(ErrorCode.BAD_REQUEST, "frame field 'id' must be an int or a string")
     version = message.get("v")
     if version != PROTOCOL_VERSION:
         raise ProtocolError(ErrorCode.BAD_REQUEST,

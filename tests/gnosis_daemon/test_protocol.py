@@ -1,0 +1,77 @@
+from __future__ import annotations
+
+import msgpack
+import numpy as np
+import pytest
+
+from gnosis_daemon import protocol
+from gnosis_daemon.protocol import ErrorCode, FrameDecoder, ProtocolError, parse_request
+
+
+def test_frames_round_trip_through_decoder_in_pieces():
+    payload = (protocol.request_frame(1, "hello") + protocol.request_frame("a", "tokenize", {"text": "hi"}, rid="r1"))
+    decoder = FrameDecoder(1024)
+    out = []
+    for i in range(len(payload)):  # byte at a time: the stream may split anywhere
+        out.extend(decoder.feed(payload[i:i + 1]))
+    assert [parse_request(m) for m in out] == [
+        protocol.Request(id=1, op="hello", args={}, rid=None),
+        protocol.Request(id="a", op="tokenize", args={"text": "hi"}, rid="r1"),
+    ]
+
+
+def test_error_frame_marks_retryable_codes():
+    frame = msgpack.unpackb(protocol.error_frame(3, ErrorCode.CAPACITY, "no free blocks"))
+    assert frame == {"id": 3, "kind": "error",
+                     "error": {"code": "capacity", "message": "no free blocks", "retryable": True}}
+    frame = msgpack.unpackb(protocol.error_frame(None, "bad_request", "x"))
+    assert frame["error"]["retryable"] is False and frame["id"] is None
+
+
+def test_oversized_frame_is_fatal():
+    decoder = FrameDecoder(64)
+    with pytest.raises(ProtocolError) as info:
+        list(decoder.feed(protocol.encode({"v": 1, "id": 1, "op": "x", "args": {"t": "a" * 200}})))
+    assert info.value.fatal and info.value.code == ErrorCode.BAD_REQUEST
+
+
+def test_undecodable_bytes_are_fatal():
+    decoder = FrameDecoder(1024)
+    with pytest.raises(ProtocolError) as info:
+        list(decoder.feed(b"\xc1\xc1\xc1"))
+    assert info.value.fatal
+
+
+@pytest.mark.parametrize(
+    ("message", "needle", "request_id"),
+    [
+        ([1, 2, 3], "must be a map", None),
+        ({"v": 1, "op": "hello"}, "'id'", None),
+        ({"v": 1, "id": True, "op": "hello"}, "'id'", None),
+        ({"v": 2, "id": 4, "op": "hello"}, "protocol version", 4),
+        ({"v": 1, "id": 5, "op": ""}, "'op'", 5),
+        ({"v": 1, "id": 6, "op": "hello", "args": [1]}, "'args'", 6),
+        ({"v": 1, "id": 7, "op": "hello", "rid": 9}, "'rid'", 7),
+    ],
+)
+def test_bad_requests_are_not_fatal_and_keep_their_id(message, needle, request_id):
+    with pytest.raises(ProtocolError) as info:
+        parse_request(message)
+    assert needle in info.value.message
+    assert not info.value.fatal
+    assert info.value.request_id == request_id
+
+
+def test_arrays_travel_as_bin_with_dtype_and_shape():
+    array = np.arange(12, dtype=np.float32).reshape(3, 4)
+    packed = msgpack.unpackb(protocol.encode(protocol.pack_array(array)))
+    assert packed["dtype"] == "float32" and packed["shape"] == [3, 4]
+    assert isinstance(packed["data"], bytes)
+    np.testing.assert_array_equal(protocol.unpack_array(packed), array)
+    with pytest.raises(ProtocolError):
+        protocol.unpack_array({"dtype": "float32", "shape": [5], "data": b"\0" * 4})
+
+
+def test_every_capability_op_names_a_known_capability():
+    assert set(protocol.OP_CAPABILITY.values()) <= set(protocol.Capability)
+    assert not (set(protocol.OP_CAPABILITY) & protocol.BASE_OPS)
