@@ -19,7 +19,15 @@ from pathlib import Path
 from typing import Any, Mapping
 
 ENV_PREFIX = "GNOSIS_"
-_ENV_ALIASES = {"liquid_memory": "THOTH_LIQUID_MEMORY"}
+_ENV_ALIASES = {
+    "liquid_memory": "THOTH_LIQUID_MEMORY",
+    # systemd's own names (sd_notify(3)): set by systemd for the unit's main process only.
+    "notify_socket": "NOTIFY_SOCKET",
+    "watchdog_usec": "WATCHDOG_USEC",
+}
+# Settings a child must not inherit: only the supervisor talks to systemd (NotifyAccess=main).
+_NOT_FOR_CHILDREN = frozenset({"notify_socket", "watchdog_usec"})
+_SYSTEMD_CHILD_VARS = ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID", "LISTEN_FDS", "LISTEN_PID")
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
 
@@ -76,6 +84,9 @@ class Settings:
     max_fast_failures: int = 5
     drain_grace_s: float = 30.0
     stop_timeout_s: float = 10.0
+    # -- systemd (read from NOTIFY_SOCKET / WATCHDOG_USEC; never passed to children)
+    notify_socket: str | None = None
+    watchdog_usec: int | None = None
 
     def __post_init__(self) -> None:
         _check(self.port, 0 <= self.port <= 65535, "port", "an integer between 0 and 65535")
@@ -100,6 +111,8 @@ class Settings:
             if f.name.endswith("_s"):
                 value = getattr(self, f.name)
                 _check(value, value > 0, f.name, "a positive number of seconds")
+        _check(self.watchdog_usec, self.watchdog_usec is None or self.watchdog_usec > 0,
+               "watchdog_usec", "a positive number of microseconds")
         _check(self.backoff_max_s, self.backoff_max_s >= self.backoff_initial_s, "backoff_max_s",
                "at least backoff_initial_s")
         if self.model is not None:
@@ -132,12 +145,21 @@ class Settings:
         env: dict[str, str] = {}
         for f in fields(self):
             value = getattr(self, f.name)
-            if value is None:
+            if value is None or f.name in _NOT_FOR_CHILDREN:
                 continue
             if isinstance(value, bool):
                 value = "1" if value else "0"
             env[env_name(f.name)] = str(value)
         return env
+
+    def child_environ(self, environ: Mapping[str, str] | None = None) -> dict[str, str]:
+        """The full environment of a child process: ours, minus systemd's notify/socket
+        variables (children must not notify), plus ``to_env()``."""
+        base = dict(os.environ if environ is None else environ)
+        for name in _SYSTEMD_CHILD_VARS:
+            base.pop(name, None)
+        base.update(self.to_env())
+        return base
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
