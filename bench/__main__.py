@@ -1,0 +1,94 @@
+"""`make bench`: the engine's speed goals, measured side by side in one run.
+
+Every figure is a ratio of two measurements taken in this run on this machine, so a
+shared, noisy machine moves both sides together. Results go to stdout and to
+docs/benchmarks.md with the machine described.
+
+    python -m bench [--model PATH] [--prompt-tokens 2000] [--decode-tokens 64] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import trio
+
+from bench.common import (
+    Report,
+    make_prompt_ids,
+    measure_plain,
+    start_station,
+    station_decode,
+    station_ttft,
+    stop_station,
+)
+from gnosis_daemon.client import open_station_client
+from gnosis_daemon.settings import load_settings
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
+    parser.add_argument("--model", default=None, help="default: SmolLM2-135M-Instruct")
+    parser.add_argument("--prompt-tokens", type=int, default=2000)
+    parser.add_argument("--decode-tokens", type=int, default=64)
+    parser.add_argument("--streams", type=int, default=8)
+    parser.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "docs" / "benchmarks.md"))
+    args = parser.parse_args(argv)
+
+    settings = load_settings(cli={"model": args.model})
+    report = Report()
+    print(f"machine: {platform.machine()}, {os.cpu_count()} cpus, python {platform.python_version()}",
+          flush=True)
+
+    # 1. the plain in-process baseline: same weights, contiguous DynamicCache
+    plain = measure_plain(settings, args.prompt_tokens, args.decode_tokens)
+    print(f"plain: prefill {args.prompt_tokens} tokens {plain.prefill_s * 1000:.0f} ms, "
+          f"decode {plain.decode_tps:.1f} tok/s", flush=True)
+
+    # 2. the station, as a real child process, through the real socket
+    with tempfile.TemporaryDirectory(prefix="gnosis-bench-") as tmp:
+        runtime_dir = Path(tmp) / "run"
+        proc = start_station(settings, runtime_dir, Path(tmp) / "station.log")
+        try:
+            trio.run(_station_figures, runtime_dir / "station.sock", args, plain, report)
+        finally:
+            stop_station(proc)
+
+    report.print()
+    report.write(Path(args.out), settings, args)
+    return 0 if report.all_met() else 1
+
+
+async def _station_figures(socket_path, args, plain, report: Report) -> None:
+    async with open_station_client(socket_path) as conn:
+        vocab = conn.hello["model"]["vocab_size"]
+        prompt = make_prompt_ids(vocab, args.prompt_tokens, seed=1)
+        # warm-up: first forward pays one-time allocator costs
+        await station_ttft(conn, make_prompt_ids(vocab, 64, seed=99), tenant="warmup")
+
+        miss = await station_ttft(conn, prompt, tenant="bench-a")
+        hit = await station_ttft(conn, prompt, tenant="bench-a")
+        report.add("prefix-hit TTFT / miss TTFT (2,000-token shared prefix)", hit.ttft_s / miss.ttft_s,
+                   "<=", 0.05, f"hit {hit.ttft_s * 1000:.1f} ms (cached {hit.cached_tokens}), "
+                   f"miss {miss.ttft_s * 1000:.1f} ms")
+        report.add("miss TTFT (chunked prefill) / one plain forward", miss.ttft_s / plain.prefill_s,
+                   "<=", 1.1, f"station {miss.ttft_s * 1000:.0f} ms, plain {plain.prefill_s * 1000:.0f} ms")
+
+        short = make_prompt_ids(vocab, 32, seed=2)
+        one = await station_decode(conn, [short], args.decode_tokens)
+        report.add("station single-stream decode / plain contiguous-cache loop", one / plain.decode_tps,
+                   ">=", 0.9, f"station {one:.1f} tok/s, plain {plain.decode_tps:.1f} tok/s")
+        prompts = [make_prompt_ids(vocab, 16 + 8 * i, seed=10 + i) for i in range(args.streams)]
+        many = await station_decode(conn, prompts, args.decode_tokens)
+        report.add(f"aggregate decode at {args.streams} streams / 1 stream", many / one, ">=", 4.0,
+                   f"{args.streams} streams {many:.1f} tok/s, 1 stream {one:.1f} tok/s")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

