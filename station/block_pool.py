@@ -1,0 +1,214 @@
+"""Paged-KV block pool and automatic prefix cache (pure Python: no torch here).
+
+The pool owns ``num_blocks`` fixed-size blocks; the KV tensors live elsewhere
+(``station.kv_cache``) and are addressed by ``block_id``. Vocabulary follows vLLM v1's
+``block_pool.py``: ``ref_cnt``, ``touch``, ``BlockHash``, a free queue whose order IS the
+eviction order.
+
+Free queue: an ``OrderedDict`` of block ids. ``allocate`` pops from the head and drops the
+popped block's cached hash (eviction). ``free`` appends cached blocks to the tail in
+reverse order, so a finished sequence's LAST blocks are evicted first (its first blocks,
+the shared prefix most likely reused, live longest). A freed block that carries no hash is
+worthless to keep and goes to the head, so it is reused before any cached block.
+
+Prefix cache: a full block is keyed by ``hash_block(parent_hash, token_ids, extra_keys)``,
+a sha256 chain (deterministic across processes, unlike ``hash()``). ``extra_keys`` carry
+the model fingerprint and a salted tenant digest, so tenants and models never share
+blocks. A lookup also compares the block's stored token ids, so a hash collision can never
+serve wrong KV.
+
+Pinning (KV sessions): a pinned block is never evicted; a pinned block whose ``ref_cnt``
+drops to 0 stays out of the free queue until its last unpin.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import NewType, Sequence
+
+BlockHash = NewType("BlockHash", bytes)
+ExtraKeys = tuple[str, ...]
+
+
+def hash_block(parent_hash: BlockHash | None, block_token_ids: Sequence[int],
+               extra_keys: ExtraKeys = ()) -> BlockHash:
+    """sha256 of a canonical encoding of (parent hash, block tokens, extra keys)."""
+    h = hashlib.sha256()
+    h.update(b"P" + (parent_hash if parent_hash is not None else b"-"))
+    h.update(b"T" + struct.pack(f"<I{len(block_token_ids)}q", len(block_token_ids), *block_token_ids))
+    for key in extra_keys:
+        raw = key.encode("utf-8")
+        h.update(b"K" + struct.pack("<I", len(raw)) + raw)
+    return BlockHash(h.digest())
+
+
+def prefix_extra_keys(model_fingerprint: str, tenant_salt: str, tenant: str) -> ExtraKeys:
+    """Extra keys of every block hash: the model and a salted digest of the tenant.
+
+    The tenant goes in only as a digest keyed by the server-side salt, so block hashes
+    never reveal tenant names and a client cannot forge another tenant's keys.
+    """
+    tenant_digest = hashlib.sha256(
+        struct.pack("<I", len(tenant_salt)) + tenant_salt.encode() + tenant.encode()
+    ).hexdigest()
+    return (model_fingerprint, tenant_digest)
+
+
+def block_hashes_for(token_ids: Sequence[int], block_size: int, extra_keys: ExtraKeys,
+                     known: list[BlockHash] | None = None) -> list[BlockHash]:
+    """Chained hashes of every full block of ``token_ids``, extending ``known`` (reused prefix)."""
+    hashes = list(known or [])
+    parent = hashes[-1] if hashes else None
+    for i in range(len(hashes), len(token_ids) // block_size):
+        parent = hash_block(parent, token_ids[i * block_size:(i + 1) * block_size], extra_keys)
+        hashes.append(parent)
+    return hashes
+
+
+@dataclass(slots=True, eq=False)
+class KVBlock:
+    block_id: int
+    ref_cnt: int = 0
+    pin_cnt: int = 0
+    block_hash: BlockHash | None = None
+    token_ids: tuple[int, ...] = ()  # the full block's tokens, kept to verify a hash hit
+
+    @property
+    def held(self) -> bool:
+        return self.ref_cnt > 0 or self.pin_cnt > 0
+
+
+class BlockPool:
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        assert num_blocks > 0 and block_size > 0
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.blocks = [KVBlock(i) for i in range(num_blocks)]
+        # Order is the eviction order: head = next to allocate.
+        self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self.cached_block_hash_to_block: dict[BlockHash, KVBlock] = {}
+
+    # -- figures
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks that ``allocate`` may hand out (free, including cached but unreferenced)."""
+        return len(self._free)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self.cached_block_hash_to_block)
+
+    @property
+    def num_held_blocks(self) -> int:
+        return self.num_blocks - len(self._free)
+
+    def free_queue_ids(self) -> list[int]:
+        """The eviction order, head first (for tests and diagnostics)."""
+        return list(self._free)
+
+    # -- prefix cache
+    def get_computed_blocks(self, token_ids: Sequence[int],
+                            block_hashes: Sequence[BlockHash]) -> list[KVBlock]:
+        """Cached blocks holding the longest verified prefix of ``token_ids``.
+
+        Capped so at least the last token is recomputed (its logits are needed): a hit
+        covers at most ``len(token_ids) - 1`` tokens. The blocks are not touched here.
+        """
+        bs = self.block_size
+        max_blocks = max(len(token_ids) - 1, 0) // bs
+        hits: list[KVBlock] = []
+        for i in range(min(max_blocks, len(block_hashes))):
+            block = self.cached_block_hash_to_block.get(block_hashes[i])
+            if block is None or block.token_ids != tuple(token_ids[i * bs:(i + 1) * bs]):
+                break  # a miss, or a hash collision: never serve KV of other tokens
+            hits.append(block)
+        return hits
+
+    def num_evictable_in(self, blocks: Sequence[KVBlock]) -> int:
+        """How many of ``blocks`` sit in the free queue (touching them removes them from it)."""
+        return sum(1 for b in blocks if not b.held)
+
+    def cache_full_block(self, block: KVBlock, block_hash: BlockHash, token_ids: Sequence[int]) -> bool:
+        """Register a full, computed block under ``block_hash``; False if that key is taken.
+
+        A duplicate (another block already caches the same key) stays unhashed: it is
+        freed to the head of the queue and reused first.
+        """
+        assert len(token_ids) == self.block_size
+        if block.block_hash is not None:
+            return block.block_hash == block_hash
+        if block_hash in self.cached_block_hash_to_block:
+            return False
+        block.block_hash = block_hash
+        block.token_ids = tuple(token_ids)
+        self.cached_block_hash_to_block[block_hash] = block
+        return True
+
+    # -- reference counting
+    def touch(self, blocks: Sequence[KVBlock]) -> None:
+        """Take a reference on (cached) blocks, pulling them out of the free queue."""
+        for block in blocks:
+            if not block.held:
+                del self._free[block.block_id]
+            block.ref_cnt += 1
+
+    def can_allocate(self, num_blocks: int) -> bool:
+        return num_blocks <= len(self._free)
+
+    def allocate(self, num_blocks: int) -> list[KVBlock]:
+        """Pop ``num_blocks`` from the free-queue head (evicting their cached hashes)."""
+        assert self.can_allocate(num_blocks), "allocate() without can_allocate()"
+        out: list[KVBlock] = []
+        for _ in range(num_blocks):
+            block_id, _ = self._free.popitem(last=False)
+            block = self.blocks[block_id]
+            assert not block.held
+            self._evict(block)
+            block.ref_cnt = 1
+            out.append(block)
+        return out
+
+    def free(self, blocks: Sequence[KVBlock]) -> None:
+        """Drop one reference on each block of a sequence (given in block-table order)."""
+        for block in reversed(blocks):  # the last blocks reach the queue first: evicted first
+            assert block.ref_cnt > 0, f"block {block.block_id} freed more often than taken"
+            block.ref_cnt -= 1
+            if not block.held:
+                self._enqueue_free(block)
+
+    # -- pinning (KV sessions)
+    def pin(self, blocks: Sequence[KVBlock]) -> None:
+        for block in blocks:
+            if not block.held:
+                del self._free[block.block_id]
+            block.pin_cnt += 1
+
+    def unpin(self, blocks: Sequence[KVBlock]) -> None:
+        for block in reversed(blocks):
+            assert block.pin_cnt > 0, f"block {block.block_id} unpinned more often than pinned"
+            block.pin_cnt -= 1
+            if not block.held:
+                self._enqueue_free(block)
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached hash (e.g. after the model changed)."""
+        for block in self.cached_block_hash_to_block.values():
+            block.block_hash = None
+            block.token_ids = ()
+        self.cached_block_hash_to_block.clear()
+
+    # -- internals
+    def _enqueue_free(self, block: KVBlock) -> None:
+        self._free[block.block_id] = None
+        if block.block_hash is None:
+            self._free.move_to_end(block.block_id, last=False)
+
+    def _evict(self, block: KVBlock) -> None:
+        if block.block_hash is not None:
+            if self.cached_block_hash_to_block.get(block.block_hash) is block:
+                del self.cached_block_hash_to_block[block.block_hash]
+            block.block_hash = None
+            block.token_ids = ()
