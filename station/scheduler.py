@@ -1,0 +1,211 @@
+"""Continuous-batching scheduler: which sequences run in the next forward (pure Python).
+
+A step = one decode token for every running sequence whose prompt is done, plus prefill
+chunks of at most ``prefill_chunk_tokens`` tokens in total (the sequence already
+mid-prefill first, then new admissions in arrival order). So a long prompt is prefilled in
+chunks interleaved with everyone else's decode steps, and decoding never stalls behind it.
+
+Admission looks the prompt up in the prefix cache (cached tokens skip prefill) and takes
+blocks for the whole prompt at once (two-phase: ``can_allocate`` then ``allocate``); a
+request that does not fit waits, in order. A decoding sequence that needs a new block and
+finds none preempts the newest running sequence: its blocks are freed (its full blocks stay
+in the prefix cache, so the recompute usually hits them) and it goes back to the head of
+the waiting queue. Nothing here raises on exhaustion.
+
+The scheduler owns the queues and the block pool's policy; it never touches tensors.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from station.block_pool import BlockPool, block_hashes_for
+from station.sequence import Sequence, SequenceStatus
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    decodes: list[Sequence] = field(default_factory=list)  # one new token each, then sample
+    prefills: list[tuple[Sequence, int]] = field(default_factory=list)  # (seq, tokens this step)
+    preempted: list[Sequence] = field(default_factory=list)
+    finished: list[Sequence] = field(default_factory=list)  # ended by the scheduler (no room)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.decodes and not self.prefills
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.decodes) + sum(n for _, n in self.prefills)
+
+
+class Scheduler:
+    def __init__(self, pool: BlockPool, max_batch_size: int, prefill_chunk_tokens: int) -> None:
+        self.pool = pool
+        self.block_size = pool.block_size
+        self.max_batch_size = max_batch_size
+        self.prefill_chunk_tokens = prefill_chunk_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # admission order: the last one is preempted first
+        self.prefix_cache_queries_tokens = 0
+        self.prefix_cache_hits_tokens = 0
+        self.num_preemptions = 0
+
+    # -- queue management
+    def add(self, seq: Sequence) -> None:
+        assert seq.status is SequenceStatus.WAITING and not seq.blocks
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def abort(self, seq_id: str) -> Sequence | None:
+        """End a sequence now and free its blocks; None if it is not here."""
+        for seq in (*self.running, *self.waiting):
+            if seq.seq_id == seq_id:
+                self.finish(seq, "cancelled")
+                return seq
+        return None
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        else:
+            return
+        self._release(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+
+    # -- the step
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        remaining = deque(self.running)
+        kept: list[Sequence] = []
+        deferred_prefills: list[Sequence] = []
+        while remaining:
+            seq = remaining.popleft()
+            if seq.is_prefilling:
+                kept.append(seq)
+                deferred_prefills.append(seq)
+                continue
+            if self._ensure_blocks(seq, seq.num_computed_tokens + 1, remaining, kept,
+                                   deferred_prefills, out):
+                out.decodes.append(seq)
+                kept.append(seq)
+        self.running = kept
+
+        budget = self.prefill_chunk_tokens
+        for seq in deferred_prefills:
+            if budget == 0:
+                break
+            n = min(seq.num_uncomputed_tokens, budget)
+            out.prefills.append((seq, n))
+            budget -= n
+        # Admit new work only when nothing had to be preempted this step.
+        while (not out.preempted and budget > 0 and self.waiting
+               and len(self.running) < self.max_batch_size):
+            seq = self.waiting[0]
+            if not self._admit(seq):
+                break
+            self.waiting.popleft()
+            self.running.append(seq)
+            n = min(seq.num_uncomputed_tokens, budget)
+            out.prefills.append((seq, n))
+            budget -= n
+        return out
+
+    def on_step_done(self, out: SchedulerOutput) -> None:
+        """The forward ran: advance computed counts and offer newly full blocks to the cache."""
+        for seq in out.decodes:
+            seq.num_computed_tokens += 1
+            self._register_full_blocks(seq)
+        for seq, n in out.prefills:
+            seq.num_computed_tokens += n
+            self._register_full_blocks(seq)
+
+    # -- internals
+    def _admit(self, seq: Sequence) -> bool:
+        first_admission = seq.num_preemptions == 0
+        seq.block_hashes = block_hashes_for(seq.token_ids, self.block_size, seq.extra_keys,
+                                            seq.block_hashes)
+        hits = self.pool.get_computed_blocks(seq.token_ids, seq.block_hashes)
+        num_new = self._blocks_for(seq.num_tokens) - len(hits)
+        if not self.pool.can_allocate(num_new + self.pool.num_evictable_in(hits)):
+            return False
+        self.pool.touch(hits)
+        seq.blocks = hits + self.pool.allocate(num_new)
+        seq.num_computed_tokens = len(hits) * self.block_size
+        seq.num_registered_blocks = len(hits)
+        seq.status = SequenceStatus.RUNNING
+        if first_admission:
+            seq.num_cached_tokens = seq.num_computed_tokens
+            self.prefix_cache_queries_tokens += seq.num_tokens
+            self.prefix_cache_hits_tokens += seq.num_computed_tokens
+        return True
+
+    def _ensure_blocks(self, seq: Sequence, num_tokens: int, remaining: deque[Sequence],
+                       kept: list[Sequence], deferred: list[Sequence], out: SchedulerOutput) -> bool:
+        """Give ``seq`` room for ``num_tokens``, preempting the newest others; False if ``seq`` lost."""
+        num_new = self._blocks_for(num_tokens) - len(seq.blocks)
+        if num_new <= 0:
+            return True
+        if num_new > self.pool.num_blocks:
+            self._end_without_room(seq, out)
+            return False
+        while not self.pool.can_allocate(num_new):
+            if remaining:
+                victim = remaining.pop()
+            elif deferred:
+                victim = deferred.pop()
+                kept.remove(victim)
+            else:
+                # Nobody newer to take from: step back ourselves. If no one else holds
+                # blocks either, waiting cannot help (pinned blocks fill the pool).
+                if not kept and self.pool.num_held_blocks == len(seq.blocks):
+                    self._end_without_room(seq, out)
+                else:
+                    self._preempt(seq, out)
+                return False
+            self._preempt(victim, out)
+        seq.blocks += self.pool.allocate(num_new)
+        return True
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        self._release(seq)
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+        out.preempted.append(seq)
+
+    def _end_without_room(self, seq: Sequence, out: SchedulerOutput) -> None:
+        self._release(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = "length"
+        out.finished.append(seq)
+
+    def _release(self, seq: Sequence) -> None:
+        self._register_full_blocks(seq)
+        self.pool.free(seq.blocks)
+        seq.blocks = []
+        seq.num_registered_blocks = 0
+
+    def _register_full_blocks(self, seq: Sequence) -> None:
+        bs = self.block_size
+        num_full = min(seq.num_computed_tokens // bs, len(seq.blocks))
+        if num_full <= seq.num_registered_blocks:
+            return
+        if len(seq.block_hashes) < num_full:
+            seq.block_hashes = block_hashes_for(seq.token_ids[:num_full * bs], bs, seq.extra_keys,
+                                                seq.block_hashes)
+        for i in range(seq.num_registered_blocks, num_full):
+            self.pool.cache_full_block(seq.blocks[i], seq.block_hashes[i],
+                                       seq.token_ids[i * bs:(i + 1) * bs])
+        seq.num_registered_blocks = num_full
+
+    def _blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)

@@ -1,0 +1,70 @@
+"""One generation request's state inside the engine (pure Python)."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+from station.block_pool import BlockHash, ExtraKeys, KVBlock
+from station.engine_api import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(slots=True, eq=False)
+class Sequence:
+    seq_id: str
+    token_ids: list[int]  # prompt + generated so far
+    params: SamplingParams
+    extra_keys: ExtraKeys = ()
+    num_prompt_tokens: int = 0
+    # Tokens whose K/V are in the pool; the tokens after it are fed in the next forward.
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0  # prefix-cache hit at (first) admission
+    blocks: list[KVBlock] = field(default_factory=list)
+    block_hashes: list[BlockHash] = field(default_factory=list)
+    num_registered_blocks: int = 0  # leading blocks already offered to the prefix cache
+    status: SequenceStatus = SequenceStatus.WAITING
+    prefill_reported: bool = False  # PREFILL is sent once, not again after a preemption
+    finish_reason: str | None = None
+    num_preemptions: int = 0
+    generator: Any = None  # torch.Generator for seeded sampling (opaque here)
+    user: Any = None  # the engine's per-request bookkeeping (callback, timings)
+
+    def __post_init__(self) -> None:
+        if not self.num_prompt_tokens:
+            self.num_prompt_tokens = len(self.token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_completion_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def completion_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def is_prefilling(self) -> bool:
+        """More than the one newest token still needs a forward (prompt or recompute)."""
+        return len(self.token_ids) - self.num_computed_tokens > 1
+
+    @property
+    def block_table(self) -> list[int]:
+        return [b.block_id for b in self.blocks]
+
+    @property
+    def finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
