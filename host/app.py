@@ -1,0 +1,341 @@
+"""The host: an OpenAI-compatible HTTP API (Quart on quart-trio, served by hypercorn).
+
+It is the only client of the station socket (through one ``StationLink``). Completions go
+to the station's ``generate`` op; errors use OpenAI's body; every completion reports what
+liquid memory did (``_gnosis`` block and ``X-Thoth-Liquid-*`` headers).
+
+Two framework facts shape this file: quart-trio applies ``RESPONSE_TIMEOUT`` to streamed
+bodies too, so each SSE response lifts its own timeout; and hypercorn gives in-flight
+requests only ``graceful_timeout`` on shutdown, so that is set to ``drain_grace_s``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import time
+import uuid
+from contextlib import AsyncExitStack
+from functools import partial
+from typing import Any, AsyncIterator
+
+import trio
+from hypercorn.config import Config as HypercornConfig
+from hypercorn.trio import serve as hypercorn_serve
+from quart import Response, request
+from quart_trio import QuartTrio
+from quart_trio.asgi import TrioASGIHTTPConnection
+from werkzeug.exceptions import HTTPException
+
+from gnosis_daemon.client import StationError, StationStream
+from gnosis_daemon.logs import bind_request, configure_logging, get_logger
+from gnosis_daemon.settings import Settings
+from host import errors, liquid, openai_api, sse
+from host.errors import ApiError
+from host.metrics import Counters, RequestRecord, current_record, emit
+from host.station_link import StationLink
+
+log = get_logger("host")
+_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
+
+
+class _HTTPConnection(TrioASGIHTTPConnection):
+    """Wraps each HTTP request's task: request id, cleanup and the canonical log line.
+
+    A streamed response holds a station stream between the view returning and the body
+    ending; the body may never even start (client gone before the headers went out). The
+    record's closers run here, shielded, however the task ends, so the station always
+    hears ``cancel`` for a generation nobody will read.
+    """
+
+    async def handle_request(self, nursery: trio.Nursery, req: Any, send: Any) -> None:
+        given = req.headers.get("X-Request-Id", "")
+        request_id = given if _REQUEST_ID.match(given) else "req-" + uuid.uuid4().hex
+        record = RequestRecord(request_id, req.method, req.path)
+        token = current_record.set(record)
+        try:
+            with bind_request(request_id):
+                try:
+                    await super().handle_request(nursery, req, send)
+                except trio.Cancelled:
+                    record.outcome = record.outcome or "client_disconnected"
+                    raise
+                finally:
+                    with trio.CancelScope(shield=True):
+                        for closer in reversed(record.closers):
+                            await closer()
+                    if record.outcome is None:
+                        record.outcome = "ok" if (record.status or 500) < 400 else "error"
+                    emit(record, self.app.gnosis_counters)  # type: ignore[attr-defined]
+        finally:
+            current_record.reset(token)
+
+
+def _record() -> RequestRecord:
+    record = current_record.get()
+    assert record is not None, "request handled outside _HTTPConnection"
+    return record
+
+
+def create_app(settings: Settings, link: StationLink) -> QuartTrio:
+    app = QuartTrio("gnosis_host")
+    app.asgi_http_class = _HTTPConnection  # type: ignore[assignment]
+    app.gnosis_counters = Counters()  # type: ignore[attr-defined]
+    policy = liquid.LiquidPolicy(settings.liquid_memory)
+
+    @app.after_request
+    async def _finish(response: Response) -> Response:
+        record = _record()
+        record.status = response.status_code
+        record.route = request.url_rule.rule if request.url_rule is not None else None
+        response.headers["X-Request-Id"] = record.request_id
+        return response
+
+    @app.errorhandler(ApiError)
+    async def _api_error(exc: ApiError) -> Response:
+        record = _record()
+        record.outcome = record.outcome or f"error:{exc.code or exc.type}"
+        return Response(sse.encode_json(exc.body()), exc.status, exc.headers,
+                        content_type="application/json")
+
+    @app.errorhandler(HTTPException)
+    async def _http_error(exc: HTTPException) -> Response:
+        status = exc.code or 500
+        code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(status)
+        message = exc.description or exc.name
+        if status == 404:
+            message = f"Unknown request URL: {request.method} {request.path}."
+        return await _api_error(ApiError(status, message, errors.INVALID_REQUEST, None, code))
+
+    @app.errorhandler(Exception)
+    async def _unexpected(exc: Exception) -> Response:
+        log.exception("unhandled_error")
+        return await _api_error(ApiError(500, "Internal server error.", errors.SERVER_ERROR,
+                                         None, "internal_error"))
+
+    @app.get("/health")
+    async def health() -> Response:
+        connected = link.connected
+        hello = link.hello if connected else None
+        body: dict[str, Any] = {
+            "status": "ok" if connected else "unavailable",
+            "host_pid": os.getpid(),
+            "model": link.model_id if connected else None,
+            "station_reachable": connected,
+            "station_pid": hello.get("pid") if hello else None,
+            "station_capabilities": dict(link.capabilities) if connected else {},
+            "station_restarts": link.reconnects,
+            "station_last_error": None if connected else link.last_error,
+        }
+        # Liquid memory: effective state, env switch, station kv_session, reason when off.
+        body.update(policy.state(link.capabilities if connected else None).health_fields())
+        return Response(sse.encode_json(body), 200 if connected else 503,
+                        content_type="application/json")
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        gauges = {"station_up": 1.0 if link.connected else 0.0,
+                  "station_restarts": float(link.reconnects)}
+        return Response(app.gnosis_counters.render(gauges), 200,  # type: ignore[attr-defined]
+                        content_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        return _json({"object": "list", "data": [_model_card(link)]})
+
+    @app.get("/v1/models/<path:model>")
+    async def model(model: str) -> Response:
+        card = _model_card(link)
+        if model != card["id"]:
+            raise errors.model_not_found(model)
+        return _json(card)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions() -> Response:
+        return await _complete(settings, link, policy, openai_api.parse_chat(await _body()))
+
+    @app.post("/v1/completions")
+    async def completions() -> Response:
+        return await _complete(settings, link, policy, openai_api.parse_completion(await _body()))
+
+    return app
+
+
+def _json(obj: dict[str, Any], status: int = 200,
+          headers: dict[str, str] | None = None) -> Response:
+    return Response(sse.encode_json(obj), status, headers or {}, content_type="application/json")
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+async def _body() -> Any:
+    data = await request.get_data(cache=False)
+    try:
+        # NaN/Infinity are not JSON, and would slip through every range check.
+        return json.loads(data, parse_constant=_reject_constant)
+    except (ValueError, UnicodeDecodeError):
+        raise errors.malformed_json() from None
+
+
+def _model_card(link: StationLink) -> dict[str, Any]:
+    if not link.connected or link.model_id is None:
+        raise errors.station_unavailable(link.last_error or "")
+    return {"id": link.model_id, "object": "model", "created": link.connected_at,
+            "owned_by": "gnosis-daemon"}
+
+
+async def _complete(settings: Settings, link: StationLink, policy: liquid.LiquidPolicy,
+                    req: openai_api.CompletionRequest) -> Response:
+    record = _record()
+    record.stream = req.stream
+    try:
+        conn = link.current()
+    except StationError as exc:
+        raise errors.from_station(exc, req.prompt_param) from None
+    model_id = link.model_id
+    assert model_id is not None
+    if req.model is not None and req.model != model_id:
+        raise errors.model_not_found(req.model)
+    record.model = model_id
+    outcome = policy.outcome(link.capabilities)
+    fmt = openai_api.Formatter(req.kind, model_id, req.include_usage)
+    headers = liquid.headers(outcome)
+    rid = record.request_id
+    if not req.stream:
+        try:
+            with trio.fail_after(settings.request_timeout_s):
+                result = await conn.request("generate", req.station_args, rid=rid)
+        except StationError as exc:
+            raise errors.from_station(exc, req.prompt_param) from None
+        except trio.TooSlowError:
+            raise ApiError(504, f"The completion did not finish within "
+                           f"{settings.request_timeout_s:g} s.", errors.SERVER_ERROR, None,
+                           "timeout") from None
+        _note_result(record, result)
+        gnosis = _gnosis(outcome, result)
+        usage = openai_api.usage(result["prompt_tokens"], result["completion_tokens"],
+                                 result.get("cached_tokens", 0))
+        return _json(fmt.completion(result.get("text", ""), result["finish_reason"], usage,
+                                    gnosis), headers=headers)
+    stack = AsyncExitStack()
+    record.closers.append(stack.aclose)
+    stream = await stack.enter_async_context(conn.open_stream("generate", req.station_args,
+                                                              rid=rid))
+    # Wait for the prefill to end before answering, so a context overflow, a full KV pool
+    # or a lost station still gets its HTTP status instead of a 200 with an error inside.
+    try:
+        first: dict[str, Any] | None = await stream.__anext__()
+    except StopAsyncIteration:
+        first = None
+    except StationError as exc:
+        raise errors.from_station(exc, req.prompt_param) from None
+    body = _stream_body(stream, first, fmt, outcome, record, req.prompt_param)
+    response = Response(body, 200, {**sse.HEADERS, **headers})
+    response.timeout = None  # a generation may outlast RESPONSE_TIMEOUT (60 s)
+    return response
+
+
+async def _stream_body(stream: StationStream, first: dict[str, Any] | None,
+                       fmt: openai_api.Formatter, outcome: liquid.LiquidOutcome,
+                       record: RequestRecord, prompt_param: str) -> AsyncIterator[bytes]:
+    role = fmt.role_chunk()
+    if role is not None:
+        yield sse.event(role)
+    completion_tokens = 0
+    try:
+        event = first
+        while event is not None:
+            kind = event.get("type")
+            if kind == "prefill":
+                record.prompt_tokens = event.get("prompt_tokens")
+                record.cached_tokens = event.get("cached_tokens")
+            elif kind == "tokens":
+                completion_tokens += len(event.get("token_ids") or ())
+                record.completion_tokens = completion_tokens
+                if event.get("text"):
+                    yield sse.event(fmt.delta_chunk(event["text"]))
+            try:
+                event = await stream.__anext__()
+            except StopAsyncIteration:
+                event = None
+    except StationError as exc:
+        # Headers are gone: the error travels as an event, the way OpenAI streams report it.
+        record.outcome = f"error:{exc.code}"
+        yield sse.event(errors.from_station(exc, prompt_param).body())
+        return
+    result = stream.result
+    assert result is not None
+    _note_result(record, result)
+    gnosis = _gnosis(outcome, result)
+    yield sse.event(fmt.finish_chunk(result["finish_reason"],
+                                     None if fmt.include_usage else gnosis))
+    if fmt.include_usage:
+        usage = openai_api.usage(result["prompt_tokens"], result["completion_tokens"],
+                                 result.get("cached_tokens", 0))
+        yield sse.event(fmt.usage_chunk(usage, gnosis))
+    yield sse.DONE
+    record.outcome = "ok"
+
+
+def _note_result(record: RequestRecord, result: dict[str, Any]) -> None:
+    record.prompt_tokens = result.get("prompt_tokens")
+    record.completion_tokens = result.get("completion_tokens")
+    record.cached_tokens = result.get("cached_tokens", 0)
+    record.ttft_ms = result.get("ttft_ms")
+
+
+def _gnosis(outcome: liquid.LiquidOutcome, result: dict[str, Any]) -> dict[str, Any]:
+    return liquid.gnosis_block(
+        outcome, prompt_tokens=result["prompt_tokens"],
+        completion_tokens=result["completion_tokens"],
+        cached_tokens=result.get("cached_tokens", 0), ttft_ms=result.get("ttft_ms"),
+        tokens_per_second=result.get("decode_tokens_per_s"))
+
+
+def _bind(settings: Settings) -> str:
+    host = settings.host
+    return f"[{host}]:{settings.port}" if ":" in host else f"{host}:{settings.port}"
+
+
+def serve(settings: Settings) -> int:
+    """Run the host until SIGTERM/SIGINT, then drain in-flight requests and return 0."""
+    configure_logging("host", settings.log_level, settings.log_format)
+    link = StationLink(settings.station_socket, max_frame_bytes=settings.max_frame_bytes,
+                       hello_timeout_s=settings.health_timeout_s)
+    app = create_app(settings, link)
+    config = HypercornConfig()
+    config.bind = [_bind(settings)]
+    # hypercorn's default 3 s would cut in-flight generations at shutdown.
+    config.graceful_timeout = settings.drain_grace_s
+    config.loglevel = "WARNING"
+    trio.run(_serve, app, config, link, settings)
+    return 0
+
+
+async def _serve(app: QuartTrio, config: HypercornConfig, link: StationLink,
+                 settings: Settings) -> None:
+    # Install the handlers before binding, so a SIGTERM that arrives at once still drains.
+    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+
+        async def shutdown_trigger() -> None:
+            async for signum in signals:
+                log.info("host_draining", signal=signal.Signals(signum).name,
+                         grace_s=settings.drain_grace_s)
+                return
+
+        async with trio.open_nursery() as nursery:
+            await nursery.start(link.run)
+            async with trio.open_nursery() as http:
+                binds = await http.start(partial(hypercorn_serve, app, config,
+                                                 shutdown_trigger=shutdown_trigger))
+                log.info("host_listening", binds=binds, pid=os.getpid(),
+                         station_socket=str(settings.station_socket))
+            nursery.cancel_scope.cancel()
+    log.info("host_stopped", uptime_s=round(time.monotonic() - _STARTED, 3))
+
+
+_STARTED = time.monotonic()

@@ -1,0 +1,121 @@
+"""OpenAI-shaped API errors, and the map from station error codes to HTTP.
+
+Every error the host answers has OpenAI's body, so the official clients raise the right
+exception class (``BadRequestError``, ``NotFoundError``, ``InternalServerError``...)::
+
+    {"error": {"message": str, "type": str, "param": str | null, "code": str | null}}
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from gnosis_daemon.client import StationError
+from gnosis_daemon.protocol import ErrorCode
+
+INVALID_REQUEST = "invalid_request_error"
+SERVICE_UNAVAILABLE = "service_unavailable"
+SERVER_ERROR = "server_error"
+
+# Seconds a client should wait before retrying a 503: a station restart or a full KV pool
+# usually clears within a second, and OpenAI clients honour Retry-After.
+RETRY_AFTER_S = 1
+
+
+@dataclass(eq=False)
+class ApiError(Exception):
+    """An error answered to the HTTP client; ``body()`` is OpenAI's error object."""
+
+    status: int
+    message: str
+    type: str = INVALID_REQUEST
+    param: str | None = None
+    code: str | None = None
+    headers: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        assert 400 <= self.status < 600, self.status
+        super().__init__(self.message)
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type,
+                          "param": self.param, "code": self.code}}
+
+
+def invalid(message: str, param: str | None = None, code: str | None = None) -> ApiError:
+    return ApiError(400, message, INVALID_REQUEST, param, code)
+
+
+def invalid_type(param: str, expected: str, value: Any) -> ApiError:
+    return invalid(f"Invalid type for '{param}': expected {expected}, but got "
+                   f"{_json_type(value)} instead.", param, "invalid_type")
+
+
+def invalid_value(param: str, message: str) -> ApiError:
+    return invalid(f"Invalid '{param}': {message}", param, "invalid_value")
+
+
+def missing(param: str) -> ApiError:
+    return invalid(f"Missing required parameter: '{param}'.", param, "missing_required_parameter")
+
+
+def unsupported(param: str, message: str) -> ApiError:
+    return invalid(f"Unsupported value: '{param}' {message}", param, "unsupported_value")
+
+
+def malformed_json() -> ApiError:
+    return invalid("We could not parse the JSON body of your request. The API expects a JSON "
+                   "object as the body (Content-Type: application/json).")
+
+
+def model_not_found(model: str) -> ApiError:
+    return ApiError(404, f"The model `{model}` does not exist or you do not have access to it.",
+                    INVALID_REQUEST, "model", "model_not_found")
+
+
+def station_unavailable(detail: str = "") -> ApiError:
+    message = "The model station is not available right now; retry shortly."
+    if detail:
+        message = f"{message} ({detail})"
+    return ApiError(503, message, SERVICE_UNAVAILABLE, None, "station_unavailable",
+                    {"Retry-After": str(RETRY_AFTER_S)})
+
+
+def from_station(exc: StationError, prompt_param: str) -> ApiError:
+    """Map a station error frame to the HTTP answer (``prompt_param``: messages or prompt)."""
+    code = exc.code
+    if code == "unavailable":
+        return station_unavailable(exc.message)
+    if code == ErrorCode.CONTEXT_OVERFLOW:
+        return ApiError(400, exc.message or "The prompt is longer than the model's context.",
+                        INVALID_REQUEST, prompt_param, "context_length_exceeded")
+    if code == ErrorCode.BAD_REQUEST:
+        return ApiError(400, exc.message, INVALID_REQUEST, None, "invalid_value")
+    if code in (ErrorCode.CAPACITY, ErrorCode.SHUTTING_DOWN):
+        return ApiError(503, exc.message or "The server is busy; retry shortly.",
+                        SERVICE_UNAVAILABLE, None, str(code), {"Retry-After": str(RETRY_AFTER_S)})
+    if code == ErrorCode.UNKNOWN_OP:
+        return ApiError(503, f"The model station does not support this operation: {exc.message}",
+                        SERVICE_UNAVAILABLE, None, "station_unsupported",
+                        {"Retry-After": str(RETRY_AFTER_S)})
+    return ApiError(500, f"Internal error in the model station: {exc.message}", SERVER_ERROR,
+                    None, "internal_error")
+
+
+def _json_type(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, int):
+        return "an integer"
+    if isinstance(value, float):
+        return "a decimal"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, list):
+        return "an array"
+    if isinstance(value, dict):
+        return "an object"
+    return type(value).__name__

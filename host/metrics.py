@@ -1,0 +1,92 @@
+"""Per-request record, its one canonical log line, and process-wide counters for /metrics.
+
+A ``RequestRecord`` lives for one HTTP request (a contextvar set by the app's connection
+class, so the view, a streamed body and the final log line all see the same one). It is
+logged exactly once, when the request's task ends, whatever way it ends.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Awaitable, Callable
+
+from gnosis_daemon.logs import get_logger
+
+log = get_logger("host.request")
+
+Closer = Callable[[], Awaitable[None]]
+
+
+@dataclass(slots=True)
+class RequestRecord:
+    request_id: str
+    method: str
+    path: str
+    route: str | None = None  # the matched URL rule: bounded label cardinality for /metrics
+    started: float = field(default_factory=time.monotonic)
+    status: int | None = None
+    model: str | None = None
+    stream: bool = False
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    cached_tokens: int | None = None
+    ttft_ms: float | None = None
+    outcome: str | None = None  # ok | error:<code> | client_disconnected | ...
+    # Resources a streamed response holds (the station stream); run when the task ends,
+    # even if the response body was never iterated.
+    closers: list[Closer] = field(default_factory=list)
+
+    def fields(self) -> dict[str, Any]:
+        return {
+            "method": self.method, "path": self.path, "status": self.status,
+            "model": self.model, "stream": self.stream,
+            "prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+            "cached_tokens": self.cached_tokens, "ttft_ms": self.ttft_ms,
+            "duration_ms": round((time.monotonic() - self.started) * 1000, 3),
+            "outcome": self.outcome,
+        }
+
+
+current_record: contextvars.ContextVar[RequestRecord | None] = contextvars.ContextVar(
+    "gnosis_request_record", default=None)
+
+
+class Counters:
+    """Monotonic counters, rendered in Prometheus text format."""
+
+    def __init__(self) -> None:
+        self.requests: Counter[tuple[str, int]] = Counter()  # (path, status)
+        self.prompt_tokens = 0
+        self.completion_tokens = 0
+        self.cached_tokens = 0
+
+    def observe(self, record: RequestRecord) -> None:
+        self.requests[(record.route or "unmatched", record.status or 0)] += 1
+        self.prompt_tokens += record.prompt_tokens or 0
+        self.completion_tokens += record.completion_tokens or 0
+        self.cached_tokens += record.cached_tokens or 0
+
+    def render(self, gauges: dict[str, float]) -> str:
+        lines = ["# TYPE gnosis_http_requests_total counter"]
+        for (path, status), count in sorted(self.requests.items()):
+            lines.append(f'gnosis_http_requests_total{{path="{_label(path)}",status="{status}"}} '
+                         f"{count}")
+        for name in ("prompt_tokens", "completion_tokens", "cached_tokens"):
+            lines.append(f"# TYPE gnosis_{name}_total counter")
+            lines.append(f"gnosis_{name}_total {getattr(self, name)}")
+        for name, value in sorted(gauges.items()):
+            lines.append(f"# TYPE gnosis_{name} gauge")
+            lines.append(f"gnosis_{name} {value:g}")
+        return "\n".join(lines) + "\n"
+
+
+def emit(record: RequestRecord, counters: Counters) -> None:
+    counters.observe(record)
+    log.info("request", **record.fields())
+
+
+def _label(value: str) -> str:
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")

@@ -1,0 +1,133 @@
+"""The host's one long-lived connection to the station.
+
+``StationLink.run`` connects to the station socket, says ``hello``, calls ``on_connect``
+(issue 4 probes capabilities there), publishes the connection, and waits until it is lost;
+then it reconnects with a doubling backoff, forever. Every (re)connect re-reads ``hello``,
+so a restarted station's new pid, model and capabilities are picked up with no host restart.
+
+Resource handling: the connection (socket + reader task) lives inside ``run``; cancelling
+``run`` closes it, and requests still on it get ``StationUnavailable``.
+
+Error handling: a refused or lost connection, and a station that does not answer ``hello``
+in time, are retried; anything else propagates (a bug, not a station outage).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any, Awaitable, Callable
+
+import trio
+
+from gnosis_daemon.client import (
+    StationConnection,
+    StationError,
+    StationUnavailable,
+    open_station_client,
+)
+from gnosis_daemon.logs import get_logger
+
+log = get_logger("host.station_link")
+
+OnConnect = Callable[[StationConnection, dict[str, Any]], Awaitable[None]]
+# How often the link looks at a live connection: the client marks it closed when its reader
+# sees EOF, so this bounds how late the link notices a dead station and starts reconnecting.
+_WATCH_INTERVAL_S = 0.05
+
+
+async def _no_probe(conn: StationConnection, hello: dict[str, Any]) -> None:
+    return None
+
+
+class StationLink:
+    def __init__(self, socket_path: str | os.PathLike[str], *, max_frame_bytes: int,
+                 hello_timeout_s: float = 5.0, backoff_initial_s: float = 0.1,
+                 backoff_max_s: float = 2.0, on_connect: OnConnect | None = None) -> None:
+        assert 0 < backoff_initial_s <= backoff_max_s
+        self.socket_path = os.fspath(socket_path)
+        self.max_frame_bytes = max_frame_bytes
+        self.hello_timeout_s = hello_timeout_s
+        self.backoff_initial_s = backoff_initial_s
+        self.backoff_max_s = backoff_max_s
+        self.on_connect: OnConnect = on_connect or _no_probe
+        self.hello: dict[str, Any] | None = None  # the last station's hello (kept while down)
+        self.capabilities: dict[str, Any] = {}  # effective flags; on_connect may refine them
+        self.connects = 0  # successful connects, the first included
+        self.last_error: str | None = None
+        self.connected_at: int = 0  # unix time of the last connect (/v1/models "created")
+        self._conn: StationConnection | None = None
+        self._changed = trio.Event()  # set and replaced on every connect/disconnect
+
+    # -- what request handlers use
+    @property
+    def connected(self) -> bool:
+        return self._conn is not None and not self._conn.closed
+
+    @property
+    def reconnects(self) -> int:
+        """Connects after the first: the station restarts this host has seen."""
+        return max(0, self.connects - 1)
+
+    @property
+    def model_id(self) -> str | None:
+        return ((self.hello or {}).get("model") or {}).get("id")
+
+    def current(self) -> StationConnection:
+        conn = self._conn
+        if conn is None or conn.closed:
+            raise StationUnavailable(self.last_error or "not connected to the station yet")
+        return conn
+
+    async def wait_connected(self, timeout: float) -> bool:
+        """True once connected, False if ``timeout`` seconds pass first."""
+        with trio.move_on_after(timeout):
+            while not self.connected:
+                await self._changed.wait()
+            return True
+        return False
+
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = trio.Event()
+
+    # -- the task
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        task_status.started()
+        delay = self.backoff_initial_s
+        while True:
+            try:
+                async with open_station_client(self.socket_path, hello=False,
+                                               max_frame_bytes=self.max_frame_bytes) as conn:
+                    with trio.fail_after(self.hello_timeout_s):
+                        hello = await conn.request("hello")
+                    conn.hello = hello
+                    await self._on_connected(conn, hello)
+                    delay = self.backoff_initial_s
+                    while not conn.closed:
+                        await trio.sleep(_WATCH_INTERVAL_S)
+                    self.last_error = "station connection lost"
+            except (StationError, trio.TooSlowError) as exc:
+                # StationUnavailable (refused, lost) or an error answer to hello: retry.
+                self.last_error = str(exc) or type(exc).__name__
+            finally:
+                was_connected = self._conn is not None
+                self._conn = None
+                if was_connected:
+                    log.warning("station_disconnected", reason=self.last_error)
+                    self._notify()
+            await trio.sleep(delay)
+            delay = min(delay * 2, self.backoff_max_s)
+
+    async def _on_connected(self, conn: StationConnection, hello: dict[str, Any]) -> None:
+        self.hello = hello
+        self.capabilities = {k: v for k, v in (hello.get("capabilities") or {}).items() if v}
+        # The hook may refine self.capabilities (active probing) before requests see the link.
+        await self.on_connect(conn, hello)
+        self.connects += 1
+        self.last_error = None
+        self.connected_at = int(time.time())
+        self._conn = conn
+        log.info("station_connected", station_pid=hello.get("pid"), model=self.model_id,
+                 capabilities=sorted(self.capabilities), reconnects=self.reconnects)
+        self._notify()
