@@ -182,8 +182,11 @@ async def _body() -> Any:
 
 
 def _model_card(link: StationLink) -> dict[str, Any]:
-    if not link.connected or link.model_id is None:
-        raise errors.station_unavailable(link.last_error or "")
+    try:
+        link.current()
+    except StationError as exc:
+        raise errors.from_station(exc, "model") from None
+    assert link.model_id is not None
     return {"id": link.model_id, "object": "model", "created": link.connected_at,
             "owned_by": "gnosis-daemon"}
 
