@@ -1,0 +1,78 @@
+"""The one preallocated paged KV pool of a model.
+
+``kv``: [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim] (index 0 = K,
+1 = V), allocated once at startup; requests never allocate KV. A token's slot is
+``block_id * block_size + offset``; the flat views ``[L, 2, num_blocks * block_size, H, D]``
+are what attention writes through a slot mapping.
+
+Sizing: CPU uses ``settings.kv_cache_bytes``; CUDA uses ``settings.kv_cache_gpu_fraction``
+of the memory still free after the weights are loaded.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+class KVCacheTooSmall(ValueError):
+    """The KV budget does not hold even one block; the message says which setting to raise."""
+
+
+@dataclass(frozen=True, slots=True)
+class KVCacheShape:
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    dtype: torch.dtype
+
+    @classmethod
+    def from_config(cls, config, block_size: int, dtype: torch.dtype) -> KVCacheShape:
+        config = config.get_text_config() if hasattr(config, "get_text_config") else config
+        num_heads = config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
+        num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
+        return cls(config.num_hidden_layers, num_kv_heads, head_dim, block_size, dtype)
+
+    @property
+    def bytes_per_block(self) -> int:
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim * elem
+
+
+def num_blocks_for(shape: KVCacheShape, settings, device: torch.device) -> int:
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        budget = int(free * settings.kv_cache_gpu_fraction)
+        knob = "kv_cache_gpu_fraction"
+    else:
+        budget = settings.kv_cache_bytes
+        knob = "kv_cache_bytes"
+    num_blocks = budget // shape.bytes_per_block
+    if num_blocks < 1:
+        raise KVCacheTooSmall(
+            f"KV budget of {budget} bytes holds no block of {shape.bytes_per_block} bytes "
+            f"(block_size={shape.block_size}); raise setting {knob!r}"
+        )
+    return num_blocks
+
+
+class KVCache:
+    def __init__(self, shape: KVCacheShape, num_blocks: int, device: torch.device) -> None:
+        self.shape = shape
+        self.num_blocks = num_blocks
+        self.block_size = shape.block_size
+        self.device = device
+        # Zeros, not empty: padded gathers read unused slots under a -inf mask, and
+        # 0 * NaN garbage would still poison the weighted sum.
+        self.kv = torch.zeros(shape.num_layers, 2, num_blocks, shape.block_size, shape.num_kv_heads,
+                              shape.head_dim, dtype=shape.dtype, device=device)
+        # [L, 2, num_blocks * block_size, H, D]: slot-addressed views for writes.
+        self.flat = self.kv.view(shape.num_layers, 2, num_blocks * shape.block_size,
+                                 shape.num_kv_heads, shape.head_dim)
+
+    @property
+    def bytes_total(self) -> int:
+        return self.num_blocks * self.shape.bytes_per_block

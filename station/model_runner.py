@@ -1,0 +1,199 @@
+"""Turns one scheduled step into one packed forward over the paged KV pool, and logits back.
+
+Any decoder-only transformers model whose attention goes through ``AttentionInterface``
+(Llama, Mistral, Qwen2, SmolLM, ...) reads and writes the pool: we register the attention
+function ``gnosis_paged`` and switch the model to it. The model is called with every
+scheduled token packed into one row (batch 1), absolute ``position_ids`` (the model applies
+rotary before attention) and no cache object or mask; per layer our attention function
+
+1. writes the new K/V into their pool slots (``slot_mapping``), then
+2. decode rows: gathers each sequence's blocks into a padded batch and runs ONE SDPA call
+   for all of them (GQA packed as [B, kv_heads, n_rep, D], so K/V are never repeated);
+3. prefill chunks: SDPA per chunk against the sequence's gathered K/V with an offset
+   causal mask (or plain ``is_causal`` when the chunk starts the sequence).
+
+Every per-step index tensor is built once per step (``StepContext``), not per layer. Only
+the rows whose logits are needed reach ``lm_head`` (``logits_to_keep``). The runner makes
+no policy decisions: it runs exactly what the scheduler handed it.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from station.kv_cache import KVCache
+from station.scheduler import SchedulerOutput
+from station.sequence import Sequence
+
+ATTN_IMPLEMENTATION = "gnosis_paged"
+
+# One engine thread per engine: a thread-local context lets several engines share a process.
+_local = threading.local()
+
+
+@dataclass(slots=True)
+class PrefillMeta:
+    q_start: int
+    q_len: int
+    ctx_len: int  # tokens of K/V this chunk attends to (cached + earlier chunks + itself)
+    block_table: torch.Tensor | None  # [num_blocks] long; None when the chunk starts at 0
+    mask: torch.Tensor | None  # [q_len, ctx_len] bool, offset-causal
+
+
+@dataclass(slots=True)
+class StepContext:
+    kv_cache: KVCache
+    slot_mapping: torch.Tensor  # [T] long
+    num_decodes: int
+    decode_block_tables: torch.Tensor | None  # [B, max_blocks] long
+    decode_mask: torch.Tensor | None  # [B, 1, 1, max_blocks * block_size] bool; None if B == 1
+    decode_ctx_len: int  # B == 1: slice instead of masking
+    prefills: list[PrefillMeta]
+
+
+def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
+                            value: torch.Tensor, attention_mask: torch.Tensor | None,
+                            dropout: float = 0.0, scaling: float | None = None, **kwargs):
+    ctx: StepContext | None = getattr(_local, "context", None)
+    if ctx is None:  # the model used outside the engine: behave like stock SDPA
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                      scaling=scaling, **kwargs)
+    # query: [1, H, T, D]; key/value: [1, Hkv, T, D] (rotary already applied)
+    layer = module.layer_idx
+    _, num_heads, num_tokens, head_dim = query.shape
+    num_kv_heads = key.shape[1]
+    n_rep = num_heads // num_kv_heads
+    flat = ctx.kv_cache.flat[layer]  # [2, slots, Hkv, D]
+    flat[0].index_copy_(0, ctx.slot_mapping, key[0].transpose(0, 1))
+    flat[1].index_copy_(0, ctx.slot_mapping, value[0].transpose(0, 1))
+    pool = ctx.kv_cache.kv[layer]  # [2, num_blocks, bs, Hkv, D]
+
+    out = query.new_empty(1, num_tokens, num_heads, head_dim)
+    b = ctx.num_decodes
+    if b:
+        # q: [B, Hkv, n_rep, D] -- one query token per sequence, its heads grouped per kv head
+        q = query[0, :, :b].transpose(0, 1).reshape(b, num_kv_heads, n_rep, head_dim)
+        k = pool[0][ctx.decode_block_tables].flatten(1, 2)  # [B, max_blocks * bs, Hkv, D]
+        v = pool[1][ctx.decode_block_tables].flatten(1, 2)
+        if ctx.decode_mask is None:
+            k, v = k[:, :ctx.decode_ctx_len], v[:, :ctx.decode_ctx_len]
+        o = F.scaled_dot_product_attention(q, k.transpose(1, 2), v.transpose(1, 2),
+                                           attn_mask=ctx.decode_mask, scale=scaling)
+        out[0, :b] = o.reshape(b, num_heads, head_dim)  # o: [B, Hkv, n_rep, D]
+    for p in ctx.prefills:
+        end = p.q_start + p.q_len
+        q = query[:, :, p.q_start:end]  # [1, H, n, D]
+        if p.block_table is None:
+            o = F.scaled_dot_product_attention(q, key[:, :, p.q_start:end], value[:, :, p.q_start:end],
+                                               is_causal=True, scale=scaling, enable_gqa=n_rep > 1)
+        else:
+            k = pool[0][p.block_table].flatten(0, 1)[:p.ctx_len].transpose(0, 1).unsqueeze(0)
+            v = pool[1][p.block_table].flatten(0, 1)[:p.ctx_len].transpose(0, 1).unsqueeze(0)
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=p.mask, scale=scaling,
+                                               enable_gqa=n_rep > 1)
+        out[0, p.q_start:end] = o[0].transpose(0, 1)  # o: [1, H, n, D]
+    return out, None
+
+
+def register_attention() -> None:
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention_forward)
+
+
+class ModelRunner:
+    def __init__(self, model: torch.nn.Module, kv_cache: KVCache, device: torch.device) -> None:
+        register_attention()
+        model.set_attn_implementation(ATTN_IMPLEMENTATION)
+        self.model = model.eval()
+        self.kv_cache = kv_cache
+        self.block_size = kv_cache.block_size
+        self.device = device
+
+    def run(self, batch: SchedulerOutput) -> tuple[torch.Tensor | None, list[Sequence]]:
+        """One forward for the step -> (logits [K, V] float32, the K sequences to sample)."""
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        sampled: list[Sequence] = []
+        keep: list[int] = []
+
+        decodes = batch.decodes
+        num_decodes = len(decodes)
+        decode_tables = decode_mask = None
+        decode_ctx_len = 0
+        if decodes:
+            ctx_lens = []
+            for seq in decodes:
+                pos = seq.num_computed_tokens
+                input_ids.append(seq.token_ids[pos])
+                positions.append(pos)
+                slots.append(seq.blocks[pos // bs].block_id * bs + pos % bs)
+                ctx_lens.append(pos + 1)
+            max_blocks = -(-max(ctx_lens) // bs)
+            # Pad with block 0: padded slots are masked out (or sliced off when B == 1).
+            decode_tables = torch.tensor(
+                [[b.block_id for b in seq.blocks[:max_blocks]] + [0] * (max_blocks - len(seq.blocks[:max_blocks]))
+                 for seq in decodes], dtype=torch.long)
+            if num_decodes == 1:
+                decode_ctx_len = ctx_lens[0]
+            else:
+                lens = torch.tensor(ctx_lens, dtype=torch.long)
+                decode_mask = (torch.arange(max_blocks * bs)[None, :] < lens[:, None]).view(
+                    num_decodes, 1, 1, max_blocks * bs)
+            keep.extend(range(num_decodes))
+            sampled.extend(decodes)
+
+        prefills: list[PrefillMeta] = []
+        ids_parts = [torch.tensor(input_ids, dtype=torch.long)]
+        pos_parts = [torch.tensor(positions, dtype=torch.long)]
+        slot_parts = [torch.tensor(slots, dtype=torch.long)]
+        q_start = num_decodes
+        for seq, n in batch.prefills:
+            start = seq.num_computed_tokens
+            ctx_len = start + n
+            pos = torch.arange(start, ctx_len)
+            table = torch.tensor([b.block_id for b in seq.blocks[:-(-ctx_len // bs)]], dtype=torch.long)
+            ids_parts.append(torch.tensor(seq.token_ids[start:ctx_len], dtype=torch.long))
+            pos_parts.append(pos)
+            slot_parts.append(table[pos // bs] * bs + pos % bs)
+            if start == 0:
+                meta = PrefillMeta(q_start, n, ctx_len, None, None)
+            else:
+                mask = torch.arange(ctx_len)[None, :] <= pos[:, None]  # [n, ctx_len]
+                meta = PrefillMeta(q_start, n, ctx_len, table.to(self.device), mask.to(self.device))
+            prefills.append(meta)
+            if ctx_len == seq.num_tokens:
+                keep.append(q_start + n - 1)
+                sampled.append(seq)
+            q_start += n
+
+        dev = self.device
+        ctx = StepContext(
+            kv_cache=self.kv_cache,
+            slot_mapping=torch.cat(slot_parts).to(dev),
+            num_decodes=num_decodes,
+            decode_block_tables=None if decode_tables is None else decode_tables.to(dev),
+            decode_mask=None if decode_mask is None else decode_mask.to(dev),
+            decode_ctx_len=decode_ctx_len,
+            prefills=prefills,
+        )
+        ids = torch.cat(ids_parts).to(dev)[None]
+        pos_ids = torch.cat(pos_parts).to(dev)[None]
+        _local.context = ctx
+        try:
+            with torch.inference_mode():
+                if not keep:  # a mid-prompt chunk only: no logits needed; keep one row, drop it
+                    self.model(input_ids=ids, position_ids=pos_ids, use_cache=False, logits_to_keep=1)
+                    return None, []
+                out = self.model(input_ids=ids, position_ids=pos_ids, use_cache=False,
+                                 logits_to_keep=torch.tensor(keep, device=dev))
+        finally:
+            _local.context = None
+        return out.logits[0].float(), sampled  # [K, V]
