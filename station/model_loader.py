@@ -56,6 +56,7 @@ class LoadedModel:
     loaded_from: str  # directory the weights were read from (the cache for a cached GGUF)
     model_type: str
     vocab_size: int
+    converted: bool = False  # this load converted a GGUF (False: HF dir or cache hit)
 
 
 def default_model_path() -> Path:
@@ -98,12 +99,17 @@ def load_model(settings: Settings) -> LoadedModel:
     """Load the configured model (or the default GGUF) ready for inference."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # tqdm bars would garble the JSON log stream
     path = Path(settings.model) if settings.model else default_model_path()
     device, dtype = pick_device(settings)
+    converted = False
     if path.is_file() and path.suffix == ".gguf":
         source = gguf_cache_dir(path, settings)
         if not (source / "config.json").is_file():
             _convert_gguf(path, source)
+            converted = True
         else:
             log.info("gguf_cache_hit", gguf=str(path), cache=str(source))
     elif path.is_dir():
@@ -127,6 +133,7 @@ def load_model(settings: Settings) -> LoadedModel:
         max_model_len=min(settings.max_model_len, int(max_len)),
         path=str(path), loaded_from=str(source), model_type=str(config.model_type),
         vocab_size=int(getattr(config, "vocab_size", None) or len(tokenizer)),
+        converted=converted,
     )
 
 

@@ -1,0 +1,345 @@
+"""The station process: load the model, start the engine, serve the Unix socket.
+
+Resource handling: the runtime directory is forced to mode 0700 and the socket is bound
+under umask 0o177 (so it is 0600 from birth, no window where others could connect). Each
+connection owns a nursery with one task per streaming request; when the connection ends
+(EOF, error, undecodable frame) every request it still has is aborted in the engine.
+
+Error handling: a frame that decodes but breaks the protocol gets an error frame and the
+connection keeps working; a frame that cannot be decoded (or is too big) gets an error
+frame with id null and closes that connection only. SIGTERM/SIGINT stop accepting, end
+in-flight requests with ``shutting_down``, remove the socket and exit 0.
+"""
+
+from __future__ import annotations
+
+import errno
+import itertools
+import os
+import signal
+import socket
+import stat
+import time
+from pathlib import Path
+from typing import Any
+
+import trio
+
+import gnosis_daemon
+from gnosis_daemon.logs import bind_request, configure_logging, get_logger
+from gnosis_daemon.protocol import (
+    BASE_OPS,
+    OP_CAPABILITY,
+    PROTOCOL_VERSION,
+    Capability,
+    ErrorCode,
+    FrameDecoder,
+    ProtocolError,
+    Request,
+    error_frame,
+    parse_request,
+    result_frame,
+)
+from gnosis_daemon.settings import Settings
+from station import ops
+from station.engine_api import Engine, EngineEvent, EventKind, GenerationRequest
+from station.model_loader import LoadedModel, ModelLoadError, load_model
+from station.ops import OpError
+from station.stream import GenerateStream
+
+log = get_logger(__name__)
+
+_SHUTDOWN_GRACE_S = 5.0  # time for final frames to reach clients after SIGTERM
+
+
+class _Connection:
+    def __init__(self, number: int, stream: trio.SocketStream) -> None:
+        self.number = number
+        self.stream = stream
+        self.send_lock = trio.Lock()
+        self.generates: dict[Any, GenerateStream] = {}
+        self.closed = False
+
+    async def send(self, payload: bytes) -> None:
+        if self.closed:
+            return
+        try:
+            async with self.send_lock:
+                await self.stream.send_all(payload)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            self.closed = True  # the reader sees EOF and tears the connection down
+
+
+class StationServer:
+    def __init__(self, settings: Settings, loaded: LoadedModel, engine: Engine) -> None:
+        self.settings = settings
+        self.loaded = loaded
+        self.engine = engine
+        self.started = time.monotonic()
+        self.capabilities = self._capabilities()
+        self._connections: set[_Connection] = set()
+        self._numbers = itertools.count(1)
+        self.shutting_down = False
+        self._handlers = {
+            "hello": self._hello, "health": self._health, "stats": self._stats,
+            "tokenize": lambda req: ops.tokenize(self.loaded, req.args),
+            "detokenize": lambda req: ops.detokenize(self.loaded, req.args),
+        }
+
+    def _capabilities(self) -> dict[str, bool]:
+        flags = {Capability.GENERATE.value: True}
+        flags.update({k: True for k, v in self.engine.capabilities().items() if v})
+        disabled = self.settings.disabled_capabilities
+        return {k: True for k in flags if k not in disabled}
+
+    # -- lifecycle
+    async def serve(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        """Bind the socket and serve until SIGTERM/SIGINT (then drain and return)."""
+        path = self.settings.station_socket
+        listener = bind_socket(path)
+        identity = os.stat(path).st_ino
+        log.info("station_listening", socket=str(path), model=self.loaded.served_id,
+                 device=str(self.loaded.device), capabilities=sorted(self.capabilities))
+        try:
+            async with trio.open_nursery() as nursery:
+                with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+                    nursery.start_soon(self._accept_loop, listener, nursery)
+                    task_status.started()
+                    async for signum in signals:
+                        log.info("station_stopping", signal=signal.Signals(signum).name)
+                        break
+                listener.close()
+                await self._drain()
+                nursery.cancel_scope.cancel()
+        finally:
+            listener.close()
+            remove_socket(path, identity)
+
+    async def _drain(self) -> None:
+        """End every in-flight request with shutting_down and let the frames go out."""
+        self.shutting_down = True
+        for conn in list(self._connections):
+            for gen in list(conn.generates.values()):
+                self.engine.abort(gen.engine_id)
+                gen.inject(EngineEvent(gen.engine_id, EventKind.ERROR, {
+                    "code": ErrorCode.SHUTTING_DOWN.value,
+                    "message": "the station is shutting down"}))
+        with trio.move_on_after(_SHUTDOWN_GRACE_S):
+            while any(conn.generates for conn in self._connections):
+                await trio.sleep(0.01)
+
+    async def _accept_loop(self, listener: socket.socket, nursery: trio.Nursery) -> None:
+        sock = trio.socket.from_stdlib_socket(listener)
+        while True:
+            try:
+                client, _ = await sock.accept()
+            except OSError as exc:
+                if exc.errno in (errno.EBADF, errno.EINVAL):
+                    return  # listener closed: shutting down
+                log.warning("accept_failed", error=str(exc))
+                await trio.sleep(0.1)
+                continue
+            nursery.start_soon(self._handle_connection, trio.SocketStream(client))
+
+    # -- connections
+    async def _handle_connection(self, stream: trio.SocketStream) -> None:
+        conn = _Connection(next(self._numbers), stream)
+        self._connections.add(conn)
+        try:
+            async with trio.open_nursery() as nursery:
+                await self._read_loop(conn, nursery)
+                nursery.cancel_scope.cancel()
+        finally:
+            self._connections.discard(conn)
+            for gen in conn.generates.values():
+                self.engine.abort(gen.engine_id)
+                gen.close()
+            conn.generates.clear()
+            conn.closed = True
+            with trio.CancelScope(shield=True):
+                await stream.aclose()
+
+    async def _read_loop(self, conn: _Connection, nursery: trio.Nursery) -> None:
+        decoder = FrameDecoder(self.settings.max_frame_bytes)
+        while True:
+            try:
+                data = await conn.stream.receive_some(65536)
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                return
+            if not data:
+                return
+            try:
+                for message in decoder.feed(data):
+                    await self._dispatch(conn, message, nursery)
+            except ProtocolError as exc:
+                assert exc.fatal
+                log.warning("bad_frame_closing_connection", connection=conn.number,
+                            error=exc.message)
+                await conn.send(error_frame(None, exc.code, exc.message))
+                return
+
+    async def _dispatch(self, conn: _Connection, message: Any, nursery: trio.Nursery) -> None:
+        try:
+            req = parse_request(message)
+        except ProtocolError as exc:
+            await conn.send(error_frame(exc.request_id, exc.code, exc.message))
+            return
+        with bind_request(req.rid):
+            try:
+                if req.op in OP_CAPABILITY and OP_CAPABILITY[req.op].value not in self.capabilities:
+                    raise OpError(ErrorCode.UNKNOWN_OP, f"op {req.op!r} is not available "
+                                  "on this station")
+                if self.shutting_down and req.op not in ("hello", "health"):
+                    raise OpError(ErrorCode.SHUTTING_DOWN, "the station is shutting down")
+                if req.op == "generate":
+                    self._start_generate(conn, req, nursery)
+                    return
+                if req.op == "cancel":
+                    result = self._cancel(conn, req)
+                elif req.op in self._handlers:
+                    result = self._handlers[req.op](req)
+                else:
+                    raise OpError(ErrorCode.UNKNOWN_OP, f"unknown op {req.op!r}")
+            except OpError as exc:
+                await conn.send(error_frame(req.id, exc.code, exc.message))
+                return
+            except Exception as exc:  # a bug in one op must not end the connection
+                log.exception("op_failed", op=req.op)
+                await conn.send(error_frame(req.id, ErrorCode.INTERNAL,
+                                            f"{type(exc).__name__}: {exc}"))
+                return
+            await conn.send(result_frame(req.id, result))
+
+    # -- ops
+    def _hello(self, req: Request) -> dict[str, Any]:
+        loaded, stats = self.loaded, self.engine.stats()
+        return {
+            "protocol": PROTOCOL_VERSION, "pid": os.getpid(), "version": gnosis_daemon.__version__,
+            "model": {"id": loaded.served_id, "path": loaded.path,
+                      "fingerprint": loaded.fingerprint, "model_type": loaded.model_type,
+                      "max_model_len": loaded.max_model_len, "vocab_size": loaded.vocab_size,
+                      "eos_token_ids": list(loaded.eos_token_ids),
+                      "device": str(loaded.device), "dtype": str(loaded.dtype).removeprefix("torch.")},
+            "capabilities": dict(self.capabilities),
+            "kv_pool": {"block_size": int(self.engine.block_size),
+                        "blocks_total": int(stats.get("blocks_total", 0)),
+                        "blocks_free": int(stats.get("blocks_free", 0))},
+        }
+
+    def _health(self, req: Request) -> dict[str, Any]:
+        stats = self.engine.stats()
+        return {"status": "shutting_down" if self.shutting_down else "ok", "pid": os.getpid(),
+                "uptime_s": round(time.monotonic() - self.started, 3),
+                "running": int(stats.get("running", 0)), "waiting": int(stats.get("waiting", 0))}
+
+    def _stats(self, req: Request) -> dict[str, Any]:
+        return {**self.engine.stats(), "connections": len(self._connections)}
+
+    def _cancel(self, conn: _Connection, req: Request) -> dict[str, Any]:
+        target = req.args.get("target")
+        if not isinstance(target, (int, str)) or isinstance(target, bool):
+            raise ops.bad("argument 'target' must be the id of a request on this connection")
+        gen = conn.generates.get(target)
+        if gen is None or gen.done:
+            return {"cancelled": False}
+        self.engine.abort(gen.engine_id)
+        return {"cancelled": True}
+
+    def _start_generate(self, conn: _Connection, req: Request, nursery: trio.Nursery) -> None:
+        if req.id in conn.generates:
+            raise ops.bad(f"request id {req.id!r} is already in flight on this connection")
+        gen_args = ops.parse_generate(self.loaded, self.settings, req.args)
+        engine_id = f"{req.rid or 'gen'}:{conn.number}:{req.id}"
+        gen = GenerateStream(req.id, engine_id, gen_args, self.loaded.tokenizer,
+                             self.loaded.eos_token_ids, trio.lowlevel.current_trio_token())
+        request = GenerationRequest(engine_id, gen_args.prompt_ids, gen_args.params,
+                                    tenant=gen_args.tenant, load_session=gen_args.load_session,
+                                    save_session=gen_args.save_session)
+        try:
+            self.engine.add_request(request, gen.on_event)
+        except ValueError as exc:
+            raise ops.bad(str(exc)) from None
+        except RuntimeError as exc:
+            raise OpError(ErrorCode.SHUTTING_DOWN, str(exc)) from None
+        conn.generates[req.id] = gen
+        nursery.start_soon(self._run_generate, conn, req, gen)
+
+    async def _run_generate(self, conn: _Connection, req: Request, gen: GenerateStream) -> None:
+        with bind_request(req.rid):
+            try:
+                await gen.pump(conn.send, self.engine)
+            finally:
+                if conn.generates.get(req.id) is gen:
+                    del conn.generates[req.id]
+
+
+# -- socket file handling
+def prepare_runtime_dir(path: Path) -> None:
+    """Create the runtime dir as 0700 (and force 0700 on one we own that already exists)."""
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    info = path.stat()
+    if info.st_uid != os.getuid():
+        raise PermissionError(f"runtime dir {path} belongs to uid {info.st_uid}, not us")
+    if stat.S_IMODE(info.st_mode) != 0o700:
+        path.chmod(0o700)
+
+
+def bind_socket(path: Path) -> socket.socket:
+    """Bind a listening Unix socket at ``path`` as 0600 (a stale file is removed first)."""
+    prepare_runtime_dir(path.parent)
+    try:
+        if stat.S_ISSOCK(path.lstat().st_mode):
+            path.unlink()
+        else:
+            raise FileExistsError(f"{path} exists and is not a socket; refusing to replace it")
+    except FileNotFoundError:
+        pass
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    old_umask = os.umask(0o177)  # the socket is born 0600: no window for other users
+    try:
+        sock.bind(os.fspath(path))
+    except BaseException:
+        sock.close()
+        raise
+    finally:
+        os.umask(old_umask)
+    os.chmod(path, 0o600)
+    sock.listen(128)
+    sock.setblocking(False)
+    return sock
+
+
+def remove_socket(path: Path, inode: int) -> None:
+    """Remove our socket file, unless a newer station already replaced it."""
+    try:
+        if path.stat().st_ino == inode:
+            path.unlink()
+    except FileNotFoundError:
+        pass
+
+
+def create_engine(loaded: LoadedModel, settings: Settings) -> Engine:
+    from station.simple_engine import SimpleEngine
+
+    return SimpleEngine(loaded, settings)
+
+
+def serve(settings: Settings) -> int:
+    """Entry point of ``gnosis-daemon station``: returns the process exit status."""
+    configure_logging("station", settings.log_level, settings.log_format)
+    try:
+        loaded = load_model(settings)
+    except ModelLoadError as exc:
+        log.error("model_load_failed", error=str(exc))
+        return 1
+    log.info("model_loaded", model=loaded.served_id, path=loaded.path,
+             loaded_from=loaded.loaded_from, device=str(loaded.device), dtype=str(loaded.dtype),
+             fingerprint=loaded.fingerprint[:16])
+    engine = create_engine(loaded, settings)
+    engine.start()
+    try:
+        trio.run(StationServer(settings, loaded, engine).serve)
+    finally:
+        engine.shutdown()
+    log.info("station_stopped")
+    return 0

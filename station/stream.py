@@ -1,0 +1,163 @@
+"""One ``generate`` request on the trio side: engine events in, protocol frames out.
+
+The engine calls ``on_event`` on its own thread; ``GenerateStream`` forwards each event to
+trio with ``TrioToken.run_sync_soon`` into an unbounded memory channel (the engine must
+never block on a slow client), and ``pump`` turns events into frames: one ``prefill``
+event, ``tokens`` events carrying newly completed text, then exactly one result or error.
+
+Stop strings are found here, by the detokenizer: the request is aborted in the engine and
+ends with finish_reason ``stop`` at once.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any, Awaitable, Callable
+
+import trio
+
+from gnosis_daemon.logs import get_logger
+from gnosis_daemon.protocol import ErrorCode, error_frame, event_frame, result_frame
+from station.detok import IncrementalDetokenizer
+from station.engine_api import Engine, EngineEvent, EventKind
+from station.ops import GenerateArgs
+
+log = get_logger(__name__)
+
+Send = Callable[[bytes], Awaitable[None]]
+
+
+def _deliver(channel: trio.MemorySendChannel, event: EngineEvent) -> None:
+    try:
+        channel.send_nowait(event)
+    except (trio.ClosedResourceError, trio.BrokenResourceError):
+        pass  # the request already ended (client gone or cancelled): drop late events
+
+
+class GenerateStream:
+    """State of one in-flight generate: its channel, detokenizer and timings."""
+
+    def __init__(self, frame_id: Any, engine_id: str, gen: GenerateArgs, tokenizer: Any,
+                 eos_ids: tuple[int, ...], token: trio.lowlevel.TrioToken) -> None:
+        self.frame_id = frame_id
+        self.engine_id = engine_id
+        self.gen = gen
+        self._token = token
+        self._send, self._receive = trio.open_memory_channel[EngineEvent](math.inf)
+        self.detok = IncrementalDetokenizer(tokenizer, gen.prompt_ids, gen.stop)
+        params = gen.params
+        # The token that ends generation is not text (vLLM's default): eos / stop_token_ids.
+        self._final_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_ids))
+        self.token_ids: list[int] = []
+        self.done = False
+        self.started = time.perf_counter()
+        self.first_token_at: float | None = None
+        self.cached_tokens = 0
+
+    def on_event(self, event: EngineEvent) -> None:
+        """Engine thread: hand the event to trio (never blocks)."""
+        try:
+            self._token.run_sync_soon(_deliver, self._send, event)
+        except trio.RunFinishedError:
+            pass  # trio is gone (shutdown): nobody is left to tell
+
+    def inject(self, event: EngineEvent) -> None:
+        """Trio thread: put a server-made event (shutdown) in the stream."""
+        _deliver(self._send, event)
+
+    def close(self) -> None:
+        self._send.close()
+
+    async def pump(self, send: Send, engine: Engine) -> None:
+        """Send this request's frames until its final frame; log one canonical line."""
+        outcome = "internal"
+        try:
+            async with self._receive:
+                async for event in self._receive:
+                    outcome = await self._handle(event, send, engine) or outcome
+                    if self.done:
+                        return
+        finally:
+            self.done = True
+            self.close()
+            self._log(outcome)
+
+    async def _handle(self, event: EngineEvent, send: Send, engine: Engine) -> str | None:
+        data = event.data
+        if event.kind == EventKind.PREFILL:
+            self.cached_tokens = int(data.get("cached_tokens", 0))
+            await send(event_frame(self.frame_id, {
+                "type": "prefill", "prompt_tokens": int(data.get("prompt_tokens",
+                                                                len(self.gen.prompt_ids))),
+                "cached_tokens": self.cached_tokens}))
+            return None
+        if event.kind == EventKind.TOKEN:
+            return await self._on_tokens([int(data["token_id"])], send, engine)
+        if event.kind == EventKind.FINISHED:
+            reason = data.get("finish_reason", "stop")
+            if reason == "cancelled":
+                self.done = True
+                await send(error_frame(self.frame_id, ErrorCode.CANCELLED, "request cancelled"))
+                return "cancelled"
+            tail = self.detok.finish()
+            if tail:
+                await send(event_frame(self.frame_id, {"type": "tokens", "token_ids": [],
+                                                       "text": tail}))
+            await self._finish(reason, send)
+            return reason
+        if event.kind == EventKind.ERROR:
+            self.done = True
+            code = data.get("code", ErrorCode.INTERNAL.value)
+            try:
+                code = ErrorCode(code)
+            except ValueError:
+                code = ErrorCode.INTERNAL
+            await send(error_frame(self.frame_id, code, str(data.get("message", ""))))
+            return code.value
+        raise AssertionError(f"unknown engine event {event.kind!r}")
+
+    async def _on_tokens(self, ids: list[int], send: Send, engine: Engine) -> str | None:
+        if self.first_token_at is None:
+            self.first_token_at = time.perf_counter()
+        self.token_ids.extend(ids)
+        text_ids = [t for t in ids if t not in self._final_ids]
+        out = self.detok.feed(text_ids)
+        await send(event_frame(self.frame_id, {"type": "tokens", "token_ids": ids,
+                                               "text": out.text}))
+        if out.stopped:
+            engine.abort(self.engine_id)  # its late "cancelled" event is dropped
+            await self._finish("stop", send)
+            return "stop"
+        return None
+
+    async def _finish(self, reason: str, send: Send) -> None:
+        self.done = True
+        await send(result_frame(self.frame_id, self.result(reason)))
+
+    def result(self, reason: str) -> dict[str, Any]:
+        now = time.perf_counter()
+        first = self.first_token_at or now
+        decode_s = now - first
+        n = len(self.token_ids)
+        return {
+            "finish_reason": reason,
+            "prompt_tokens": len(self.gen.prompt_ids),
+            "completion_tokens": n,
+            "cached_tokens": self.cached_tokens,
+            "token_ids": list(self.token_ids),
+            "text": self.detok.text,
+            "ttft_ms": round((first - self.started) * 1000, 3),
+            "decode_tokens_per_s": round((n - 1) / decode_s, 3) if n > 1 and decode_s > 0 else 0.0,
+        }
+
+    def _log(self, outcome: str) -> None:
+        now = time.perf_counter()
+        n = len(self.token_ids)
+        ttft = ((self.first_token_at - self.started) * 1000) if self.first_token_at else None
+        decode_s = now - self.first_token_at if self.first_token_at else 0.0
+        log.info("generate", finish_reason=outcome, prompt_tokens=len(self.gen.prompt_ids),
+                 cached_tokens=self.cached_tokens, completion_tokens=n,
+                 ttft_ms=round(ttft, 3) if ttft is not None else None,
+                 tok_per_s=round((n - 1) / decode_s, 3) if n > 1 and decode_s > 0 else 0.0,
+                 duration_ms=round((now - self.started) * 1000, 3))
