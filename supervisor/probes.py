@@ -1,0 +1,122 @@
+"""Is a child alive and answering? One probe per child kind.
+
+- station: connect to its socket and say ``hello`` (readiness: capability flags and model
+  identity come back) or send ``health`` (watchdog).
+- host: ``GET /health`` over a raw HTTP/1.1 request on trio (the supervisor does not need an
+  HTTP client library). Any HTTP status counts as alive: a host whose station is down answers
+  503, and restarting the host would not help.
+
+Error handling: every failure to get an answer raises ``ProbeFailed`` with a message for the
+log; callers bound the time with their own deadline (a SIGSTOPped child accepts connections
+in the kernel backlog but never answers).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import trio
+
+from gnosis_daemon.client import StationError, open_station_client
+
+MAX_HEALTH_BYTES = 1 << 20
+
+
+class ProbeFailed(Exception):
+    """The child did not answer the probe (refused, closed, malformed, or an error reply)."""
+
+
+async def station_hello(path: str | os.PathLike[str], max_frame_bytes: int) -> dict[str, Any]:
+    try:
+        async with open_station_client(path, max_frame_bytes=max_frame_bytes) as conn:
+            assert conn.hello is not None
+            return conn.hello
+    except StationError as exc:
+        raise ProbeFailed(f"station hello: {exc}") from None
+    except OSError as exc:
+        raise ProbeFailed(f"station hello: {exc}") from None
+
+
+async def station_health(path: str | os.PathLike[str], max_frame_bytes: int) -> dict[str, Any]:
+    try:
+        async with open_station_client(path, max_frame_bytes=max_frame_bytes, hello=False) as conn:
+            return await conn.request("health")
+    except StationError as exc:
+        raise ProbeFailed(f"station health: {exc}") from None
+    except OSError as exc:
+        raise ProbeFailed(f"station health: {exc}") from None
+
+
+def connect_address(host: str) -> str:
+    """Where to connect to reach a server bound to ``host`` (wildcards mean this machine)."""
+    if host in ("", "0.0.0.0"):
+        return "127.0.0.1"
+    if host in ("::", "[::]"):
+        return "::1"
+    return host.strip("[]")
+
+
+def _dechunk(body: bytes) -> bytes:
+    out = bytearray()
+    while body:
+        line, _, rest = body.partition(b"\r\n")
+        size = int(line.split(b";")[0].strip() or b"0", 16)
+        if size == 0:
+            break
+        out += rest[:size]
+        body = rest[size + 2:]
+    return bytes(out)
+
+
+def parse_response(raw: bytes) -> tuple[int, dict[str, Any]]:
+    """(status code, JSON body or {}) from a complete ``Connection: close`` response."""
+    head, sep, body = raw.partition(b"\r\n\r\n")
+    if not sep:
+        raise ProbeFailed("host /health: incomplete HTTP response")
+    lines = head.split(b"\r\n")
+    parts = lines[0].split(b" ", 2)
+    if len(parts) < 2 or not parts[0].startswith(b"HTTP/"):
+        raise ProbeFailed(f"host /health: not an HTTP response: {lines[0][:80]!r}")
+    try:
+        status = int(parts[1])
+    except ValueError:
+        raise ProbeFailed(f"host /health: bad status line {lines[0][:80]!r}") from None
+    headers = {}
+    for line in lines[1:]:
+        key, _, value = line.partition(b":")
+        headers[key.strip().lower()] = value.strip().lower()
+    if headers.get(b"transfer-encoding") == b"chunked":
+        try:
+            body = _dechunk(body)
+        except ValueError:
+            body = b""
+    try:
+        document = json.loads(body) if body else {}
+    except ValueError:
+        document = {}
+    return status, document if isinstance(document, dict) else {"body": document}
+
+
+async def host_health(host: str, port: int) -> tuple[int, dict[str, Any]]:
+    address = connect_address(host)
+    try:
+        stream = await trio.open_tcp_stream(address, port)
+    except OSError as exc:
+        raise ProbeFailed(f"host /health: cannot connect to {address}:{port}: {exc}") from None
+    netloc = f"[{address}]:{port}" if ":" in address else f"{address}:{port}"
+    request = (f"GET /health HTTP/1.1\r\nHost: {netloc}\r\nAccept: application/json\r\n"
+               f"User-Agent: gnosis-daemon-supervisor\r\nConnection: close\r\n\r\n").encode()
+    raw = bytearray()
+    try:
+        async with stream:
+            await stream.send_all(request)
+            while len(raw) < MAX_HEALTH_BYTES:
+                chunk = await stream.receive_some(65536)
+                if not chunk:
+                    break
+                raw += chunk
+    except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
+        raise ProbeFailed(f"host /health: connection lost: {exc}") from None
+    return parse_response(bytes(raw))

@@ -1,0 +1,163 @@
+"""The published status file and ``gnosis-daemon status``.
+
+The supervisor writes ``settings.status_file`` (``status.json`` in the 0700 runtime dir) on
+every state change and periodically. Writes are atomic: a temp file in the same directory,
+fsync'd, then ``os.replace``, so a reader sees the old document or the new one, never half.
+
+Shape (``status --json`` prints it as is)::
+
+    {"version": 1, "updated_at": <unix time>,
+     "supervisor": {"pid", "state": starting|running|degraded|stopping|stopped|fatal,
+                    "started_at", "ready"},
+     "children": {"station": {"state", "pid", "restarts", "fast_failures", "uptime_s",
+                              "started_at", "backoff_remaining_s", "last_exit",
+                              "capabilities": {flag: true}, "health": {...}},
+                  "host":    {... "capabilities": {"liquid_memory", ...}, "health": {...}}}}
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, TextIO
+
+STATUS_VERSION = 1
+
+
+class StatusUnavailable(Exception):
+    """No status to show: the message says why (no file, unreadable, supervisor gone)."""
+
+
+def write_status(path: str | os.PathLike[str], document: dict[str, Any]) -> None:
+    """Replace ``path`` with ``document`` atomically (temp file + fsync + os.replace)."""
+    path = Path(path)
+    data = json.dumps(document, indent=2, sort_keys=True, default=str).encode() + b"\n"
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.chmod(tmp, 0o600)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+
+
+def pid_alive(pid: int) -> bool:
+    """True when ``pid`` exists and looks like a gnosis-daemon process (pid reuse guard)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # exists, owned by another user (e.g. the service user)
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return True  # no /proc here: the signal check is all we have
+    return b"gnosis" in cmdline
+
+
+def read_status(path: str | os.PathLike[str]) -> dict[str, Any]:
+    path = Path(path)
+    try:
+        document = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise StatusUnavailable(
+            f"no status file at {path}: the supervisor is not running with this runtime dir "
+            f"(start it with `gnosis-daemon run`, or pass the same --runtime-dir)") from None
+    except PermissionError:
+        raise StatusUnavailable(f"cannot read {path}: run as the service user") from None
+    except (OSError, ValueError) as exc:
+        raise StatusUnavailable(f"cannot read status file {path}: {exc}") from None
+    if not isinstance(document, dict) or "supervisor" not in document:
+        raise StatusUnavailable(f"status file {path} is not a gnosis-daemon status document")
+    return document
+
+
+def load_live_status(path: str | os.PathLike[str]) -> dict[str, Any]:
+    document = read_status(path)
+    sup = document.get("supervisor") or {}
+    pid = sup.get("pid")
+    if not isinstance(pid, int) or not pid_alive(pid):
+        raise StatusUnavailable(
+            f"the supervisor is not running (pid {pid} in {path} is gone; last state "
+            f"{sup.get('state')!r}, written {_ago(document.get('updated_at'))})")
+    return document
+
+
+def _ago(when: Any) -> str:
+    if not isinstance(when, (int, float)):
+        return "at an unknown time"
+    return f"{max(0.0, time.time() - when):.0f} s ago"
+
+
+def _fmt(value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.1f}"
+    return str(value)
+
+
+def _flags(child: dict[str, Any]) -> str:
+    caps = child.get("capabilities") or {}
+    if not caps:
+        return "-"
+    parts = []
+    for key, value in sorted(caps.items()):
+        if value is True:
+            parts.append(key)
+        elif value is False:
+            parts.append(f"{key}=off")
+        elif value not in (None, ""):
+            parts.append(f"{key}={value}")
+    return ",".join(parts) or "-"
+
+
+def render(document: dict[str, Any]) -> str:
+    sup = document.get("supervisor") or {}
+    lines = [f"supervisor pid {sup.get('pid')}  state {sup.get('state')}  "
+             f"updated {_ago(document.get('updated_at'))}"]
+    header = ("CHILD", "STATE", "PID", "RESTARTS", "UPTIME_S", "LAST EXIT", "CAPABILITIES")
+    rows = [header]
+    for name, child in (document.get("children") or {}).items():
+        last = child.get("last_exit") or None
+        if last:
+            how = (f"signal {last.get('signal_name') or last.get('signal')}"
+                   if last.get("signal") is not None else f"code {last.get('code')}")
+            if last.get("reason"):
+                how += f" ({last['reason']})"
+            how += f" {_ago(last.get('at'))}"
+        else:
+            how = "-"
+        rows.append((name, _fmt(child.get("state")), _fmt(child.get("pid")),
+                     _fmt(child.get("restarts")), _fmt(child.get("uptime_s")), how, _flags(child)))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header) - 1)]
+    for row in rows:
+        lines.append("  ".join(cell.ljust(w) for cell, w in zip(row, widths)) + "  " + row[-1])
+    return "\n".join(lines)
+
+
+def show(settings: Any, as_json: bool = False, out: TextIO | None = None) -> int:
+    """``gnosis-daemon status``: 0 and the status, or 1 and why there is none."""
+    out = out or sys.stdout
+    try:
+        document = load_live_status(settings.status_file)
+    except StatusUnavailable as exc:
+        print(f"gnosis-daemon: {exc}", file=sys.stderr)
+        return 1
+    if as_json:
+        out.write(json.dumps(document, indent=2, sort_keys=True) + "\n")
+    else:
+        out.write(render(document) + "\n")
+    return 0
