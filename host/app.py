@@ -90,6 +90,9 @@ def create_app(settings: Settings, link: StationLink) -> QuartTrio:
         record = _record()
         record.status = response.status_code
         record.route = request.url_rule.rule if request.url_rule is not None else None
+        if not record.stream or response.status_code >= 400:
+            # The answer is complete; a disconnect while it is sent does not change that.
+            record.outcome = record.outcome or ("ok" if response.status_code < 400 else "error")
         response.headers["X-Request-Id"] = record.request_id
         return response
 
@@ -280,8 +283,8 @@ async def _stream_body(stream: StationStream, first: dict[str, Any] | None,
         usage = openai_api.usage(result["prompt_tokens"], result["completion_tokens"],
                                  result.get("cached_tokens", 0))
         yield sse.event(fmt.usage_chunk(usage, gnosis))
-    yield sse.DONE
     record.outcome = "ok"
+    yield sse.DONE
 
 
 def _note_result(record: RequestRecord, result: dict[str, Any]) -> None:
