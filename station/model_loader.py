@@ -211,7 +211,7 @@ def fingerprint(model: Any, dtype: torch.dtype) -> str:
 
 def served_name(path: Path) -> str:
     """``SmolLM2-135M-Instruct.Q4_1.gguf`` -> ``SmolLM2-135M-Instruct``; a directory -> its name."""
-    name = path.stem if path.is_file() else path.resolve().name
+    name = path.stem if path.suffix == ".gguf" else path.resolve().name
     return re.sub(r"[.-](Q\d\w*|IQ\d\w*|F16|F32|BF16)$", "", name, flags=re.IGNORECASE)
 
 
