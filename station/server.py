@@ -96,7 +96,7 @@ class StationServer:
     async def serve(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         """Bind the socket and serve until SIGTERM/SIGINT (then drain and return)."""
         path = self.settings.station_socket
-        listener = bind_socket(path)
+        listener = trio.socket.from_stdlib_socket(bind_socket(path))
         identity = os.stat(path).st_ino
         log.info("station_listening", socket=str(path), model=self.loaded.served_id,
                  device=str(self.loaded.device), capabilities=sorted(self.capabilities))
@@ -108,7 +108,7 @@ class StationServer:
                     async for signum in signals:
                         log.info("station_stopping", signal=signal.Signals(signum).name)
                         break
-                listener.close()
+                listener.close()  # trio's close wakes the blocked accept (notify_closing)
                 await self._drain()
                 nursery.cancel_scope.cancel()
         finally:
@@ -128,14 +128,15 @@ class StationServer:
             while any(conn.generates for conn in self._connections):
                 await trio.sleep(0.01)
 
-    async def _accept_loop(self, listener: socket.socket, nursery: trio.Nursery) -> None:
-        sock = trio.socket.from_stdlib_socket(listener)
+    async def _accept_loop(self, listener: trio.socket.SocketType, nursery: trio.Nursery) -> None:
         while True:
             try:
-                client, _ = await sock.accept()
+                client, _ = await listener.accept()
+            except trio.ClosedResourceError:
+                return  # listener closed: shutting down
             except OSError as exc:
                 if exc.errno in (errno.EBADF, errno.EINVAL):
-                    return  # listener closed: shutting down
+                    return
                 log.warning("accept_failed", error=str(exc))
                 await trio.sleep(0.1)
                 continue
@@ -324,14 +325,31 @@ def create_engine(loaded: LoadedModel, settings: Settings) -> Engine:
     return SimpleEngine(loaded, settings)
 
 
+class _StopRequested(BaseException):
+    """SIGTERM/SIGINT arrived before the socket server took over signals."""
+
+
+def _exit_cleanly(signum: int, frame: Any) -> None:
+    raise _StopRequested(signum)
+
+
 def serve(settings: Settings) -> int:
     """Entry point of ``gnosis-daemon station``: returns the process exit status."""
     configure_logging("station", settings.log_level, settings.log_format)
+    # A stop request while the model loads (minutes for a 7B model) is a clean exit too;
+    # trio's signal receiver takes over once the socket is up.
+    previous = {sig: signal.signal(sig, _exit_cleanly) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         loaded = load_model(settings)
     except ModelLoadError as exc:
         log.error("model_load_failed", error=str(exc))
         return 1
+    except _StopRequested:
+        log.info("station_stopped_while_loading")
+        return 0
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     log.info("model_loaded", model=loaded.served_id, path=loaded.path,
              loaded_from=loaded.loaded_from, device=str(loaded.device), dtype=str(loaded.dtype),
              fingerprint=loaded.fingerprint[:16])
