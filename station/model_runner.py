@@ -49,7 +49,7 @@ class StepContext:
     kv_cache: KVCache
     slot_mapping: torch.Tensor  # [T] long
     num_decodes: int
-    decode_block_tables: torch.Tensor | None  # [B, max_blocks] long
+    decode_block_tables: torch.Tensor | None  # [B * max_blocks] long, row-major
     decode_mask: torch.Tensor | None  # [B, 1, 1, max_blocks * block_size] bool; None if B == 1
     decode_ctx_len: int  # B == 1: slice instead of masking
     prefills: list[PrefillMeta]
@@ -78,8 +78,10 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     if b:
         # q: [B, Hkv, n_rep, D] -- one query token per sequence, its heads grouped per kv head
         q = query[0, :, :b].transpose(0, 1).reshape(b, num_kv_heads, n_rep, head_dim)
-        k = pool[0][ctx.decode_block_tables].flatten(1, 2)  # [B, max_blocks * bs, Hkv, D]
-        v = pool[1][ctx.decode_block_tables].flatten(1, 2)
+        # index_select on a flat 1-D table is much cheaper than 2-D advanced indexing
+        k = pool[0].index_select(0, ctx.decode_block_tables).view(b, -1, num_kv_heads, head_dim)
+        v = pool[1].index_select(0, ctx.decode_block_tables).view(b, -1, num_kv_heads, head_dim)
+        # k, v: [B, max_blocks * bs, Hkv, D]
         if ctx.decode_mask is None:
             k, v = k[:, :ctx.decode_ctx_len], v[:, :ctx.decode_ctx_len]
         o = F.scaled_dot_product_attention(q, k.transpose(1, 2), v.transpose(1, 2),
@@ -92,8 +94,8 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
             o = F.scaled_dot_product_attention(q, key[:, :, p.q_start:end], value[:, :, p.q_start:end],
                                                is_causal=True, scale=scaling, enable_gqa=n_rep > 1)
         else:
-            k = pool[0][p.block_table].flatten(0, 1)[:p.ctx_len].transpose(0, 1).unsqueeze(0)
-            v = pool[1][p.block_table].flatten(0, 1)[:p.ctx_len].transpose(0, 1).unsqueeze(0)
+            k = pool[0].index_select(0, p.block_table).flatten(0, 1)[:p.ctx_len].transpose(0, 1)[None]
+            v = pool[1].index_select(0, p.block_table).flatten(0, 1)[:p.ctx_len].transpose(0, 1)[None]
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=p.mask, scale=scaling,
                                                enable_gqa=n_rep > 1)
         out[0, p.q_start:end] = o[0].transpose(0, 1)  # o: [1, H, n, D]
@@ -140,7 +142,7 @@ class ModelRunner:
             # Pad with block 0: padded slots are masked out (or sliced off when B == 1).
             decode_tables = torch.tensor(
                 [[b.block_id for b in seq.blocks[:max_blocks]] + [0] * (max_blocks - len(seq.blocks[:max_blocks]))
-                 for seq in decodes], dtype=torch.long)
+                 for seq in decodes], dtype=torch.long).flatten()
             if num_decodes == 1:
                 decode_ctx_len = ctx_lens[0]
             else:
