@@ -38,6 +38,7 @@ from host.metrics import Counters, RequestRecord, current_record, emit
 from host.station_link import StationLink
 
 log = get_logger("host")
+_DRAIN_POLL_S = 0.05
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 
 
@@ -55,6 +56,8 @@ class _HTTPConnection(TrioASGIHTTPConnection):
         request_id = given if _REQUEST_ID.match(given) else "req-" + uuid.uuid4().hex
         record = RequestRecord(request_id, req.method, req.path)
         token = current_record.set(record)
+        counters: Counters = self.app.gnosis_counters  # type: ignore[attr-defined]
+        counters.inflight += 1
         try:
             with bind_request(request_id):
                 try:
@@ -68,8 +71,9 @@ class _HTTPConnection(TrioASGIHTTPConnection):
                             await closer()
                     if record.outcome is None:
                         record.outcome = "ok" if (record.status or 500) < 400 else "error"
-                    emit(record, self.app.gnosis_counters)  # type: ignore[attr-defined]
+                    emit(record, counters)
         finally:
+            counters.inflight -= 1
             current_record.reset(token)
 
 
@@ -325,12 +329,15 @@ def serve(settings: Settings) -> int:
 async def _serve(app: QuartTrio, config: HypercornConfig, link: StationLink,
                  settings: Settings) -> None:
     # Install the handlers before binding, so a SIGTERM that arrives at once still drains.
+    counters: Counters = app.gnosis_counters  # type: ignore[attr-defined]
+    draining = trio.Event()
     with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
 
         async def shutdown_trigger() -> None:
             async for signum in signals:
                 log.info("host_draining", signal=signal.Signals(signum).name,
-                         grace_s=settings.drain_grace_s)
+                         grace_s=settings.drain_grace_s, inflight=counters.inflight)
+                draining.set()
                 return
 
         async with trio.open_nursery() as nursery:
@@ -340,8 +347,17 @@ async def _serve(app: QuartTrio, config: HypercornConfig, link: StationLink,
                                                  shutdown_trigger=shutdown_trigger))
                 log.info("host_listening", binds=binds, pid=os.getpid(),
                          station_socket=str(settings.station_socket))
+                await draining.wait()
+                # hypercorn has stopped accepting and lets in-flight requests finish within
+                # graceful_timeout, but an idle keep-alive connection also holds it until
+                # that deadline: leave as soon as no request is in flight.
+                with trio.move_on_after(settings.drain_grace_s):
+                    while counters.inflight > 0:
+                        await trio.sleep(_DRAIN_POLL_S)
+                http.cancel_scope.cancel()
             nursery.cancel_scope.cancel()
-    log.info("host_stopped", uptime_s=round(time.monotonic() - _STARTED, 3))
+    log.info("host_stopped", uptime_s=round(time.monotonic() - _STARTED, 3),
+             inflight=counters.inflight)
 
 
 _STARTED = time.monotonic()

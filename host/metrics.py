@@ -62,6 +62,7 @@ class Counters:
         self.prompt_tokens = 0
         self.completion_tokens = 0
         self.cached_tokens = 0
+        self.inflight = 0  # HTTP requests whose task has not ended (the drain waits for 0)
 
     def observe(self, record: RequestRecord) -> None:
         self.requests[(record.route or "unmatched", record.status or 0)] += 1
@@ -77,6 +78,7 @@ class Counters:
         for name in ("prompt_tokens", "completion_tokens", "cached_tokens"):
             lines.append(f"# TYPE gnosis_{name}_total counter")
             lines.append(f"gnosis_{name}_total {getattr(self, name)}")
+        gauges = {**gauges, "http_requests_inflight": float(self.inflight)}
         for name, value in sorted(gauges.items()):
             lines.append(f"# TYPE gnosis_{name} gauge")
             lines.append(f"gnosis_{name} {value:g}")

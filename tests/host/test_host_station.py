@@ -227,3 +227,82 @@ def test_context_overflow_is_400_before_any_streamed_byte(stack, model_id):
         error = r.json()["error"]
         assert (error["type"], error["param"], error["code"]) == \
             ("invalid_request_error", "prompt", "context_length_exceeded")
+
+
+# Greedy decoding from these token ids runs 400+ tokens without EOS on the seed-0 tiny
+# llama, so a generation of them is still running when the tests below act on it.
+LONG_PROMPT = [66, 67, 68]
+
+
+def request_line(stack, request_id: str) -> dict | None:
+    lines = [line for line in log_lines(stack.host_log)
+             if line.get("event") == "request" and line.get("request_id") == request_id]
+    assert len(lines) <= 1, lines
+    return lines[0] if lines else None
+
+
+def test_client_disconnect_mid_stream_cancels_in_the_station(stack):
+    max_tokens = station_call(stack.socket, "hello")["model"]["max_model_len"] - 16
+    with httpx.stream("POST", stack.base_url + "/v1/completions",
+                      headers={"X-Request-Id": "rid-disconnect"},
+                      json={"prompt": LONG_PROMPT, "max_tokens": max_tokens, "temperature": 0,
+                            "stream": True}) as r:
+        assert r.status_code == 200
+        received = 0
+        for line in r.iter_lines():
+            received += line.startswith("data: ")
+            if received == 3:
+                break  # leaving the block closes the connection mid-stream
+    wait_for(lambda: station_call(stack.socket, "health")["running"] == 0, 30,
+             "the station to have no running request")
+    line = wait_for(lambda: request_line(stack, "rid-disconnect"), 10, "the request's log line")
+    assert line["outcome"] == "client_disconnected" and line["status"] == 200
+    assert 0 < line["completion_tokens"] < max_tokens
+
+
+def test_sigterm_drains_an_in_flight_stream_then_exits_0(stack, tmp_path):
+    port = free_port()
+    host = spawn("host", stack.runtime_dir, tmp_path / "host2.log", "--port", str(port))
+    try:
+        wait_for(lambda: httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200, 30,
+                 "second host /health 200", host)
+        with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions",
+                          json={"prompt": LONG_PROMPT, "max_tokens": 200, "temperature": 0,
+                                "stream": True, "stream_options": {"include_usage": True}},
+                          timeout=60) as r:
+            lines = r.iter_lines()
+            first = next(lines)
+            host.send_signal(signal.SIGTERM)
+            events = sse_events([first, *lines])
+        assert events[-1] == "[DONE]" and events[-2]["usage"]["completion_tokens"] == 200
+        assert host.wait(timeout=30) == 0
+    finally:
+        stop_process(host)
+
+
+def test_station_killed_is_503_then_the_same_host_serves_the_restarted_station(
+        stack, client, model_id, reference):
+    _, ref_ids, ref_text = reference
+    old_pid = stack.station.pid
+    stack.station.kill()
+    stack.station.wait()
+    wait_for(lambda: stack.health()[0] == 503, 30, "host /health 503")
+    status, health = stack.health()
+    assert health["station_reachable"] is False and health["host_pid"] == stack.host.pid
+    for stream in (False, True):
+        r = httpx.post(stack.base_url + "/v1/chat/completions",
+                       json={"messages": MESSAGES, "max_tokens": 4, "stream": stream})
+        assert (r.status_code, r.headers["Retry-After"]) == (503, "1")
+        error = r.json()["error"]
+        assert (error["type"], error["param"], error["code"]) == \
+            ("service_unavailable", None, "station_unavailable")
+        assert error["message"].startswith("The model station is not available right now")
+    stack.start_station()
+    health = stack.wait_served()
+    assert stack.host.poll() is None and health["host_pid"] == stack.host.pid
+    assert health["station_pid"] == stack.station.pid != old_pid
+    assert health["station_restarts"] == 1
+    resp = client.chat.completions.create(model=model_id, messages=MESSAGES,
+                                          max_tokens=MAX_TOKENS, temperature=0)
+    assert resp.choices[0].message.content == ref_text
+    assert resp.usage.completion_tokens == len(ref_ids)
