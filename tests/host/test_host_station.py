@@ -284,8 +284,19 @@ def test_station_killed_is_503_then_the_same_host_serves_the_restarted_station(
         stack, client, model_id, reference):
     _, ref_ids, ref_text = reference
     old_pid = stack.station.pid
-    stack.station.kill()
-    stack.station.wait()
+    with httpx.stream("POST", stack.base_url + "/v1/completions",
+                      json={"prompt": LONG_PROMPT, "max_tokens": 3000, "temperature": 0,
+                            "stream": True}) as r:
+        lines = r.iter_lines()
+        head = [next(lines), next(lines)]
+        stack.station.kill()  # mid-stream: the headers (200) are gone, the error is an event
+        stack.station.wait()
+        events = sse_events([*head, *lines])
+    assert "[DONE]" not in events
+    assert events[-1] == {"error": {
+        "message": "The model station is not available right now; retry shortly. (station "
+                   "connection closed mid-request)",
+        "type": "service_unavailable", "param": None, "code": "station_unavailable"}}
     wait_for(lambda: stack.health()[0] == 503, 30, "host /health 503")
     status, health = stack.health()
     assert health["station_reachable"] is False and health["host_pid"] == stack.host.pid
