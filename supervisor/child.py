@@ -193,10 +193,14 @@ class Child:
         info: dict[str, Any] | None = None
         with trio.move_on_after(self.spec.start_timeout_s):
             while info is None:
-                try:
-                    info = await self.spec.ready_probe()
-                except ProbeFailed as exc:
-                    self.log.debug("child_not_ready", child=self.name, error=str(exc))
+                # Each attempt is bounded too: one answer that never comes must not use up
+                # the whole start timeout.
+                with trio.move_on_after(self.spec.health_timeout_s):
+                    try:
+                        info = await self.spec.ready_probe()
+                    except ProbeFailed as exc:
+                        self.log.debug("child_not_ready", child=self.name, error=str(exc))
+                if info is None:
                     await trio.sleep(0.1)
         if self.machine.state is not ChildState.STARTING:
             return  # a stop or restart was requested meanwhile: that path owns the process

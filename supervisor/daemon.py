@@ -189,12 +189,11 @@ class Supervisor:
         os.chmod(runtime, 0o700)  # it holds the station's socket: nobody else may connect
         self.log.info("supervisor_start", pid=os.getpid(), runtime_dir=str(runtime),
                       notify=self.notifier.enabled, watchdog_usec=self.settings.watchdog_usec)
-        self.publish()
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
                 nursery.start_soon(self._watch_signals, signals)
-                try:
+                try:  # first: a second supervisor must not touch the first one's files
                     await nursery.start(serve_control, self.settings.control_socket,
                                         self._control)
                 except ControlError as exc:
@@ -202,6 +201,7 @@ class Supervisor:
                     print(f"gnosis-daemon: {exc}", file=sys.stderr)
                     nursery.cancel_scope.cancel()
                     return 1
+                self.publish()
                 nursery.start_soon(self._periodic)
                 if self.settings.watchdog_usec:
                     nursery.start_soon(self._watchdog, self.settings.watchdog_usec / 2e6)

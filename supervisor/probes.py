@@ -13,9 +13,10 @@ in the kernel backlog but never answers).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
-from typing import Any
+from typing import Any, Iterator
 
 import trio
 
@@ -28,25 +29,38 @@ class ProbeFailed(Exception):
     """The child did not answer the probe (refused, closed, malformed, or an error reply)."""
 
 
-async def station_hello(path: str | os.PathLike[str], max_frame_bytes: int) -> dict[str, Any]:
+def _first_leaf(exc: BaseException) -> BaseException:
+    while isinstance(exc, BaseExceptionGroup):
+        exc = exc.exceptions[0]
+    return exc
+
+
+@contextlib.contextmanager
+def _probe_failure(what: str) -> Iterator[None]:
+    """Expected failures become ``ProbeFailed``; the client's nursery wraps them in an
+    exception group, which is unwrapped only when it holds nothing else (never Cancelled)."""
     try:
+        yield
+    except (StationError, OSError) as exc:
+        raise ProbeFailed(f"{what}: {exc}") from None
+    except BaseExceptionGroup as group:
+        matched, rest = group.split((StationError, OSError))
+        if rest is not None or matched is None:
+            raise
+        raise ProbeFailed(f"{what}: {_first_leaf(matched)}") from None
+
+
+async def station_hello(path: str | os.PathLike[str], max_frame_bytes: int) -> dict[str, Any]:
+    with _probe_failure("station hello"):
         async with open_station_client(path, max_frame_bytes=max_frame_bytes) as conn:
             assert conn.hello is not None
             return conn.hello
-    except StationError as exc:
-        raise ProbeFailed(f"station hello: {exc}") from None
-    except OSError as exc:
-        raise ProbeFailed(f"station hello: {exc}") from None
 
 
 async def station_health(path: str | os.PathLike[str], max_frame_bytes: int) -> dict[str, Any]:
-    try:
+    with _probe_failure("station health"):
         async with open_station_client(path, max_frame_bytes=max_frame_bytes, hello=False) as conn:
             return await conn.request("health")
-    except StationError as exc:
-        raise ProbeFailed(f"station health: {exc}") from None
-    except OSError as exc:
-        raise ProbeFailed(f"station health: {exc}") from None
 
 
 def connect_address(host: str) -> str:
@@ -70,8 +84,27 @@ def _dechunk(body: bytes) -> bytes:
     return bytes(out)
 
 
+def response_complete(raw: bytes) -> bool:
+    """Whether ``raw`` holds a whole response. hypercorn answers ``Connection: close`` but
+    does not close its side first, so reading until EOF would wait for its keep-alive timeout."""
+    head, sep, body = raw.partition(b"\r\n\r\n")
+    if not sep:
+        return False
+    for line in head.split(b"\r\n")[1:]:
+        key, _, value = line.partition(b":")
+        key = key.strip().lower()
+        if key == b"content-length":
+            try:
+                return len(body) >= int(value.strip())
+            except ValueError:
+                return False
+        if key == b"transfer-encoding" and b"chunked" in value.lower():
+            return body.endswith(b"0\r\n\r\n")
+    return False  # no length given: the body ends at EOF
+
+
 def parse_response(raw: bytes) -> tuple[int, dict[str, Any]]:
-    """(status code, JSON body or {}) from a complete ``Connection: close`` response."""
+    """(status code, JSON body or {}) from a complete response."""
     head, sep, body = raw.partition(b"\r\n\r\n")
     if not sep:
         raise ProbeFailed("host /health: incomplete HTTP response")
@@ -112,7 +145,7 @@ async def host_health(host: str, port: int) -> tuple[int, dict[str, Any]]:
     try:
         async with stream:
             await stream.send_all(request)
-            while len(raw) < MAX_HEALTH_BYTES:
+            while len(raw) < MAX_HEALTH_BYTES and not response_complete(bytes(raw)):
                 chunk = await stream.receive_some(65536)
                 if not chunk:
                     break

@@ -130,7 +130,11 @@ def render(document: dict[str, Any]) -> str:
              f"updated {_ago(document.get('updated_at'))}"]
     header = ("CHILD", "STATE", "PID", "RESTARTS", "UPTIME_S", "LAST EXIT", "CAPABILITIES")
     rows = [header]
-    for name, child in (document.get("children") or {}).items():
+    children = document.get("children") or {}
+    order = [n for n in ("station", "host") if n in children] + sorted(
+        n for n in children if n not in ("station", "host"))
+    for name in order:
+        child = children[name]
         last = child.get("last_exit") or None
         if last:
             how = (f"signal {last.get('signal_name') or last.get('signal')}"
