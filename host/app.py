@@ -233,11 +233,11 @@ async def _complete(settings: Settings, link: StationLink, policy: liquid.Liquid
                                     gnosis), headers=headers)
     stack = AsyncExitStack()
     record.closers.append(stack.aclose)
-    stream = await stack.enter_async_context(conn.open_stream("generate", req.station_args,
-                                                              rid=rid))
     # Wait for the prefill to end before answering, so a context overflow, a full KV pool
     # or a lost station still gets its HTTP status instead of a 200 with an error inside.
     try:
+        stream = await stack.enter_async_context(
+            conn.open_stream("generate", req.station_args, rid=rid))
         first: dict[str, Any] | None = await stream.__anext__()
     except StopAsyncIteration:
         first = None
