@@ -233,3 +233,44 @@ def test_two_hundred_mixed_requests_with_aborts_leave_no_block_held(tiny):
             assert len(finals) == 1
         assert_pool_clean(engine)
         assert engine.stats()["prefix_cache_hits_tokens"] > 0
+
+
+def test_a_failing_step_ends_its_requests_with_internal_and_the_engine_keeps_serving(tiny):
+    path, loaded = tiny("llama")
+    prompt = prompt_of(6, 9)
+    with engine_for(loaded) as engine:
+        real_run = engine.runner.run
+        calls = []
+
+        def fail_once(batch):  # fault injection: a forward that raises (e.g. CUDA OOM)
+            if not calls:
+                calls.append(1)
+                raise RuntimeError("boom")
+            return real_run(batch)
+
+        engine.runner.run = fail_once
+        failed = submit(engine, "bad", prompt, 4).wait()
+        error = failed.one(EventKind.ERROR)
+        assert error["code"] == "internal" and "boom" in error["message"]
+        assert_pool_clean(engine)
+        assert submit(engine, "good", prompt, 6).wait().tokens == reference(path, prompt, 6)
+
+
+def test_shutdown_ends_unfinished_requests_with_shutting_down(tiny):
+    _, loaded = tiny("llama")
+    started = threading.Event()
+    running = Collector()
+
+    def on_event(event):
+        running(event)
+        if event.kind is EventKind.TOKEN:
+            started.set()
+
+    with engine_for(loaded, num_blocks=1024) as engine:
+        engine.add_request(GenerationRequest("r", prompt_of(8, 5), SamplingParams(
+            max_tokens=100_000, temperature=0.0, ignore_eos=True)), on_event)
+        assert started.wait(30)
+    assert running.wait().one(EventKind.ERROR)["code"] == "shutting_down"
+    assert engine.pool.num_held_blocks == 0
+    with pytest.raises(RuntimeError, match="shutting down"):
+        submit(engine, "late", prompt_of(8, 5), 4)
