@@ -159,19 +159,21 @@ def both_running(status: dict[str, Any]) -> bool:
             and all(children[n]["state"] == "running" for n in ("station", "host")))
 
 
-def start_daemon(model_dir: Path, base: Path) -> Daemon:
+def start_daemon(model_dir: Path, base: Path, *, wait: bool = True, **extra_env: str) -> Daemon:
     base.mkdir(parents=True, exist_ok=True)
     runtime_dir = base / "run"
     port = free_port()
     notify = NotifyCollector(base / "notify.sock")
     log_path = base / "daemon.log"
     log_file = open(log_path, "wb")
-    env = clean_env(**SUPERVISION_ENV, NOTIFY_SOCKET=str(notify.path))
+    env = clean_env(**{**SUPERVISION_ENV, **extra_env}, NOTIFY_SOCKET=str(notify.path))
     proc = subprocess.Popen(
         [sys.executable, "-m", "gnosis_daemon.cli", "run", "--model", str(model_dir),
          "--runtime-dir", str(runtime_dir), "--port", str(port)],
         cwd=REPO, env=env, stdout=log_file, stderr=subprocess.STDOUT)
     daemon = Daemon(proc, runtime_dir, port, log_path, notify, log_file)
+    if not wait:
+        return daemon
     try:
         daemon.wait(both_running, START_TIMEOUT_S, "station and host running")
     except BaseException:

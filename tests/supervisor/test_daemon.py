@@ -216,3 +216,21 @@ def test_no_child_outlives_a_sigkilled_supervisor(tiny_model_dir, tmp_path_facto
         assert [pid for pid in pids if alive(pid)] == []
     finally:
         stop_daemon(d)
+
+
+def test_supervisor_gives_up_and_exits_1_when_the_station_cannot_start(tmp_path):
+    broken = tmp_path / "not-a-model"
+    broken.mkdir()  # exists, so settings accept it; the station fails to load it
+    d = start_daemon(broken, tmp_path / "fatal", wait=False, GNOSIS_MAX_FAST_FAILURES="1")
+    try:
+        assert d.proc.wait(60) == 1
+        status = d.status()
+        assert status["supervisor"]["state"] == "fatal"
+        assert status["supervisor"]["fatal"] == "station failed 1 times in a row"
+        station = status["children"]["station"]
+        assert station["state"] == "fatal" and station["last_exit"]["code"] not in (0, None)
+        assert status["children"]["host"]["state"] == "stopped"  # never started
+        assert not any(m.get("READY") for m in d.notify.messages)
+        assert any(m.get("STOPPING") == "1" for m in d.notify.messages)
+    finally:
+        stop_daemon(d)
