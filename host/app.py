@@ -17,9 +17,8 @@ import re
 import signal
 import time
 import uuid
-from contextlib import AsyncExitStack
 from functools import partial
-from typing import Any, AsyncIterator
+from typing import Any
 
 import trio
 from hypercorn.config import Config as HypercornConfig
@@ -29,12 +28,15 @@ from quart_trio import QuartTrio
 from quart_trio.asgi import TrioASGIHTTPConnection
 from werkzeug.exceptions import HTTPException
 
-from gnosis_daemon.client import StationError, StationStream
+from gnosis_daemon.client import StationError, is_unknown_op
 from gnosis_daemon.logs import bind_request, configure_logging, get_logger
 from gnosis_daemon.settings import Settings
-from host import errors, liquid, openai_api, sse
+from host import embeddings, errors, openai_api, sse
+from host.completions import complete, json_response
 from host.errors import ApiError
+from host.liquid_memory import LiquidMemory
 from host.metrics import Counters, RequestRecord, current_record, emit
+from host.session_index import tenant_key
 from host.station_link import StationLink
 
 log = get_logger("host")
@@ -87,7 +89,17 @@ def create_app(settings: Settings, link: StationLink) -> QuartTrio:
     app = QuartTrio("gnosis_host")
     app.asgi_http_class = _HTTPConnection  # type: ignore[assignment]
     app.gnosis_counters = Counters()  # type: ignore[attr-defined]
-    policy = liquid.LiquidPolicy(settings.liquid_memory)
+    memory = LiquidMemory(settings.liquid_memory, settings.kv_session_budget,
+                          negotiate_timeout_s=max(settings.health_timeout_s, 5.0))
+    app.gnosis_liquid = memory  # type: ignore[attr-defined]
+
+    async def on_connect(conn: Any, hello: dict[str, Any]) -> None:
+        # Every (re)connect: negotiate before requests can see the connection.
+        await memory.on_connect(conn, hello)
+        assert memory.negotiated is not None
+        link.capabilities = {k: v for k, v in memory.negotiated.flags.items() if v}
+
+    link.on_connect = on_connect
 
     @app.after_request
     async def _finish(response: Response) -> Response:
@@ -132,12 +144,17 @@ def create_app(settings: Settings, link: StationLink) -> QuartTrio:
             "model": link.model_id if connected else None,
             "station_reachable": connected,
             "station_pid": hello.get("pid") if hello else None,
-            "station_capabilities": dict(link.capabilities) if connected else {},
+            # Every negotiated flag (false ones included) and how each was learned.
+            "station_capabilities": (dict(memory.negotiated.flags)
+                                     if connected and memory.negotiated else {}),
+            "station_capabilities_learned": (dict(memory.negotiated.learned)
+                                             if connected and memory.negotiated else {}),
             "station_restarts": link.reconnects,
             "station_last_error": None if connected else link.last_error,
         }
         # Liquid memory: effective state, env switch, station kv_session, reason when off.
-        body.update(policy.state(link.capabilities if connected else None).health_fields())
+        body.update(memory.state(connected=connected).health_fields())
+        body["liquid_sessions"] = len(memory.index)
         return Response(sse.encode_json(body), 200 if connected else 503,
                         content_type="application/json")
 
@@ -150,29 +167,59 @@ def create_app(settings: Settings, link: StationLink) -> QuartTrio:
 
     @app.get("/v1/models")
     async def models() -> Response:
-        return _json({"object": "list", "data": [_model_card(link)]})
+        return json_response({"object": "list", "data": [_model_card(link)]})
 
     @app.get("/v1/models/<path:model>")
     async def model(model: str) -> Response:
         card = _model_card(link)
         if model != card["id"]:
             raise errors.model_not_found(model)
-        return _json(card)
+        return json_response(card)
 
     @app.post("/v1/chat/completions")
     async def chat_completions() -> Response:
-        return await _complete(settings, link, policy, openai_api.parse_chat(await _body()))
+        return await complete(settings, link, memory, openai_api.parse_chat(await _body()),
+                              _record(), _tenant())
 
     @app.post("/v1/completions")
     async def completions() -> Response:
-        return await _complete(settings, link, policy, openai_api.parse_completion(await _body()))
+        return await complete(settings, link, memory,
+                              openai_api.parse_completion(await _body()), _record(), _tenant())
+
+    @app.post("/v1/embeddings")
+    async def create_embeddings() -> Response:
+        req = embeddings.parse(await _body())
+        try:
+            conn = link.current()
+        except StationError as exc:
+            raise errors.from_station(exc, "input") from None
+        model_id = link.model_id
+        assert model_id is not None
+        if req.model is not None and req.model != model_id:
+            raise errors.model_not_found(req.model)
+        if not memory.has("embed"):
+            raise embeddings.not_supported()
+        try:
+            with trio.fail_after(settings.request_timeout_s):
+                result = await conn.request("embed", req.station_args, rid=_record().request_id)
+        except StationError as exc:
+            if is_unknown_op(exc):
+                raise embeddings.not_supported(exc.message) from None
+            raise errors.from_station(exc, "input") from None
+        except trio.TooSlowError:
+            raise ApiError(504, f"The embeddings did not finish within "
+                           f"{settings.request_timeout_s:g} s.", errors.SERVER_ERROR, None,
+                           "timeout") from None
+        return json_response(embeddings.response(req, model_id, result))
 
     return app
 
 
-def _json(obj: dict[str, Any], status: int = 200,
-          headers: dict[str, str] | None = None) -> Response:
-    return Response(sse.encode_json(obj), status, headers or {}, content_type="application/json")
+def _tenant() -> str:
+    """The caller's tenant: the hash of its bearer key (sessions never cross tenants)."""
+    auth = request.headers.get("Authorization", "")
+    scheme, _, key = auth.partition(" ")
+    return tenant_key(key.strip() if scheme.lower() == "bearer" else None)
 
 
 def _reject_constant(name: str) -> Any:
@@ -196,114 +243,6 @@ def _model_card(link: StationLink) -> dict[str, Any]:
     assert link.model_id is not None
     return {"id": link.model_id, "object": "model", "created": link.connected_at,
             "owned_by": "gnosis-daemon"}
-
-
-async def _complete(settings: Settings, link: StationLink, policy: liquid.LiquidPolicy,
-                    req: openai_api.CompletionRequest) -> Response:
-    record = _record()
-    record.stream = req.stream
-    try:
-        conn = link.current()
-    except StationError as exc:
-        raise errors.from_station(exc, req.prompt_param) from None
-    model_id = link.model_id
-    assert model_id is not None
-    if req.model is not None and req.model != model_id:
-        raise errors.model_not_found(req.model)
-    record.model = model_id
-    outcome = policy.outcome(link.capabilities)
-    fmt = openai_api.Formatter(req.kind, model_id, req.include_usage)
-    headers = liquid.headers(outcome)
-    rid = record.request_id
-    if not req.stream:
-        try:
-            with trio.fail_after(settings.request_timeout_s):
-                result = await conn.request("generate", req.station_args, rid=rid)
-        except StationError as exc:
-            raise errors.from_station(exc, req.prompt_param) from None
-        except trio.TooSlowError:
-            raise ApiError(504, f"The completion did not finish within "
-                           f"{settings.request_timeout_s:g} s.", errors.SERVER_ERROR, None,
-                           "timeout") from None
-        _note_result(record, result)
-        gnosis = _gnosis(outcome, result)
-        usage = openai_api.usage(result["prompt_tokens"], result["completion_tokens"],
-                                 result.get("cached_tokens", 0))
-        return _json(fmt.completion(result.get("text", ""), result["finish_reason"], usage,
-                                    gnosis), headers=headers)
-    stack = AsyncExitStack()
-    record.closers.append(stack.aclose)
-    # Wait for the prefill to end before answering, so a context overflow, a full KV pool
-    # or a lost station still gets its HTTP status instead of a 200 with an error inside.
-    try:
-        stream = await stack.enter_async_context(
-            conn.open_stream("generate", req.station_args, rid=rid))
-        first: dict[str, Any] | None = await stream.__anext__()
-    except StopAsyncIteration:
-        first = None
-    except StationError as exc:
-        raise errors.from_station(exc, req.prompt_param) from None
-    body = _stream_body(stream, first, fmt, outcome, record, req.prompt_param)
-    response = Response(body, 200, {**sse.HEADERS, **headers})
-    response.timeout = None  # a generation may outlast RESPONSE_TIMEOUT (60 s)
-    return response
-
-
-async def _stream_body(stream: StationStream, first: dict[str, Any] | None,
-                       fmt: openai_api.Formatter, outcome: liquid.LiquidOutcome,
-                       record: RequestRecord, prompt_param: str) -> AsyncIterator[bytes]:
-    role = fmt.role_chunk()
-    if role is not None:
-        yield sse.event(role)
-    completion_tokens = 0
-    try:
-        event = first
-        while event is not None:
-            kind = event.get("type")
-            if kind == "prefill":
-                record.prompt_tokens = event.get("prompt_tokens")
-                record.cached_tokens = event.get("cached_tokens")
-            elif kind == "tokens":
-                completion_tokens += len(event.get("token_ids") or ())
-                record.completion_tokens = completion_tokens
-                if event.get("text"):
-                    yield sse.event(fmt.delta_chunk(event["text"]))
-            try:
-                event = await stream.__anext__()
-            except StopAsyncIteration:
-                event = None
-    except StationError as exc:
-        # Headers are gone: the error travels as an event, the way OpenAI streams report it.
-        record.outcome = f"error:{exc.code}"
-        yield sse.event(errors.from_station(exc, prompt_param).body())
-        return
-    result = stream.result
-    assert result is not None
-    _note_result(record, result)
-    gnosis = _gnosis(outcome, result)
-    yield sse.event(fmt.finish_chunk(result["finish_reason"],
-                                     None if fmt.include_usage else gnosis))
-    if fmt.include_usage:
-        usage = openai_api.usage(result["prompt_tokens"], result["completion_tokens"],
-                                 result.get("cached_tokens", 0))
-        yield sse.event(fmt.usage_chunk(usage, gnosis))
-    record.outcome = "ok"
-    yield sse.DONE
-
-
-def _note_result(record: RequestRecord, result: dict[str, Any]) -> None:
-    record.prompt_tokens = result.get("prompt_tokens")
-    record.completion_tokens = result.get("completion_tokens")
-    record.cached_tokens = result.get("cached_tokens", 0)
-    record.ttft_ms = result.get("ttft_ms")
-
-
-def _gnosis(outcome: liquid.LiquidOutcome, result: dict[str, Any]) -> dict[str, Any]:
-    return liquid.gnosis_block(
-        outcome, prompt_tokens=result["prompt_tokens"],
-        completion_tokens=result["completion_tokens"],
-        cached_tokens=result.get("cached_tokens", 0), ttft_ms=result.get("ttft_ms"),
-        tokens_per_second=result.get("decode_tokens_per_s"))
 
 
 def _bind(settings: Settings) -> str:

@@ -1,9 +1,14 @@
-"""Liquid-memory policy and what each completion reports about it.
+"""Liquid memory's effective state, each completion's outcome, and how both are reported.
 
 Liquid memory is effective only when ``THOTH_LIQUID_MEMORY`` is on AND the station has
-``kv_session`` AND a decode path (DESIGN.md, "never degrade silently"). This host does not
-implement the liquid path yet, so ``LiquidPolicy`` always answers "disabled" with the first
-reason that applies; issue 4 replaces the policy, and ``gnosis_block`` / ``headers`` stay.
+``kv_session`` AND a decode path, ``generate`` or ``decode_next`` (DESIGN.md, "never
+degrade silently"); when it is off, ``LiquidState.reason`` says why, /health shows it, and
+every completion carries it as ``liquid_miss_reason`` with ``liquid_memory: "disabled"``.
+
+A liquid completion's outcome is known when its prefill ends (the station's ``prefill``
+event), so the ``X-Thoth-Liquid-*`` headers go out before the first streamed byte:
+``hit`` (a saved session served part of the prompt), ``capture_failed`` (a save was asked
+and not confirmed: the request still completes, and says so), else ``miss``.
 """
 
 from __future__ import annotations
@@ -11,10 +16,56 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from gnosis_daemon.protocol import Capability
+from host.capabilities import FLAG, Negotiated
 
 OUTCOMES = ("hit", "miss", "capture_failed", "disabled")
 PATHS = ("liquid", "native")
+ENV_OFF_REASON = "disabled by THOTH_LIQUID_MEMORY=0"
+NOT_CONNECTED_REASON = "station not connected"
+NO_DECODE_PATH_REASON = "station lacks a decode path (generate or decode_next)"
+NO_SAVED_PREFIX = "no saved prefix"
+SAVE_UNCONFIRMED = "the station did not confirm the save"
+
+
+@dataclass(frozen=True, slots=True)
+class LiquidState:
+    """The host-wide effective state that /health reports."""
+
+    effective: bool
+    env: bool
+    station_kv_session: bool
+    reason: str | None  # why it is off; None when on
+
+    def __post_init__(self) -> None:
+        assert self.effective == (self.reason is None), (self.effective, self.reason)
+
+    def health_fields(self) -> dict[str, Any]:
+        return {"liquid_memory": self.effective, "liquid_memory_env": self.env,
+                "station_kv_session": self.station_kv_session,
+                "liquid_memory_reason": self.reason}
+
+
+def kv_session_reason(negotiated: Negotiated) -> str:
+    how = negotiated.learned.get("kv_session", FLAG)
+    detail = "flag false in hello" if how == FLAG else "unknown_op on probe"
+    return f"station lacks the kv_session capability ({detail})"
+
+
+def liquid_state(env: bool, negotiated: Negotiated | None) -> LiquidState:
+    """Effective = env AND kv_session AND a decode path; otherwise every reason that applies."""
+    if negotiated is None:
+        reasons = [ENV_OFF_REASON] if not env else []
+        reasons.append(NOT_CONNECTED_REASON)
+        return LiquidState(False, env, False, "; ".join(reasons))
+    reasons = []
+    if not env:
+        reasons.append(ENV_OFF_REASON)
+    if not negotiated.kv_session:
+        reasons.append(kv_session_reason(negotiated))
+    if not negotiated.decode_path:
+        reasons.append(NO_DECODE_PATH_REASON)
+    reason = "; ".join(reasons) or None
+    return LiquidState(reason is None, env, negotiated.kv_session, reason)
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,47 +80,33 @@ class LiquidOutcome:
     def __post_init__(self) -> None:
         assert self.liquid_memory in OUTCOMES, self.liquid_memory
         assert self.path in PATHS, self.path
-        assert self.path == "native" or self.liquid_memory != "disabled"
+        assert (self.path == "native") == (self.liquid_memory == "disabled"), self
+        assert self.liquid_memory != "hit" or self.miss_reason is None, self
 
 
-@dataclass(frozen=True, slots=True)
-class LiquidState:
-    """The host-wide effective state that /health reports."""
-
-    enabled: bool
-    env: bool
-    station_kv_session: bool
-    reason: str | None  # why it is off; None when on
-
-    def health_fields(self) -> dict[str, Any]:
-        return {"liquid_memory": self.enabled, "liquid_memory_env": self.env,
-                "station_kv_session": self.station_kv_session,
-                "liquid_memory_reason": self.reason}
+def disabled(reason: str | None) -> LiquidOutcome:
+    return LiquidOutcome("disabled", False, reason, "native")
 
 
-class LiquidPolicy:
-    def __init__(self, env_enabled: bool) -> None:
-        self.env_enabled = env_enabled
-
-    def state(self, capabilities: dict[str, Any] | None) -> LiquidState:
-        caps = capabilities or {}
-        kv_session = bool(caps.get(Capability.KV_SESSION))
-        decode_path = bool(caps.get(Capability.GENERATE) or caps.get(Capability.DECODE_NEXT))
-        if not self.env_enabled:
-            reason = "disabled by THOTH_LIQUID_MEMORY=0"
-        elif capabilities is None:
-            reason = "station not connected"
-        elif not kv_session:
-            reason = "station lacks the kv_session capability"
-        elif not decode_path:
-            reason = "station lacks a decode path (generate or decode_next)"
-        else:
-            reason = "liquid memory is not implemented in this host yet"
-        return LiquidState(False, self.env_enabled, kv_session, reason)
-
-    def outcome(self, capabilities: dict[str, Any] | None) -> LiquidOutcome:
-        state = self.state(capabilities)
-        return LiquidOutcome("disabled", False, state.reason, "native")
+def from_prefill(event: dict[str, Any] | None, *, loaded_asked: bool,
+                 save_asked: bool) -> LiquidOutcome:
+    """The outcome of a liquid completion from the station's ``prefill`` event."""
+    event = event or {}
+    saved = bool(event.get("saved")) and save_asked
+    if event.get("session_loaded") and int(event.get("session_tokens") or 0) > 0:
+        return LiquidOutcome("hit", saved, None, "liquid")
+    if save_asked and not saved:
+        # A station that ignored the save arguments (no ``saved`` field) is a failed
+        # capture too: the failure this project exists to prevent is a silent one.
+        return LiquidOutcome("capture_failed", False,
+                             str(event.get("save_error") or SAVE_UNCONFIRMED), "liquid")
+    if event.get("session_error"):
+        reason = str(event["session_error"])
+    elif loaded_asked:
+        reason = "no reusable prefix"  # loaded, but no full block of it matched the prompt
+    else:
+        reason = NO_SAVED_PREFIX
+    return LiquidOutcome("miss", saved, reason, "liquid")
 
 
 def gnosis_block(outcome: LiquidOutcome, *, prompt_tokens: int, completion_tokens: int,

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable
 
 from gnosis_daemon.logs import get_logger
+from host.liquid import OUTCOMES as LIQUID_OUTCOMES
 
 log = get_logger("host.request")
 
@@ -34,6 +35,8 @@ class RequestRecord:
     completion_tokens: int | None = None
     cached_tokens: int | None = None
     ttft_ms: float | None = None
+    liquid_memory: str | None = None  # hit | miss | capture_failed | disabled (completions)
+    liquid_reason: str | None = None
     outcome: str | None = None  # ok | error:<code> | client_disconnected | ...
     # Resources a streamed response holds (the station stream); run when the task ends,
     # even if the response body was never iterated.
@@ -45,6 +48,7 @@ class RequestRecord:
             "model": self.model, "stream": self.stream,
             "prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
             "cached_tokens": self.cached_tokens, "ttft_ms": self.ttft_ms,
+            "liquid_memory": self.liquid_memory, "liquid_reason": self.liquid_reason,
             "duration_ms": round((time.monotonic() - self.started) * 1000, 3),
             "outcome": self.outcome,
         }
@@ -62,6 +66,8 @@ class Counters:
         self.prompt_tokens = 0
         self.completion_tokens = 0
         self.cached_tokens = 0
+        # Completions by liquid-memory outcome; every outcome is rendered, 0 included.
+        self.liquid: Counter[str] = Counter({name: 0 for name in LIQUID_OUTCOMES})
         self.inflight = 0  # HTTP requests whose task has not ended (the drain waits for 0)
 
     def observe(self, record: RequestRecord) -> None:
@@ -69,6 +75,8 @@ class Counters:
         self.prompt_tokens += record.prompt_tokens or 0
         self.completion_tokens += record.completion_tokens or 0
         self.cached_tokens += record.cached_tokens or 0
+        if record.liquid_memory is not None:
+            self.liquid[record.liquid_memory] += 1
 
     def render(self, gauges: dict[str, float]) -> str:
         lines = ["# TYPE gnosis_http_requests_total counter"]
@@ -78,6 +86,9 @@ class Counters:
         for name in ("prompt_tokens", "completion_tokens", "cached_tokens"):
             lines.append(f"# TYPE gnosis_{name}_total counter")
             lines.append(f"gnosis_{name}_total {getattr(self, name)}")
+        lines.append("# TYPE gnosis_liquid_memory_total counter")
+        for outcome, count in sorted(self.liquid.items()):
+            lines.append(f'gnosis_liquid_memory_total{{outcome="{_label(outcome)}"}} {count}')
         gauges = {**gauges, "http_requests_inflight": float(self.inflight)}
         for name, value in sorted(gauges.items()):
             lines.append(f"# TYPE gnosis_{name} gauge")

@@ -21,6 +21,9 @@ CHAT = "chat"
 TEXT = "text"
 ROLES = ("system", "user", "assistant", "tool", "developer")
 MAX_STOP = 4
+# Fields that name a liquid-memory session, first present wins (OpenAI's prompt_cache_key
+# and user are such names; session_id is this server's own).
+SESSION_FIELDS = ("session_id", "prompt_cache_key", "user")
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,6 +34,8 @@ class CompletionRequest:
     include_usage: bool
     station_args: dict[str, Any]  # the station's `generate` args
     prompt_param: str  # "messages" | "prompt": where a context overflow is blamed
+    # A named liquid-memory session: session_id, else prompt_cache_key, else user.
+    session_name: str | None = None
 
     def __post_init__(self) -> None:
         assert self.kind in (CHAT, TEXT), self.kind
@@ -94,9 +99,12 @@ def _finish(kind: str, body: dict[str, Any], args: dict[str, Any], max_tokens: i
         if not _is_int(seed):
             raise errors.invalid_type("seed", "an integer", seed)
         args["seed"] = seed
-    user = body.get("user")
-    if user is not None and not isinstance(user, str):
-        raise errors.invalid_type("user", "a string", user)
+    session_name = None
+    for key in SESSION_FIELDS:
+        value = body.get(key)
+        if value is not None and not isinstance(value, str):
+            raise errors.invalid_type(key, "a string", value)
+        session_name = session_name or value or None
     stream = body.get("stream")
     if stream is None:
         stream = False
@@ -115,7 +123,7 @@ def _finish(kind: str, body: dict[str, Any], args: dict[str, Any], max_tokens: i
             include_usage = False
         if not isinstance(include_usage, bool):
             raise errors.invalid_type("stream_options.include_usage", "a boolean", include_usage)
-    return CompletionRequest(kind, model, stream, include_usage, args, prompt_param)
+    return CompletionRequest(kind, model, stream, include_usage, args, prompt_param, session_name)
 
 
 def _object(body: Any) -> dict[str, Any]:

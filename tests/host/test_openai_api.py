@@ -209,21 +209,6 @@ def test_gnosis_block_and_headers_come_from_the_outcome():
                                        "X-Thoth-Liquid-KV-Saved": "false"}
 
 
-@pytest.mark.parametrize("env, caps, reason", [
-    (False, {"generate": True, "kv_session": True}, "disabled by THOTH_LIQUID_MEMORY=0"),
-    (True, None, "station not connected"),
-    (True, {"generate": True}, "station lacks the kv_session capability"),
-    (True, {"kv_session": True}, "station lacks a decode path (generate or decode_next)"),
-    (True, {"generate": True, "kv_session": True},
-     "liquid memory is not implemented in this host yet"),
-])
-def test_liquid_policy_never_degrades_silently(env, caps, reason):
-    state = liquid.LiquidPolicy(env).state(caps)
-    assert state.enabled is False and state.reason == reason and state.env is env
-    assert liquid.LiquidPolicy(env).outcome(caps) == liquid.LiquidOutcome(
-        "disabled", False, reason, "native")
-
-
 @pytest.mark.parametrize("code, status, api_code, retry_after", [
     ("context_overflow", 400, "context_length_exceeded", None),
     ("bad_request", 400, "invalid_value", None),

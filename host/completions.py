@@ -1,0 +1,163 @@
+"""``/v1/chat/completions`` and ``/v1/completions``: one station ``generate`` per request.
+
+Both paths (liquid and native, chosen by ``LiquidMemory.prepare``) read the station's
+stream the same way: the first event is the ``prefill`` event, which fixes the liquid
+outcome, so the ``X-Thoth-Liquid-*`` headers are known before any body byte; a streamed
+response waits for it before answering, so a context overflow, a full KV pool or a lost
+station still gets its HTTP status instead of a 200 with an error inside.
+"""
+
+from __future__ import annotations
+
+from contextlib import AsyncExitStack
+from typing import Any, AsyncIterator
+
+import trio
+from quart import Response
+
+from gnosis_daemon.client import StationConnection, StationError, StationStream
+from gnosis_daemon.settings import Settings
+from host import errors, liquid, openai_api, sse
+from host.errors import ApiError
+from host.liquid import LiquidOutcome
+from host.liquid_memory import LiquidMemory, Prepared
+from host.metrics import RequestRecord
+from host.station_link import StationLink
+
+
+def json_response(obj: dict[str, Any], status: int = 200,
+                  headers: dict[str, str] | None = None) -> Response:
+    return Response(sse.encode_json(obj), status, headers or {}, content_type="application/json")
+
+
+async def complete(settings: Settings, link: StationLink, memory: LiquidMemory,
+                   req: openai_api.CompletionRequest, record: RequestRecord,
+                   tenant: str) -> Response:
+    record.stream = req.stream
+    try:
+        conn = link.current()
+    except StationError as exc:
+        raise errors.from_station(exc, req.prompt_param) from None
+    model_id = link.model_id
+    assert model_id is not None
+    if req.model is not None and req.model != model_id:
+        raise errors.model_not_found(req.model)
+    record.model = model_id
+    fmt = openai_api.Formatter(req.kind, model_id, req.include_usage)
+    if not req.stream:
+        try:
+            with trio.fail_after(settings.request_timeout_s):
+                prepared, outcome, result = await _run(conn, memory, req, record, tenant)
+        except StationError as exc:
+            raise errors.from_station(exc, req.prompt_param) from None
+        except trio.TooSlowError:
+            raise ApiError(504, f"The completion did not finish within "
+                           f"{settings.request_timeout_s:g} s.", errors.SERVER_ERROR, None,
+                           "timeout") from None
+        memory.on_result(prepared, result)
+        _note_result(record, result)
+        usage = openai_api.usage(result["prompt_tokens"], result["completion_tokens"],
+                                 result.get("cached_tokens", 0))
+        return json_response(fmt.completion(result.get("text", ""), result["finish_reason"],
+                                            usage, _gnosis(outcome, result)),
+                             headers=liquid.headers(outcome))
+    stack = AsyncExitStack()
+    record.closers.append(stack.aclose)
+    try:
+        prepared = await memory.prepare(conn, req.station_args, tenant=tenant,
+                                        name=req.session_name, rid=record.request_id)
+        stream = await stack.enter_async_context(
+            conn.open_stream("generate", prepared.args, rid=record.request_id))
+        first = await _next(stream)
+    except StationError as exc:
+        raise errors.from_station(exc, req.prompt_param) from None
+    outcome = _outcome(memory, prepared, first, record)
+    body = _stream_body(stream, first, fmt, memory, prepared, outcome, record, req.prompt_param)
+    response = Response(body, 200, {**sse.HEADERS, **liquid.headers(outcome)})
+    response.timeout = None  # a generation may outlast RESPONSE_TIMEOUT (60 s)
+    return response
+
+
+async def _next(stream: StationStream) -> dict[str, Any] | None:
+    try:
+        return await stream.__anext__()
+    except StopAsyncIteration:
+        return None
+
+
+def _outcome(memory: LiquidMemory, prepared: Prepared, first: dict[str, Any] | None,
+             record: RequestRecord) -> LiquidOutcome:
+    prefill = first if first is not None and first.get("type") == "prefill" else None
+    outcome = memory.on_prefill(prepared, prefill)
+    record.liquid_memory = outcome.liquid_memory
+    record.liquid_reason = outcome.miss_reason
+    if prefill is not None:
+        record.prompt_tokens = prefill.get("prompt_tokens")
+        record.cached_tokens = prefill.get("cached_tokens")
+    return outcome
+
+
+async def _run(conn: StationConnection, memory: LiquidMemory,
+               req: openai_api.CompletionRequest, record: RequestRecord,
+               tenant: str) -> tuple[Prepared, LiquidOutcome, dict[str, Any]]:
+    """A whole non-streamed generation: (prepared call, outcome, the station's result)."""
+    prepared = await memory.prepare(conn, req.station_args, tenant=tenant,
+                                    name=req.session_name, rid=record.request_id)
+    async with conn.open_stream("generate", prepared.args, rid=record.request_id) as stream:
+        outcome = _outcome(memory, prepared, await _next(stream), record)
+        async for _ in stream:
+            pass
+    assert stream.result is not None
+    return prepared, outcome, stream.result
+
+
+async def _stream_body(stream: StationStream, first: dict[str, Any] | None,
+                       fmt: openai_api.Formatter, memory: LiquidMemory, prepared: Prepared,
+                       outcome: LiquidOutcome, record: RequestRecord,
+                       prompt_param: str) -> AsyncIterator[bytes]:
+    role = fmt.role_chunk()
+    if role is not None:
+        yield sse.event(role)
+    completion_tokens = 0
+    try:
+        event = first
+        while event is not None:
+            if event.get("type") == "tokens":
+                completion_tokens += len(event.get("token_ids") or ())
+                record.completion_tokens = completion_tokens
+                if event.get("text"):
+                    yield sse.event(fmt.delta_chunk(event["text"]))
+            event = await _next(stream)
+    except StationError as exc:
+        # Headers are gone: the error travels as an event, the way OpenAI streams report it.
+        record.outcome = f"error:{exc.code}"
+        yield sse.event(errors.from_station(exc, prompt_param).body())
+        return
+    result = stream.result
+    assert result is not None
+    memory.on_result(prepared, result)
+    _note_result(record, result)
+    gnosis = _gnosis(outcome, result)
+    yield sse.event(fmt.finish_chunk(result["finish_reason"],
+                                     None if fmt.include_usage else gnosis))
+    if fmt.include_usage:
+        usage = openai_api.usage(result["prompt_tokens"], result["completion_tokens"],
+                                 result.get("cached_tokens", 0))
+        yield sse.event(fmt.usage_chunk(usage, gnosis))
+    record.outcome = "ok"
+    yield sse.DONE
+
+
+def _note_result(record: RequestRecord, result: dict[str, Any]) -> None:
+    record.prompt_tokens = result.get("prompt_tokens")
+    record.completion_tokens = result.get("completion_tokens")
+    record.cached_tokens = result.get("cached_tokens", 0)
+    record.ttft_ms = result.get("ttft_ms")
+
+
+def _gnosis(outcome: LiquidOutcome, result: dict[str, Any]) -> dict[str, Any]:
+    return liquid.gnosis_block(
+        outcome, prompt_tokens=result["prompt_tokens"],
+        completion_tokens=result["completion_tokens"],
+        cached_tokens=result.get("cached_tokens", 0), ttft_ms=result.get("ttft_ms"),
+        tokens_per_second=result.get("decode_tokens_per_s"))

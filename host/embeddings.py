@@ -1,0 +1,105 @@
+"""``POST /v1/embeddings``: OpenAI's request and response shapes over the station's ``embed``.
+
+``input`` is a string, an array of strings, an array of token ids, or an array of token-id
+arrays. The station returns mean-pooled, normalized final hidden states as one float32
+array; ``encoding_format: "base64"`` sends each vector as base64 of its little-endian
+float32 bytes, the way OpenAI does. A station without ``embed`` (negotiated, or answering
+``unknown_op``) gets a 501 with OpenAI's error body, never a crash.
+"""
+
+from __future__ import annotations
+
+import base64
+from dataclasses import dataclass
+from typing import Any
+
+from gnosis_daemon.protocol import unpack_array
+from host import errors
+from host.errors import ApiError
+
+MAX_INPUTS = 2048  # OpenAI's limit on inputs per request
+
+
+@dataclass(frozen=True, slots=True)
+class EmbeddingRequest:
+    model: str | None
+    station_args: dict[str, Any]  # {"texts": [...]} | {"tokens": [[...]]}
+    count: int
+    encoding_format: str  # float | base64
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _token_list(value: Any) -> bool:
+    return isinstance(value, list) and bool(value) and all(_is_int(t) and t >= 0 for t in value)
+
+
+def parse(body: Any) -> EmbeddingRequest:
+    if not isinstance(body, dict):
+        raise errors.invalid(f"The request body must be a JSON object, but got "
+                             f"{errors._json_type(body)} instead.")
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise errors.invalid_type("model", "a string", model)
+    if body.get("input") is None:
+        raise errors.missing("input")
+    value = body["input"]
+    if isinstance(value, str):
+        args: dict[str, Any] = {"texts": [value]}
+    elif _token_list(value):
+        args = {"tokens": [list(value)]}
+    elif isinstance(value, list) and value and all(isinstance(v, str) for v in value):
+        args = {"texts": list(value)}
+    elif isinstance(value, list) and value and all(_token_list(v) for v in value):
+        args = {"tokens": [list(v) for v in value]}
+    else:
+        raise errors.invalid_type("input", "a string, an array of strings, an array of token "
+                                  "ids or an array of token-id arrays", value)
+    items = args.get("texts") or args.get("tokens") or []
+    if any(isinstance(v, str) and not v for v in items):
+        raise errors.invalid_value("input", "strings must not be empty.")
+    if len(items) > MAX_INPUTS:
+        raise errors.invalid_value("input", f"array too long. Expected an array with maximum "
+                                   f"length {MAX_INPUTS}, but got an array with length "
+                                   f"{len(items)} instead.")
+    encoding = body.get("encoding_format")
+    if encoding is None:
+        encoding = "float"
+    if encoding not in ("float", "base64"):
+        raise errors.invalid_value("encoding_format", f"value must be one of 'float', "
+                                   f"'base64', but got {encoding!r}.")
+    if body.get("dimensions") is not None:
+        raise errors.unsupported("dimensions", "is not supported by this server.")
+    user = body.get("user")
+    if user is not None and not isinstance(user, str):
+        raise errors.invalid_type("user", "a string", user)
+    return EmbeddingRequest(model, args, len(items), encoding)
+
+
+def not_supported(detail: str = "") -> ApiError:
+    message = "The model station does not support embeddings (capability embed)."
+    if detail:
+        message = f"{message} ({detail})"
+    return ApiError(501, message, errors.INVALID_REQUEST, None, "embeddings_not_supported")
+
+
+def response(req: EmbeddingRequest, model: str, result: dict[str, Any]) -> dict[str, Any]:
+    try:
+        matrix = unpack_array(result["embeddings"])
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ApiError(500, f"The model station sent a bad embeddings array: {exc}",
+                       errors.SERVER_ERROR, None, "internal_error") from None
+    if matrix.ndim != 2 or matrix.shape[0] != req.count:
+        raise ApiError(500, f"The model station sent embeddings of shape {matrix.shape} for "
+                       f"{req.count} inputs.", errors.SERVER_ERROR, None, "internal_error")
+    matrix = matrix.astype("<f4", copy=False)
+    data = []
+    for index, row in enumerate(matrix):
+        vector: Any = (base64.b64encode(row.tobytes()).decode("ascii")
+                       if req.encoding_format == "base64" else [float(x) for x in row])
+        data.append({"object": "embedding", "index": index, "embedding": vector})
+    prompt_tokens = int(sum(result.get("num_tokens") or ()))
+    return {"object": "list", "data": data, "model": model,
+            "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens}}
