@@ -19,11 +19,13 @@ from tests.support.tiny_models import build_tiny_model
 START_TIMEOUT_S = 90.0
 
 
-def spawn(role: str, runtime_dir: Path, log_path: Path, *extra: str) -> subprocess.Popen:
+def spawn(role: str, runtime_dir: Path, log_path: Path, *extra: str,
+          env: dict[str, str] | None = None) -> subprocess.Popen:
+    """``gnosis-daemon <role>`` as a child; ``env`` adds variables (GNOSIS_*/THOTH_*)."""
     argv = [sys.executable, "-m", "gnosis_daemon.cli", role, "--runtime-dir", str(runtime_dir),
             *extra]
     with open(log_path, "ab") as log:
-        return subprocess.Popen(argv, cwd=REPO, env=child_env(), stdout=log,
+        return subprocess.Popen(argv, cwd=REPO, env=child_env(**(env or {})), stdout=log,
                                 stderr=subprocess.STDOUT, start_new_session=True)
 
 
