@@ -320,9 +320,9 @@ def remove_socket(path: Path, inode: int) -> None:
 
 
 def create_engine(loaded: LoadedModel, settings: Settings) -> Engine:
-    from station.simple_engine import SimpleEngine
+    from station.paged_engine import PagedEngine
 
-    return SimpleEngine(loaded, settings)
+    return PagedEngine(loaded, settings)
 
 
 class _StopRequested(BaseException):
