@@ -1,4 +1,6 @@
-"""A real station child and a real host child on one runtime directory, shared by a module."""
+"""Real station and host children on one runtime directory: ``stack`` (one of each, shared by
+a module) and ``liquid_stack`` (one station, a liquid host and a THOTH_LIQUID_MEMORY=0 host,
+shared by the liquid-memory modules)."""
 
 from __future__ import annotations
 
@@ -110,3 +112,65 @@ def stack(tmp_path_factory, tiny_llama):
     finally:
         stop_process(s.host)
         stop_process(s.station)
+
+
+@dataclass
+class LiquidStack:
+    """One station and two hosts on one runtime dir: ``host`` (liquid memory on) and
+    ``host_off`` (THOTH_LIQUID_MEMORY=0). Starts as a stale station (kv_session, decode_next
+    and embed disabled); ``replace_station`` swaps the station under the same hosts."""
+
+    root: Path
+    model_dir: Path
+    runtime_dir: Path
+    station: subprocess.Popen
+    station_disable: str | None
+    host: subprocess.Popen
+    url: str
+    host_off: subprocess.Popen
+    url_off: str
+
+    @property
+    def socket(self) -> Path:
+        return self.runtime_dir / "station.sock"
+
+    def replace_station(self, disable: str | None) -> None:
+        stop_process(self.station)
+        env = {"GNOSIS_STATION_DISABLE": disable} if disable else None
+        self.station = spawn("station", self.runtime_dir, self.root / "station.log",
+                             "--model", str(self.model_dir), env=env)
+        self.station_disable = disable
+
+    def restart_host(self) -> None:
+        stop_process(self.host)
+        port = free_port()
+        self.host = spawn("host", self.runtime_dir, self.root / "host.log", "--port", str(port))
+        self.url = f"http://127.0.0.1:{port}"
+
+    def dump_logs(self) -> None:
+        for name in ("station.log", "host.log", "host-off.log"):
+            path = self.root / name
+            if path.exists():
+                print(f"--- {name}\n" + path.read_text(errors="replace")[-4000:])
+
+
+STALE_DISABLE = "kv_session,decode_next,embed"
+
+
+@pytest.fixture(scope="session")
+def liquid_stack(tmp_path_factory, tiny_llama):
+    root = tmp_path_factory.mktemp("liquid")
+    runtime_dir = root / "run"
+    station = spawn("station", runtime_dir, root / "station.log", "--model", str(tiny_llama),
+                    env={"GNOSIS_STATION_DISABLE": STALE_DISABLE})
+    port, port_off = free_port(), free_port()
+    host = spawn("host", runtime_dir, root / "host.log", "--port", str(port))
+    host_off = spawn("host", runtime_dir, root / "host-off.log", "--port", str(port_off),
+                     env={"THOTH_LIQUID_MEMORY": "0"})
+    s = LiquidStack(root, tiny_llama, runtime_dir, station, STALE_DISABLE, host,
+                    f"http://127.0.0.1:{port}", host_off, f"http://127.0.0.1:{port_off}")
+    try:
+        yield s
+    finally:
+        for proc in (s.host, s.host_off, s.station):
+            stop_process(proc)

@@ -4,21 +4,18 @@ from __future__ import annotations
 
 import json
 import subprocess
-from pathlib import Path
 
 import httpx
 import pytest
 
-from tests.host.conftest import spawn
-from tests.support.procs import REPO, free_port, http_json, wait_for
+from tests.support.procs import REPO, http_json, wait_for
 
 START_TIMEOUT_S = 90.0
-DISABLE_ENV = "GNOSIS_STATION_DISABLE"
 
 
 def station_liquid_landed() -> bool:
     """Whether the station side of issue 4 (kv_session ops) is in the tree."""
-    return any('"kv_session.list"' in path.read_text(errors="replace")
+    return any("kv_session.list" in path.read_text(errors="replace")
                for path in (REPO / "station").glob("*.py"))
 
 
@@ -28,13 +25,6 @@ def require_station_liquid() -> None:
     the tree it runs and must pass."""
     if not station_liquid_landed():
         pytest.xfail("station side of issue 4 (kv_session ops) has not landed yet")
-
-
-def start_host(runtime_dir: Path, log_path: Path, env: dict[str, str] | None = None,
-               ) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    return spawn("host", runtime_dir, log_path, "--port", str(port), env=env), \
-        f"http://127.0.0.1:{port}"
 
 
 def wait_health(base_url: str, proc: subprocess.Popen, station_pid: int, **want) -> dict:

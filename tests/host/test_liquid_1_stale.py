@@ -4,14 +4,11 @@ The failure this project exists to prevent: a host that assumes station ops it d
 have. Here the host must learn by probing that kv_session is missing, say so in /health and
 in every response, serve on the native path at full function, and then, when the station is
 replaced by one that has kv_session (same runtime dir, SAME host process), turn liquid
-memory on by itself. A second host with THOTH_LIQUID_MEMORY=0 stays off, and says why.
+memory on by itself. The stack (tests/host/conftest.py ``liquid_stack``) is shared with
+test_liquid_2_paths, which goes on with the replaced station. A second host with THOTH_LIQUID_MEMORY=0 stays off, and says why.
 """
 
 from __future__ import annotations
-
-import subprocess
-from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 import trio
@@ -19,17 +16,14 @@ from transformers import AutoTokenizer
 
 from gnosis_daemon.client import open_station_client
 from host.capabilities import negotiate
-from tests.host.conftest import spawn
+from tests.host.conftest import STALE_DISABLE
 from tests.host.liquid_support import (
-    DISABLE_ENV,
     metric,
     post,
     require_station_liquid,
-    start_host,
     stream_chat,
     wait_health,
 )
-from tests.support.procs import stop_process
 from tests.support.tiny_models import reference_generate
 
 MAX_TOKENS = 12
@@ -39,40 +33,19 @@ KV_REASON = "station lacks the kv_session capability (unknown_op on probe)"
 ENV_REASON = "disabled by THOTH_LIQUID_MEMORY=0"
 
 
-@dataclass
-class Stale:
-    runtime_dir: Path
-    model_dir: Path
-    station: subprocess.Popen
-    station_log: Path
-    host: subprocess.Popen
-    url: str
-    host_off: subprocess.Popen
-    url_off: str
-
-
 @pytest.fixture(scope="module")
-def stale(tmp_path_factory, tiny_llama):
-    root = tmp_path_factory.mktemp("liquid-stale")
-    runtime_dir = root / "run"
-    station = spawn("station", runtime_dir, root / "station.log", "--model", str(tiny_llama),
-                    env={DISABLE_ENV: "kv_session,decode_next,embed"})
-    host, url = start_host(runtime_dir, root / "host.log")
-    host_off, url_off = start_host(runtime_dir, root / "host-off.log",
-                                   env={"THOTH_LIQUID_MEMORY": "0"})
-    s = Stale(runtime_dir, tiny_llama, station, root / "station.log", host, url, host_off, url_off)
+def stale(liquid_stack):
+    """The shared stack with a stale station (this module runs before test_liquid_2_paths)."""
+    s = liquid_stack
+    if s.station_disable != STALE_DISABLE:
+        s.replace_station(STALE_DISABLE)
     try:
-        try:
-            wait_health(url, host, station.pid)
-            wait_health(url_off, host_off, station.pid)
-        except AssertionError:
-            for name in ("station.log", "host.log", "host-off.log"):
-                print(f"--- {name}\n" + (root / name).read_text(errors="replace")[-4000:])
-            raise
-        yield s
-    finally:
-        for proc in (s.host, s.host_off, s.station):
-            stop_process(proc)
+        wait_health(s.url, s.host, s.station.pid)
+        wait_health(s.url_off, s.host_off, s.station.pid)
+    except AssertionError:
+        s.dump_logs()
+        raise
+    return s
 
 
 @pytest.fixture(scope="module")
@@ -155,7 +128,7 @@ def test_env_off_host_is_disabled_whatever_the_station(stale, reference):
 
 
 async def test_negotiation_trusts_flags_and_probes_absent_ones(stale):
-    async with open_station_client(stale.runtime_dir / "station.sock") as conn:
+    async with open_station_client(stale.socket) as conn:
         # Every flag absent: each op is probed on the real station.
         probed = await negotiate(conn, {"capabilities": {}})
         assert {k: probed.flags[k] for k in ("generate", "kv_session", "decode_next", "embed")} \
@@ -172,11 +145,10 @@ async def test_negotiation_trusts_flags_and_probes_absent_ones(stale):
 
 
 def test_a_station_that_gains_kv_session_turns_liquid_memory_on_without_a_host_restart(stale):
-    """Runs last: it replaces the module's station."""
+    """Runs last: it replaces the stale station with a full one (test_liquid_2_paths
+    goes on with that one)."""
     host_pid = stale.host.pid
-    stop_process(stale.station)
-    stale.station = spawn("station", stale.runtime_dir, stale.station_log,
-                          "--model", str(stale.model_dir))
+    stale.replace_station(None)
     # The same host reconnects and negotiates again.
     health = wait_health(stale.url, stale.host, stale.station.pid)
     assert stale.host.poll() is None and stale.host.pid == host_pid
