@@ -204,9 +204,12 @@ def test_sigterm_drains_an_in_flight_stream_then_exits_0(daemon):
 
 
 def test_no_child_outlives_a_sigkilled_supervisor(tiny_model_dir, tmp_path_factory):
-    d = start_daemon(tiny_model_dir, tmp_path_factory.mktemp("sigkill"))
+    d = start_daemon(tiny_model_dir, tmp_path_factory.mktemp("sigkill"), wait=False)
     try:
-        pids = [d.child(n)["pid"] for n in ("station", "host")]
+        # both spawned is enough: the host's own start adds nothing to what this shows
+        status = d.wait(lambda s: s["children"]["station"]["state"] == "running"
+                        and s["children"]["host"]["pid"], 120, "both children spawned")
+        pids = [status["children"][n]["pid"] for n in ("station", "host")]
         assert all(alive(pid) for pid in pids)
         d.proc.send_signal(signal.SIGKILL)
         d.proc.wait()
