@@ -140,7 +140,8 @@ async def _prompt_tokens(conn: StationConnection, args: dict[str, Any],
     if "messages" in args:
         request = {"messages": args["messages"], "add_generation_prompt": True}
     else:
-        # generate encodes a text prompt with the tokenizer's special tokens (BOS).
-        request = {"text": args["prompt"], "add_special_tokens": True}
+        # generate's own default for a text prompt is to add the tokenizer's special tokens.
+        request = {"text": args["prompt"],
+                   "add_special_tokens": bool(args.get("add_special_tokens", True))}
     result = await conn.request("tokenize", request, rid=rid)
     return [int(t) for t in result.get("tokens") or ()]
