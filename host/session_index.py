@@ -63,10 +63,11 @@ class SessionIndex:
     def replace_all(self, sessions: Sequence[dict[str, Any]]) -> None:
         """Load the station's ``kv_session.list`` (least recently used first)."""
         self._sessions.clear()
-        for entry in sorted(sessions, key=lambda e: e.get("last_used") or 0):
-            tokens = entry.get("tokens") or []
-            if entry.get("session_id") and tokens:
-                self.put(str(entry["session_id"]), str(entry.get("tenant", "")), tokens)
+        # The list crosses a process boundary: an entry that is not well formed is skipped
+        # (it only costs a miss), never allowed to break the connect.
+        valid = [e for e in sessions if isinstance(e, dict) and _well_formed(e)]
+        for entry in sorted(valid, key=lambda e: float(e.get("last_used") or 0)):
+            self.put(entry["session_id"], str(entry.get("tenant") or ""), entry["tokens"])
 
     def put(self, session_id: str, tenant: str, tokens: Sequence[int]) -> None:
         self._sessions[session_id] = (tenant, tuple(tokens))
@@ -108,6 +109,14 @@ class SessionIndex:
             save = f"{tenant}.p.{_digest(tenant, tuple(tokens))}"
             final = f"{tenant}.c.{uuid.uuid4().hex[:24]}"
         return Plan(tenant, session_id, covered, save, final)
+
+
+def _well_formed(entry: dict[str, Any]) -> bool:
+    tokens = entry.get("tokens")
+    return (isinstance(entry.get("session_id"), str) and bool(entry["session_id"])
+            and isinstance(tokens, list) and bool(tokens)
+            and all(isinstance(t, int) for t in tokens)
+            and isinstance(entry.get("last_used") or 0, (int, float)))
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:

@@ -99,7 +99,10 @@ def stack(tmp_path_factory, tiny_llama):
     station_log, host_log = root / "station.log", root / "host.log"
     station = spawn("station", runtime_dir, station_log, "--model", str(tiny_llama))
     port = free_port()
-    host = spawn("host", runtime_dir, host_log, "--port", str(port))
+    # This stack tests the native path (and everything around it): liquid memory is off
+    # here, so its outcome does not depend on the station; test_liquid_* test the liquid path.
+    host = spawn("host", runtime_dir, host_log, "--port", str(port),
+                 env={"THOTH_LIQUID_MEMORY": "0"})
     s = Stack(root, tiny_llama, runtime_dir, port, station, host, station_log, host_log)
     try:
         try:

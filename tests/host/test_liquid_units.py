@@ -148,6 +148,8 @@ def test_replace_all_loads_the_station_list_in_lru_order():
         {"session_id": "old", "tenant": "a", "num_tokens": 2, "last_used": 10.0, "tokens": [1, 3]},
         {"session_id": "mid", "tenant": "b", "num_tokens": 2, "last_used": 20.0, "tokens": [1, 4]},
         {"session_id": "empty", "tenant": "a", "num_tokens": 0, "last_used": 40.0, "tokens": []},
+        {"session_id": "no-tokens", "tenant": "a", "num_tokens": 3, "last_used": 50.0},
+        {"session_id": 7, "tokens": [1]}, "garbage", {"session_id": "x", "tokens": ["a"]},
     ])
     assert "stale" not in index and "old" not in index  # budget 2 keeps the newest two
     assert index.tokens("new") == (1, 2) and index.tokens("mid") == (1, 4)
@@ -207,3 +209,28 @@ def test_embedding_bad_inputs(body, param, code):
     with pytest.raises(ApiError) as info:
         embeddings.parse(body)
     assert (info.value.status, info.value.param, info.value.code) == (400, param, code)
+
+
+def test_embedding_response_shape_and_base64():
+    import base64
+
+    import numpy as np
+
+    from gnosis_daemon.protocol import pack_array
+
+    matrix = np.array([[0.6, 0.8], [1.0, 0.0]], dtype=np.float32)
+    result = {"embeddings": pack_array(matrix), "dim": 2, "num_tokens": [3, 4]}
+    req = embeddings.parse({"input": ["a", "b"]})
+    assert embeddings.response(req, "m", result) == {
+        "object": "list", "model": "m",
+        "data": [{"object": "embedding", "index": 0, "embedding": [float(np.float32(0.6)),
+                                                                     float(np.float32(0.8))]},
+                 {"object": "embedding", "index": 1, "embedding": [1.0, 0.0]}],
+        "usage": {"prompt_tokens": 7, "total_tokens": 7}}
+    b64 = embeddings.response(embeddings.parse({"input": ["a", "b"],
+                                                "encoding_format": "base64"}), "m", result)
+    raw = base64.b64decode(b64["data"][1]["embedding"])
+    assert np.frombuffer(raw, "<f4").tolist() == [1.0, 0.0]
+    with pytest.raises(ApiError) as info:
+        embeddings.response(embeddings.parse({"input": "a"}), "m", result)  # 2 rows for 1 input
+    assert info.value.status == 500
