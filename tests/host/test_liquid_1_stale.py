@@ -11,7 +11,6 @@ test_liquid_2_paths, which goes on with the replaced station. A second host with
 from __future__ import annotations
 
 import pytest
-import trio
 from transformers import AutoTokenizer
 
 from gnosis_daemon.client import open_station_client
