@@ -1,8 +1,10 @@
 """The host: an OpenAI-compatible HTTP API (Quart on quart-trio, served by hypercorn).
 
-It is the only client of the station socket (through one ``StationLink``). Completions go
-to the station's ``generate`` op; errors use OpenAI's body; every completion reports what
-liquid memory did (``_gnosis`` block and ``X-Thoth-Liquid-*`` headers).
+It is the only client of the station socket (through one ``StationLink``, whose connect
+hook negotiates capabilities and rebuilds the liquid-memory session index: ``host.
+liquid_memory``). Completions (``host.completions``) go to the station's ``generate`` op,
+on the liquid or the native path; embeddings to ``embed``; errors use OpenAI's body; every
+completion reports what liquid memory did (``_gnosis`` block, ``X-Thoth-Liquid-*`` headers).
 
 Two framework facts shape this file: quart-trio applies ``RESPONSE_TIMEOUT`` to streamed
 bodies too, so each SSE response lifts its own timeout; and hypercorn gives in-flight
