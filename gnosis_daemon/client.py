@@ -195,16 +195,23 @@ async def open_station_client(
     except OSError as exc:
         raise StationUnavailable(f"cannot connect to station socket {os.fspath(path)}: {exc}") from None
     conn = StationConnection(stream, max_frame_bytes)
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(conn._read_loop)
-        try:
-            if hello:
-                conn.hello = await conn.request("hello")
-            yield conn
-        finally:
-            nursery.cancel_scope.cancel()
-            with trio.CancelScope(shield=True):
-                await conn.aclose()
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(conn._read_loop)
+            try:
+                if hello:
+                    conn.hello = await conn.request("hello")
+                yield conn
+            finally:
+                nursery.cancel_scope.cancel()
+                with trio.CancelScope(shield=True):
+                    await conn.aclose()
+    except BaseExceptionGroup as group:
+        # The reader task never raises, so a group holds the caller's one exception:
+        # hand it back as itself, so callers can catch StationError and friends plainly.
+        if len(group.exceptions) == 1:
+            raise group.exceptions[0] from None
+        raise
 
 
 def is_unknown_op(exc: BaseException) -> bool:

@@ -75,3 +75,37 @@ def test_arrays_travel_as_bin_with_dtype_and_shape():
 def test_every_capability_op_names_a_known_capability():
     assert set(protocol.OP_CAPABILITY.values()) <= set(protocol.Capability)
     assert not (set(protocol.OP_CAPABILITY) & protocol.BASE_OPS)
+
+
+async def test_client_errors_are_not_wrapped_in_exception_groups(tmp_path):
+    """A station that answers hello with an error frame: the caller sees StationError itself."""
+    import trio
+
+    from gnosis_daemon.client import StationError, StationUnavailable, open_station_client
+
+    path = str(tmp_path / "s.sock")
+    listener = trio.socket.socket(trio.socket.AF_UNIX, trio.socket.SOCK_STREAM)
+    await listener.bind(path)
+    listener.listen()
+
+    async def fake_station():
+        sock, _ = await listener.accept()
+        decoder = FrameDecoder(1024)
+        while True:
+            data = await sock.recv(4096)
+            if not data:
+                return
+            for message in decoder.feed(data):
+                request = parse_request(message)
+                await sock.send(protocol.error_frame(request.id, ErrorCode.INTERNAL, "boom"))
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(fake_station)
+        with pytest.raises(StationError) as info:
+            async with open_station_client(path):
+                pass
+        assert info.value.code == "internal" and info.value.message == "boom"
+        with pytest.raises(StationUnavailable):
+            async with open_station_client(str(tmp_path / "missing.sock")):
+                pass
+        nursery.cancel_scope.cancel()
