@@ -1,0 +1,78 @@
+"""The CUDA path: device choice, dtype, KV budget from free GPU memory, parity on the GPU.
+
+Marked ``gpu``: these run only where CUDA is (tests/conftest.py skips them elsewhere, with
+the reason). Run them on a GPU host with ``.venv/bin/python -m pytest -m gpu``.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from gnosis_daemon.settings import Settings
+from station.engine_api import EventKind, GenerationRequest, SamplingParams
+from station.model_loader import load_model
+from station.paged_engine import PagedEngine
+from tests.support.tiny_models import build_tiny_model
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    return build_tiny_model(tmp_path_factory.mktemp("gpu-llama"), "llama")
+
+
+def test_auto_device_is_cuda_in_bf16(tiny_dir, tmp_path):
+    loaded = load_model(Settings(model=str(tiny_dir), runtime_dir=str(tmp_path)))
+    assert str(loaded.device).startswith("cuda")
+    assert loaded.dtype == torch.bfloat16
+    assert next(loaded.model.parameters()).device.type == "cuda"
+
+
+def test_kv_pool_is_sized_from_free_gpu_memory(tiny_dir, tmp_path):
+    settings = Settings(model=str(tiny_dir), runtime_dir=str(tmp_path), kv_cache_gpu_fraction=0.05)
+    loaded = load_model(settings)
+    free_before, _ = torch.cuda.mem_get_info()
+    engine = PagedEngine(loaded, settings)
+    try:
+        pool_bytes = engine.kv_cache.bytes_total
+        # the pool takes about 5% of the memory that was free (never more than that share)
+        assert 0.5 * 0.05 * free_before <= pool_bytes <= 0.05 * free_before * 1.01
+        assert engine.kv_cache.kv.device.type == "cuda"
+        assert engine.kv_cache.kv.dtype == torch.bfloat16
+    finally:
+        engine.shutdown()
+
+
+def test_greedy_parity_on_cuda_float32(tiny_dir, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    settings = Settings(model=str(tiny_dir), runtime_dir=str(tmp_path), dtype="float32",
+                        kv_cache_gpu_fraction=0.02)
+    loaded = load_model(settings)
+    prompt = list(range(3, 40))
+    reference = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32).to("cuda")
+    ids = torch.tensor([prompt], device="cuda")
+    with torch.no_grad():
+        expected = reference.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16,
+                                      do_sample=False)[0, len(prompt):].tolist()
+    engine = PagedEngine(loaded, settings)
+    engine.start()
+    tokens, done = [], threading.Event()
+
+    def on_event(event):
+        if event.kind is EventKind.TOKEN:
+            tokens.append(event.data["token_id"])
+        elif event.kind in (EventKind.FINISHED, EventKind.ERROR):
+            done.set()
+
+    try:
+        engine.add_request(GenerationRequest("gpu-1", prompt, SamplingParams(max_tokens=16, temperature=0)),
+                           on_event)
+        assert done.wait(60)
+        assert tokens == expected
+    finally:
+        engine.shutdown()
