@@ -51,7 +51,24 @@ class GenerationRequest:
     # Liquid memory (issue 4): start from a saved KV session / save the prompt's KV.
     load_session: str | None = None
     save_session: str | None = None
+    save_final_session: str | None = None  # pin prompt+completion KV when it ends
     extra: dict[str, Any] = field(default_factory=dict)
+
+
+class EngineOpError(Exception):
+    """An engine call (kv_session.*, forward, decode_next, embed) cannot be served.
+
+    ``code`` is a protocol ``ErrorCode`` value; the engine never imports the server.
+    """
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+# done(result, error): exactly one is None; invoked on the engine thread, must be cheap.
+CallDone = Callable[[dict[str, Any] | None, EngineOpError | None], None]
 
 
 class EventKind(enum.StrEnum):
@@ -93,3 +110,11 @@ class Engine(Protocol):
 
     def capabilities(self) -> dict[str, bool]:
         """Engine capability flags (paged_kv, prefix_cache, continuous_batching, ...)."""
+
+    def call(self, name: str, owner: Any, done: CallDone, **kwargs: Any) -> None:
+        """Queue an engine call (thread-safe): ``kv_save``, ``kv_load``, ``kv_delete``,
+        ``kv_list``, ``forward``, ``decode_next``, ``embed``. ``owner`` (the connection)
+        owns the host-held sequences it creates. Raises RuntimeError when shutting down."""
+
+    def release_owner(self, owner: Any) -> None:
+        """Free every host-held sequence of ``owner`` (its connection closed)."""

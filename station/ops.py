@@ -121,6 +121,7 @@ class GenerateArgs:
     tenant: str
     load_session: str | None
     save_session: str | None
+    save_final_session: str | None = None
 
 
 def parse_generate(loaded: LoadedModel, settings: Settings, args: dict[str, Any]) -> GenerateArgs:
@@ -168,4 +169,5 @@ def parse_generate(loaded: LoadedModel, settings: Settings, args: dict[str, Any]
         tenant=arg(args, "tenant", str, ""),
         load_session=arg(args, "load_session", str, None, nullable=True),
         save_session=arg(args, "save_session", str, None, nullable=True),
+        save_final_session=arg(args, "save_final_session", str, None, nullable=True),
     )

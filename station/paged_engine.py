@@ -11,6 +11,14 @@ boundary (never mid-forward); an aborted or finished sequence frees its blocks a
 
 Error handling: a forward that raises ends the sequences of that step with an ``internal``
 error and frees their blocks; the engine keeps serving everyone else.
+
+Liquid memory (issue 4): a ``SessionRegistry`` pins blocks under session ids. A request
+with ``load_session`` starts from the session's blocks for the prefix it shares with the
+prompt (``_reuse_session``, at admission); ``save_session`` pins the prompt's full blocks
+when its prefill ends, ``save_final_session`` pins prompt+completion when it finishes.
+Socket ops other than ``generate`` arrive through ``call`` and run on this thread at a
+step boundary (``station.host_calls``); host-held sequences decode in the same batched
+forward as every generate.
 """
 
 from __future__ import annotations
@@ -25,13 +33,16 @@ import torch
 
 from gnosis_daemon.logs import get_logger
 from gnosis_daemon.protocol import ErrorCode
-from station.block_pool import BlockPool, prefix_extra_keys
-from station.engine_api import EngineEvent, EventCallback, EventKind, GenerationRequest
+from station.block_pool import BlockPool, KVBlock, prefix_extra_keys
+from station.engine_api import (CallDone, EngineEvent, EngineOpError, EventCallback, EventKind,
+                                GenerationRequest)
+from station.host_calls import HostCalls, HostState
 from station.kv_cache import KVCache, KVCacheShape, num_blocks_for
 from station.model_runner import ModelRunner
 from station.sampling import make_generator, sample
 from station.scheduler import Scheduler
 from station.sequence import Sequence
+from station.sessions import SessionRegistry, common_prefix_len
 
 log = get_logger(__name__)
 
@@ -40,8 +51,18 @@ log = get_logger(__name__)
 class _Client:
     """Per-request bookkeeping the scheduler never looks at."""
 
-    on_event: EventCallback
+    on_event: EventCallback | None  # None for a host-held sequence
     stop_ids: frozenset[int]
+    tenant: str = ""
+    load_session: str | None = None
+    save_session: str | None = None
+    save_final_session: str | None = None
+    session_loaded: bool = False
+    session_tokens: int = 0  # prompt tokens served from the loaded session
+    session_error: str | None = None  # not_found | tenant_mismatch | no_common_prefix
+    final_saved: bool = False
+    final_save_error: str | None = None
+    host: HostState | None = None  # set for host-held sequences (forward/decode_next)
     arrival: float = field(default_factory=time.perf_counter)
 
 
@@ -62,11 +83,17 @@ class PagedEngine:
         self.kv_cache = KVCache(shape, num_blocks, device)
         self.pool = BlockPool(num_blocks, self.block_size)
         self.scheduler = Scheduler(self.pool, settings.max_batch_size, settings.prefill_chunk_tokens)
+        self.sessions = SessionRegistry(self.pool, settings.kv_session_budget)
+        self.scheduler.reuse = self._reuse_session
+        self.scheduler.reclaim = self._reclaim
+        self.host = HostCalls(self)
         self.runner = ModelRunner(loaded.model, self.kv_cache, device)
         self.device = device
         self._cond = threading.Condition()
         self._inbox: collections.deque[Sequence] = collections.deque()
-        self._aborts: set[str] = set()
+        self._aborts: dict[str, str] = {}  # request id -> finish reason (cancelled | stop)
+        self._calls: collections.deque[tuple[str, Any, CallDone | None, dict[str, Any]]] = (
+            collections.deque())
         self._known: set[str] = set()  # queued or running ids (duplicate check)
         self._stopping = False
         self._thread: threading.Thread | None = None
@@ -88,13 +115,18 @@ class PagedEngine:
             self._thread.join()
         with self._cond:
             leftovers = [*self._inbox, *self.scheduler.running, *self.scheduler.waiting]
+            calls = list(self._calls)
             self._inbox.clear()
+            self._calls.clear()
             self._known.clear()
         for seq in leftovers:
             if seq in self.scheduler.running or seq in self.scheduler.waiting:
                 self.scheduler.finish(seq, "shutting_down")
-            self._emit(seq, EventKind.ERROR, code=ErrorCode.SHUTTING_DOWN.value,
-                       message="the station is shutting down")
+            self._end(seq, ErrorCode.SHUTTING_DOWN, "the station is shutting down")
+        for _name, _owner, done, _kwargs in calls:
+            if done is not None:
+                done(None, EngineOpError(ErrorCode.SHUTTING_DOWN.value, "the station is shutting down"))
+        self.host.shutdown()
 
     def add_request(self, request: GenerationRequest, on_event: EventCallback) -> None:
         prompt = list(request.prompt_ids)
@@ -109,8 +141,6 @@ class PagedEngine:
         if -(-(len(prompt) + 1) // self.block_size) > self.pool.num_blocks:
             raise ValueError(f"prompt of {len(prompt)} tokens does not fit the KV pool of "
                              f"{self.pool.num_blocks * self.block_size} tokens")
-        if request.load_session or request.save_session:
-            raise ValueError("this engine has no KV sessions (capability kv_session)")
         params = request.params
         stop_ids = set(params.stop_token_ids)
         if not params.ignore_eos:
@@ -120,7 +150,9 @@ class PagedEngine:
             extra_keys=prefix_extra_keys(self.loaded.fingerprint, self.settings.tenant_salt,
                                          request.tenant),
             generator=make_generator(params.seed, self.device),
-            user=_Client(on_event, frozenset(stop_ids)),
+            user=_Client(on_event, frozenset(stop_ids), tenant=request.tenant,
+                         load_session=request.load_session, save_session=request.save_session,
+                         save_final_session=request.save_final_session),
         )
         with self._cond:
             if self._stopping:
@@ -134,7 +166,29 @@ class PagedEngine:
     def abort(self, request_id: str) -> None:
         with self._cond:
             if request_id in self._known:
-                self._aborts.add(request_id)
+                self._aborts.setdefault(request_id, "cancelled")
+                self._cond.notify_all()
+
+    def finish_early(self, request_id: str) -> None:
+        """End a request as ``stop`` (the server found a stop string): unlike ``abort``, its
+        ``save_final_session`` still applies and it ends with a ``finished`` event."""
+        with self._cond:
+            if request_id in self._known:
+                self._aborts[request_id] = "stop"
+                self._cond.notify_all()
+
+    def call(self, name: str, owner: Any, done: CallDone, **kwargs: Any) -> None:
+        assert name in HostCalls.NAMES, name
+        with self._cond:
+            if self._stopping:
+                raise RuntimeError("the engine is shutting down")
+            self._calls.append((name, owner, done, kwargs))
+            self._cond.notify_all()
+
+    def release_owner(self, owner: Any) -> None:
+        with self._cond:
+            if not self._stopping:
+                self._calls.append(("release_owner", owner, None, {}))
                 self._cond.notify_all()
 
     def stats(self) -> dict[str, Any]:
@@ -153,29 +207,46 @@ class PagedEngine:
             "waiting": len(sched.waiting) + num_inbox,
             "preemptions": sched.num_preemptions,
             "steps": self.num_steps,
+            # Read without the engine lock: figures may be one step stale.
+            "kv_sessions": len(self.sessions),
+            "kv_session_budget": self.sessions.budget,
+            "kv_sessions_expired": self.sessions.num_expired,
+            "pinned_blocks": self.sessions.pinned_blocks,
+            "host_sequences": len(self.host.seqs),
         }
 
     def capabilities(self) -> dict[str, bool]:
-        return {"paged_kv": True, "prefix_cache": True, "continuous_batching": True}
+        return {"paged_kv": True, "prefix_cache": True, "continuous_batching": True,
+                "kv_session": True, "forward": True, "decode_next": True, "embed": True}
+
+    def make_client(self, **fields: Any) -> _Client:
+        """Bookkeeping for a host-held sequence (``station.host_calls``)."""
+        return _Client(None, frozenset(), **fields)
 
     # -- engine thread
     def _run(self) -> None:
         while True:
             with self._cond:
-                while not (self._stopping or self._inbox or self._aborts
+                while not (self._stopping or self._inbox or self._aborts or self._calls
                            or self.scheduler.has_unfinished()):
                     self._cond.wait()
                 if self._stopping:
                     return
-                new, aborts = list(self._inbox), self._aborts
+                new, aborts, calls = list(self._inbox), self._aborts, list(self._calls)
                 self._inbox.clear()
-                self._aborts = set()
+                self._calls.clear()
+                self._aborts = {}
             for seq in new:
                 self.scheduler.add(seq)
-            for request_id in aborts:
-                seq = self.scheduler.abort(request_id)
+            for request_id, reason in aborts.items():
+                seq = self.scheduler.get(request_id)
                 if seq is not None:
+                    if reason == "stop":
+                        self._final_save(seq)
+                    self.scheduler.finish(seq, reason)
                     self._finished(seq)
+            for name, owner, done, kwargs in calls:
+                self.host.run(name, owner, done, kwargs)
             if self.scheduler.has_unfinished():
                 self.step()
 
@@ -190,55 +261,137 @@ class PagedEngine:
                 # Nothing runs and the head still does not fit: pinned blocks hold the pool.
                 seq = sched.waiting[0]
                 sched.finish(seq, "capacity")
-                self._fail(seq, ErrorCode.CAPACITY, "no free KV blocks for this prompt")
+                self._end(seq, ErrorCode.CAPACITY, "no free KV blocks for this prompt")
             return
         self.num_steps += 1
         try:
             logits, sampled = self.runner.run(out)
             sched.on_step_done(out)
-            tokens = (sample(logits, [s.params for s in sampled], [s.generator for s in sampled]).tolist()
-                      if sampled else [])
+            rows = [i for i, s in enumerate(sampled) if s.user.host is None]
+            gens = [sampled[i] for i in rows]
+            tokens = (sample(logits[rows], [s.params for s in gens], [s.generator for s in gens]).tolist()
+                      if gens else [])
         except Exception as exc:  # one bad step must not take the engine down
             log.exception("engine_step_failed")
             for seq in [*out.decodes, *(s for s, _ in out.prefills)]:
                 sched.finish(seq, "error")
-                self._fail(seq, ErrorCode.INTERNAL, f"model step failed: {type(exc).__name__}: {exc}")
+                self._end(seq, ErrorCode.INTERNAL, f"model step failed: {type(exc).__name__}: {exc}")
             return
-        for seq, token in zip(sampled, tokens):
+        for i, seq in enumerate(sampled):
+            if seq.user.host is not None:
+                self.host.on_logits(seq, logits[i])
+        for seq, token in zip(gens, tokens):
             self._postprocess(seq, token)
+
+    # -- KV sessions (engine thread)
+    def _reuse_session(self, seq: Sequence, hits: list[KVBlock]) -> list[KVBlock]:
+        """Admission hook: the blocks ``seq`` starts from (a loaded session's, then cache hits)."""
+        client: _Client = seq.user
+        if not client.load_session:
+            return hits
+        first = seq.num_preemptions == 0  # the prefill event reports the first admission
+        session = self.sessions.get(client.load_session)
+        error, blocks = None, hits
+        if session is None:
+            error = "not_found"
+        elif session.tenant != client.tenant:
+            error = "tenant_mismatch"
+        else:
+            # Full blocks only, and never the last prompt token (its logits are needed).
+            usable = min(common_prefix_len(session.token_ids, seq.token_ids), seq.num_tokens - 1)
+            n = usable // self.block_size
+            if n == 0:
+                error = "no_common_prefix"
+            else:
+                # Cache hits past the session hold the same prefix's KV: keep them too.
+                blocks = session.blocks[:n] + hits[n:]
+                self.sessions.use(session)
+                if first:
+                    client.session_tokens = n * self.block_size
+        if first:
+            client.session_loaded, client.session_error = error is None, error
+        return blocks
+
+    def _reclaim(self, num_blocks: int, seq: Sequence | None) -> int:
+        keep = seq.user.load_session if seq is not None else None
+        expired = self.sessions.reclaim(num_blocks, keep)
+        if expired:
+            log.info("kv_sessions_expired_for_room", expired=expired, blocks_needed=num_blocks)
+        return expired
+
+    def save_session(self, session_id: str, tenant: str, seq: Sequence, num_tokens: int) -> int:
+        """Pin the full blocks of ``seq``'s first ``num_tokens`` computed tokens; -> tokens pinned."""
+        n = min(num_tokens, seq.num_computed_tokens, seq.num_tokens) // self.block_size
+        assert n <= len(seq.blocks)
+        self.sessions.save(session_id, tenant, seq.token_ids[:n * self.block_size], seq.blocks[:n])
+        return n * self.block_size
+
+    def _save_named(self, session_id: str | None, seq: Sequence, num_tokens: int) -> tuple[bool, str | None]:
+        if not session_id:
+            return False, None
+        try:
+            self.save_session(session_id, seq.user.tenant, seq, num_tokens)
+        except Exception as exc:  # a failed save is reported, the request carries on
+            log.exception("kv_session_save_failed", session_id=session_id)
+            return False, f"{type(exc).__name__}: {exc}"
+        return True, None
+
+    def _final_save(self, seq: Sequence) -> None:
+        client: _Client = seq.user
+        if client.save_final_session and client.host is None and not seq.finished:
+            saved, error = self._save_named(client.save_final_session, seq, seq.num_tokens)
+            client.final_saved, client.final_save_error = saved, error
 
     def _postprocess(self, seq: Sequence, token: int) -> None:
         client: _Client = seq.user
         if not seq.prefill_reported:
             seq.prefill_reported = True
+            saved, save_error = self._save_named(client.save_session, seq, seq.num_prompt_tokens)
             self._emit(seq, EventKind.PREFILL, prompt_tokens=seq.num_prompt_tokens,
                        cached_tokens=seq.num_cached_tokens,
-                       prefill_ms=(time.perf_counter() - client.arrival) * 1000)
+                       prefill_ms=(time.perf_counter() - client.arrival) * 1000,
+                       session_loaded=client.session_loaded, session_tokens=client.session_tokens,
+                       session_error=client.session_error, saved=saved, save_error=save_error)
         seq.token_ids.append(token)
         self._emit(seq, EventKind.TOKEN, token_id=token)
         if token in client.stop_ids:
-            self.scheduler.finish(seq, "stop")
+            reason = "stop"
         elif (seq.num_completion_tokens >= seq.params.max_tokens
               or seq.num_tokens >= self.max_model_len):
-            self.scheduler.finish(seq, "length")
+            reason = "length"
         else:
             return
+        self._final_save(seq)  # before finish() releases the blocks
+        self.scheduler.finish(seq, reason)
         self._finished(seq)
 
     def _finished(self, seq: Sequence) -> None:
+        client: _Client = seq.user
+        if client.host is not None:
+            # Only the scheduler ends a host-held sequence this way: it outgrew the pool.
+            self._end(seq, ErrorCode.CAPACITY, "the sequence no longer fits the KV pool")
+            return
         self._forget(seq)
+        final_saved, final_error = client.final_saved, client.final_save_error
+        if client.save_final_session and not final_saved and final_error is None:
+            final_error = "not saved: the request ended before its KV was complete"
         self._emit(seq, EventKind.FINISHED, finish_reason=seq.finish_reason,
                    prompt_tokens=seq.num_prompt_tokens, completion_tokens=seq.num_completion_tokens,
-                   cached_tokens=seq.num_cached_tokens)
+                   cached_tokens=seq.num_cached_tokens, final_saved=final_saved,
+                   final_save_error=final_error)
 
-    def _fail(self, seq: Sequence, code: ErrorCode, message: str) -> None:
+    def _end(self, seq: Sequence, code: ErrorCode, message: str) -> None:
+        """End a sequence with an error (its blocks are already released)."""
+        if seq.user.host is not None:
+            self.host.fail(seq, EngineOpError(code.value, message))
+            return
         self._forget(seq)
         self._emit(seq, EventKind.ERROR, code=code.value, message=message)
 
     def _forget(self, seq: Sequence) -> None:
         with self._cond:
             self._known.discard(seq.seq_id)
-            self._aborts.discard(seq.seq_id)
+            self._aborts.pop(seq.seq_id, None)
 
     def _emit(self, seq: Sequence, kind: EventKind, **data: Any) -> None:
         try:

@@ -12,6 +12,13 @@ finds none preempts the newest running sequence: its blocks are freed (its full 
 in the prefix cache, so the recompute usually hits them) and it goes back to the head of
 the waiting queue. Nothing here raises on exhaustion.
 
+Hooks the engine sets (KV sessions, issue 4): ``reuse(seq, cache_hits)`` picks the blocks
+an admitted sequence starts from (a loaded session's blocks beside the prefix-cache hits);
+``reclaim(num_blocks, seq)`` expires LRU sessions when allocation fails, before anything
+waits or is preempted. Host-held sequences (``forward``/``decode_next``) are ``park``ed
+between calls (they keep their blocks and are not scheduled) and ``resume``d with new
+tokens; a resumed sequence gets blocks for its new tokens like a decode does.
+
 The scheduler owns the queues and the block pool's policy; it never touches tensors.
 """
 
@@ -19,8 +26,9 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Callable
 
-from station.block_pool import BlockPool, block_hashes_for
+from station.block_pool import BlockPool, KVBlock, block_hashes_for
 from station.sequence import Sequence, SequenceStatus
 
 
@@ -51,6 +59,8 @@ class Scheduler:
         self.prefix_cache_queries_tokens = 0
         self.prefix_cache_hits_tokens = 0
         self.num_preemptions = 0
+        self.reuse: Callable[[Sequence, list[KVBlock]], list[KVBlock]] | None = None
+        self.reclaim: Callable[[int, Sequence | None], int] | None = None
 
     # -- queue management
     def add(self, seq: Sequence) -> None:
@@ -59,6 +69,12 @@ class Scheduler:
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
+
+    def get(self, seq_id: str) -> Sequence | None:
+        for seq in (*self.running, *self.waiting):
+            if seq.seq_id == seq_id:
+                return seq
+        return None
 
     def abort(self, seq_id: str) -> Sequence | None:
         """End a sequence now and free its blocks; None if it is not here."""
@@ -73,11 +89,23 @@ class Scheduler:
             self.running.remove(seq)
         elif seq.status is SequenceStatus.WAITING:
             self.waiting.remove(seq)
-        else:
+        elif seq.status is not SequenceStatus.PARKED:
             return
         self._release(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
+
+    def park(self, seq: Sequence) -> None:
+        """A host-held sequence whose call is done: keep its blocks, stop scheduling it."""
+        assert seq.status is SequenceStatus.RUNNING and seq.num_uncomputed_tokens == 0
+        self.running.remove(seq)
+        seq.status = SequenceStatus.PARKED
+
+    def resume(self, seq: Sequence) -> None:
+        """A parked sequence got new tokens (appended by the caller): schedule it again."""
+        assert seq.status is SequenceStatus.PARKED and seq.num_uncomputed_tokens > 0
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
 
     # -- the step
     def schedule(self) -> SchedulerOutput:
@@ -88,8 +116,12 @@ class Scheduler:
         while remaining:
             seq = remaining.popleft()
             if seq.is_prefilling:
-                kept.append(seq)
-                deferred_prefills.append(seq)
+                # Admission gave it blocks for its whole prompt; a resumed host-held
+                # sequence may need more for the tokens it was extended with.
+                if self._ensure_blocks(seq, seq.num_tokens, remaining, kept,
+                                       deferred_prefills, out):
+                    kept.append(seq)
+                    deferred_prefills.append(seq)
                 continue
             if self._ensure_blocks(seq, seq.num_computed_tokens + 1, remaining, kept,
                                    deferred_prefills, out):
@@ -132,7 +164,12 @@ class Scheduler:
         seq.block_hashes = block_hashes_for(seq.token_ids, self.block_size, seq.extra_keys,
                                             seq.block_hashes)
         hits = self.pool.get_computed_blocks(seq.token_ids, seq.block_hashes)
+        if self.reuse is not None:
+            hits = self.reuse(seq, hits)
         num_new = self._blocks_for(seq.num_tokens) - len(hits)
+        if not self.pool.can_allocate(num_new + self.pool.num_evictable_in(hits)) and self.reclaim:
+            self.reclaim(num_new + self.pool.num_evictable_in(hits), seq)
+        # Re-counted: a reclaim may have put some of the hits back in the free queue.
         if not self.pool.can_allocate(num_new + self.pool.num_evictable_in(hits)):
             return False
         self.pool.touch(hits)
@@ -140,6 +177,7 @@ class Scheduler:
         seq.num_computed_tokens = len(hits) * self.block_size
         seq.num_registered_blocks = len(hits)
         seq.status = SequenceStatus.RUNNING
+        seq.num_admitted_cached_tokens = seq.num_computed_tokens
         if first_admission:
             seq.num_cached_tokens = seq.num_computed_tokens
             self.prefix_cache_queries_tokens += seq.num_tokens
@@ -155,6 +193,8 @@ class Scheduler:
         if num_new > self.pool.num_blocks:
             self._end_without_room(seq, out)
             return False
+        if not self.pool.can_allocate(num_new) and self.reclaim:
+            self.reclaim(num_new, None)  # parked sessions go before running work
         while not self.pool.can_allocate(num_new):
             if remaining:
                 victim = remaining.pop()

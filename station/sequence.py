@@ -13,6 +13,7 @@ from station.engine_api import SamplingParams
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
+    PARKED = "parked"  # a host-held sequence between calls: holds blocks, not scheduled
     FINISHED = "finished"
 
 
@@ -26,6 +27,7 @@ class Sequence:
     # Tokens whose K/V are in the pool; the tokens after it are fed in the next forward.
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prefix-cache hit at (first) admission
+    num_admitted_cached_tokens: int = 0  # the same at the latest admission
     blocks: list[KVBlock] = field(default_factory=list)
     block_hashes: list[BlockHash] = field(default_factory=list)
     num_registered_blocks: int = 0  # leading blocks already offered to the prefix cache

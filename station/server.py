@@ -41,7 +41,7 @@ from gnosis_daemon.protocol import (
     result_frame,
 )
 from gnosis_daemon.settings import Settings
-from station import ops
+from station import engine_ops, ops
 from station.engine_api import Engine, EngineEvent, EventKind, GenerationRequest
 from station.model_loader import LoadedModel, ModelLoadError, load_model
 from station.ops import OpError
@@ -58,6 +58,7 @@ class _Connection:
         self.stream = stream
         self.send_lock = trio.Lock()
         self.generates: dict[Any, GenerateStream] = {}
+        self.calls: dict[Any, engine_ops.EngineCall] = {}  # in-flight engine calls by frame id
         self.closed = False
 
     async def send(self, payload: bytes) -> None:
@@ -124,8 +125,10 @@ class StationServer:
                 gen.inject(EngineEvent(gen.engine_id, EventKind.ERROR, {
                     "code": ErrorCode.SHUTTING_DOWN.value,
                     "message": "the station is shutting down"}))
+            for call in list(conn.calls.values()):
+                call.fail(ErrorCode.SHUTTING_DOWN, "the station is shutting down")
         with trio.move_on_after(_SHUTDOWN_GRACE_S):
-            while any(conn.generates for conn in self._connections):
+            while any(conn.generates or conn.calls for conn in self._connections):
                 await trio.sleep(0.01)
 
     async def _accept_loop(self, listener: trio.socket.SocketType, nursery: trio.Nursery) -> None:
@@ -157,6 +160,7 @@ class StationServer:
                 gen.close()
             conn.generates.clear()
             conn.closed = True
+            self.engine.release_owner(conn.number)  # its host-held sequences and their blocks
             with trio.CancelScope(shield=True):
                 await stream.aclose()
 
@@ -194,6 +198,9 @@ class StationServer:
                     raise OpError(ErrorCode.SHUTTING_DOWN, "the station is shutting down")
                 if req.op == "generate":
                     self._start_generate(conn, req, nursery)
+                    return
+                if req.op in engine_ops.ENGINE_OPS:
+                    self._start_engine_call(conn, req, nursery)
                     return
                 if req.op == "cancel":
                     result = self._cancel(conn, req)
@@ -253,9 +260,14 @@ class StationServer:
         engine_id = f"{req.rid or 'gen'}:{conn.number}:{req.id}"
         gen = GenerateStream(req.id, engine_id, gen_args, self.loaded.tokenizer,
                              self.loaded.eos_token_ids, trio.lowlevel.current_trio_token())
+        if ((gen_args.load_session or gen_args.save_session or gen_args.save_final_session)
+                and Capability.KV_SESSION.value not in self.capabilities):
+            raise ops.bad("KV session arguments need capability kv_session, which this "
+                          "station does not have")
         request = GenerationRequest(engine_id, gen_args.prompt_ids, gen_args.params,
                                     tenant=gen_args.tenant, load_session=gen_args.load_session,
-                                    save_session=gen_args.save_session)
+                                    save_session=gen_args.save_session,
+                                    save_final_session=gen_args.save_final_session)
         try:
             self.engine.add_request(request, gen.on_event)
         except ValueError as exc:
@@ -272,6 +284,34 @@ class StationServer:
             finally:
                 if conn.generates.get(req.id) is gen:
                     del conn.generates[req.id]
+
+    def _start_engine_call(self, conn: _Connection, req: Request, nursery: trio.Nursery) -> None:
+        """Ops served on the engine thread: one task each, so calls of one connection
+        (many host-held sequences' decode_next) reach the same engine step together."""
+        if req.id in conn.calls or req.id in conn.generates:
+            raise ops.bad(f"request id {req.id!r} is already in flight on this connection")
+        kwargs = engine_ops.parse(self.loaded, req.op, req.args)
+        call = engine_ops.EngineCall(trio.lowlevel.current_trio_token())
+        try:
+            self.engine.call(engine_ops.ENGINE_OPS[req.op], conn.number, call.done, **kwargs)
+        except RuntimeError as exc:
+            raise OpError(ErrorCode.SHUTTING_DOWN, str(exc)) from None
+        conn.calls[req.id] = call
+        nursery.start_soon(self._run_engine_call, conn, req, call)
+
+    async def _run_engine_call(self, conn: _Connection, req: Request,
+                               call: engine_ops.EngineCall) -> None:
+        with bind_request(req.rid):
+            try:
+                try:
+                    result = await call.wait()
+                except OpError as exc:
+                    await conn.send(error_frame(req.id, exc.code, exc.message))
+                    return
+                await conn.send(result_frame(req.id, result))
+            finally:
+                if conn.calls.get(req.id) is call:
+                    del conn.calls[req.id]
 
 
 # -- socket file handling

@@ -6,7 +6,9 @@ never block on a slow client), and ``pump`` turns events into frames: one ``pref
 event, ``tokens`` events carrying newly completed text, then exactly one result or error.
 
 Stop strings are found here, by the detokenizer: the request is aborted in the engine and
-ends with finish_reason ``stop`` at once.
+ends with finish_reason ``stop`` at once; with ``save_final_session`` the engine is asked to
+finish it as ``stop`` instead, and the result waits for its ``finished`` event, which says
+whether the final KV session was saved.
 """
 
 from __future__ import annotations
@@ -54,6 +56,9 @@ class GenerateStream:
         self.started = time.perf_counter()
         self.first_token_at: float | None = None
         self.cached_tokens = 0
+        self.stopped = False  # a stop string ended it; waiting for the engine's final save
+        self.final_saved = False
+        self.final_save_error: str | None = None
 
     def on_event(self, event: EngineEvent) -> None:
         """Engine thread: hand the event to trio (never blocks)."""
@@ -90,12 +95,21 @@ class GenerateStream:
             await send(event_frame(self.frame_id, {
                 "type": "prefill", "prompt_tokens": int(data.get("prompt_tokens",
                                                                 len(self.gen.prompt_ids))),
-                "cached_tokens": self.cached_tokens}))
+                "cached_tokens": self.cached_tokens,
+                "session_loaded": bool(data.get("session_loaded", False)),
+                "session_tokens": int(data.get("session_tokens", 0)),
+                "session_error": data.get("session_error"),
+                "saved": bool(data.get("saved", False)),
+                "save_error": data.get("save_error")}))
             return None
         if event.kind == EventKind.TOKEN:
+            if self.stopped:
+                return None  # decoded before the engine saw the stop: not part of the answer
             return await self._on_tokens([int(data["token_id"])], send, engine)
         if event.kind == EventKind.FINISHED:
-            reason = data.get("finish_reason", "stop")
+            reason = "stop" if self.stopped else data.get("finish_reason", "stop")
+            self.final_saved = bool(data.get("final_saved", False))
+            self.final_save_error = data.get("final_save_error")
             if reason == "cancelled":
                 self.done = True
                 await send(error_frame(self.frame_id, ErrorCode.CANCELLED, "request cancelled"))
@@ -126,6 +140,10 @@ class GenerateStream:
         await send(event_frame(self.frame_id, {"type": "tokens", "token_ids": ids,
                                                "text": out.text}))
         if out.stopped:
+            if self.gen.save_final_session and hasattr(engine, "finish_early"):
+                self.stopped = True  # the result follows the engine's finished event
+                engine.finish_early(self.engine_id)
+                return None
             engine.abort(self.engine_id)  # its late "cancelled" event is dropped
             await self._finish("stop", send)
             return "stop"
@@ -149,6 +167,8 @@ class GenerateStream:
             "text": self.detok.text,
             "ttft_ms": round((first - self.started) * 1000, 3),
             "decode_tokens_per_s": round((n - 1) / decode_s, 3) if n > 1 and decode_s > 0 else 0.0,
+            "final_saved": self.final_saved,
+            "final_save_error": self.final_save_error,
         }
 
     def _log(self, outcome: str) -> None:

@@ -67,7 +67,9 @@ async def test_hello_fields(station, tiny_dir):
     assert (model["device"], model["dtype"]) == ("cpu", "float32")
     caps = hello["capabilities"]
     assert caps["generate"] is True and set(caps.values()) == {True}  # absent, never false
-    assert not {"forward", "decode_next", "embed", "kv_session"} & set(caps)
+    assert {"forward", "decode_next", "embed", "kv_session", "paged_kv", "prefix_cache",
+            "continuous_batching"} <= set(caps)
+    assert hello["kv_pool"]["blocks_total"] > 0
     assert hello["kv_pool"]["block_size"] == 16
 
 
@@ -197,7 +199,7 @@ BAD_FRAMES = [
     ({"v": 2, "id": 4, "op": "hello"}, 4, "bad_request"),  # wrong version
     ({"v": 1, "id": 5, "op": "hello", "args": [1]}, 5, "bad_request"),  # args not a map
     ({"v": 1, "id": 6, "op": "frobnicate"}, 6, "unknown_op"),
-    ({"v": 1, "id": 7, "op": "forward", "args": {}}, 7, "unknown_op"),  # not yet built
+    ({"v": 1, "id": 7, "op": "forward", "args": {}}, 7, "bad_request"),  # no tokens
     ({"v": 1, "id": 8, "op": "generate", "args": {"tokens": "abc"}}, 8, "bad_request"),
     ({"v": 1, "id": 9, "op": "generate", "args": {"tokens": [1], "max_tokens": "x"}}, 9,
      "bad_request"),

@@ -1,0 +1,285 @@
+"""Engine calls other than ``generate``: KV session ops, host-held sequences, embeddings.
+
+Everything here runs on the engine thread, at a step boundary (``PagedEngine.call`` queues
+it), so session and block bookkeeping is never touched concurrently with a step.
+
+Host-held sequences (``forward`` / ``decode_next`` / ``kv_session.load``) belong to the
+connection (``owner``) that made them and are freed when it closes (``release_owner``).
+Between calls they are ``PARKED``: they keep their blocks and the logits of their last
+position and are not scheduled. A call appends tokens and resumes the sequence in the
+scheduler, so its KV is computed in the same batched forward as every other request; the
+call is answered (``done``) when that step produced the last position's logits.
+``decode_next`` samples from the kept logits first, so one call = one token = one step.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from gnosis_daemon.logs import get_logger
+from gnosis_daemon.protocol import ErrorCode, pack_array
+from station.block_pool import block_hashes_for, prefix_extra_keys
+from station.engine_api import CallDone, EngineOpError, SamplingParams
+from station.sampling import make_generator, sample
+from station.sequence import Sequence, SequenceStatus
+
+if TYPE_CHECKING:
+    from station.paged_engine import PagedEngine
+
+log = get_logger(__name__)
+
+_PENDING = object()  # the call is answered later, from on_logits / fail
+
+
+def _error(code: ErrorCode, message: str) -> EngineOpError:
+    return EngineOpError(code.value, message)
+
+
+@dataclass(slots=True, eq=False)
+class HostState:
+    owner: Any
+    pending: CallDone | None = None  # the call waiting for this sequence's next logits
+    kind: str = ""  # "forward" | "decode_next"
+    new: bool = False  # the pending forward created the sequence
+    token_id: int | None = None  # the token decode_next sampled
+    logits: torch.Tensor | None = None  # [V] float32 of the last position
+
+
+class HostCalls:
+    NAMES = frozenset({"kv_save", "kv_load", "kv_delete", "kv_list", "forward", "decode_next",
+                       "embed"})
+
+    def __init__(self, engine: PagedEngine) -> None:
+        self.engine = engine
+        self.seqs: dict[str, Sequence] = {}
+        self._ids = itertools.count(1)
+
+    # -- dispatch
+    def run(self, name: str, owner: Any, done: CallDone | None, kwargs: dict[str, Any]) -> None:
+        if name == "release_owner":
+            self.release_owner(owner)
+            return
+        assert done is not None and name in self.NAMES
+        try:
+            result = getattr(self, "_" + name)(owner, done, **kwargs)
+        except EngineOpError as exc:
+            _answer(done, None, exc)
+            return
+        except Exception as exc:  # a bug in one call must not take the engine down
+            log.exception("engine_call_failed", call=name)
+            _answer(done, None, _error(ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}"))
+            return
+        if result is not _PENDING:
+            _answer(done, result, None)
+
+    # -- KV sessions
+    def _kv_save(self, owner: Any, done: CallDone, session_id: str, prefix_len: int,
+                 tenant: str = "", tokens: list[int] | None = None,
+                 seq_id: str | None = None) -> dict[str, Any]:
+        engine = self.engine
+        if seq_id is not None:
+            seq = self._owned(owner, seq_id)
+            if prefix_len > seq.num_tokens:
+                raise _error(ErrorCode.BAD_REQUEST, f"prefix_len {prefix_len} exceeds the "
+                             f"sequence's {seq.num_tokens} tokens")
+            num = engine.save_session(session_id, seq.user.tenant, seq, prefix_len)
+            return {"session_id": session_id, "num_tokens": num}
+        tokens = list(tokens or [])
+        if prefix_len > len(tokens):
+            raise _error(ErrorCode.BAD_REQUEST, f"prefix_len {prefix_len} exceeds the "
+                         f"{len(tokens)} tokens given")
+        bs = engine.block_size
+        num_blocks = prefix_len // bs
+        keys = prefix_extra_keys(engine.loaded.fingerprint, engine.settings.tenant_salt, tenant)
+        blocks = []
+        for i, block_hash in enumerate(block_hashes_for(tokens[:num_blocks * bs], bs, keys)):
+            block = engine.pool.cached_block_hash_to_block.get(block_hash)
+            if block is None or block.token_ids != tuple(tokens[i * bs:(i + 1) * bs]):
+                raise _error(ErrorCode.NOT_FOUND, f"the KV of the first {num_blocks * bs} tokens "
+                             f"is not resident (block {i} missing)")
+            blocks.append(block)
+        engine.sessions.save(session_id, tenant, tokens[:num_blocks * bs], blocks)
+        return {"session_id": session_id, "num_tokens": num_blocks * bs}
+
+    def _kv_load(self, owner: Any, done: CallDone, session_id: str) -> dict[str, Any]:
+        engine = self.engine
+        session = engine.sessions.get(session_id)
+        if session is None:
+            raise _error(ErrorCode.NOT_FOUND, f"no KV session {session_id!r}")
+        seq = self._new_seq(owner, list(session.token_ids), session.tenant, None)
+        engine.pool.touch(session.blocks)  # shared, not copied: sessions hold full blocks only
+        seq.blocks = list(session.blocks)
+        seq.num_computed_tokens = session.num_tokens
+        seq.num_registered_blocks = len(session.blocks)
+        seq.status = SequenceStatus.PARKED
+        engine.sessions.use(session)
+        return {"seq_id": seq.seq_id, "num_tokens": seq.num_tokens}
+
+    def _kv_delete(self, owner: Any, done: CallDone, session_id: str) -> dict[str, Any]:
+        return {"deleted": self.engine.sessions.delete(session_id)}
+
+    def _kv_list(self, owner: Any, done: CallDone, include_tokens: bool = False) -> dict[str, Any]:
+        sessions = self.engine.sessions
+        listed = []
+        for s in reversed(sessions.sessions()):  # most recently used first
+            item: dict[str, Any] = {"session_id": s.session_id, "tenant": s.tenant,
+                                    "num_tokens": s.num_tokens, "last_used": s.last_used}
+            if include_tokens:
+                item["tokens"] = list(s.token_ids)
+            listed.append(item)
+        return {"sessions": listed, "budget": sessions.budget, "pinned_blocks": sessions.pinned_blocks}
+
+    # -- host-held sequences
+    def _forward(self, owner: Any, done: CallDone, tokens: list[int], seq_id: str | None = None,
+                 tenant: str = "", load_session: str | None = None,
+                 release: bool = False) -> Any:
+        engine = self.engine
+        if seq_id is None:
+            if release:
+                raise _error(ErrorCode.BAD_REQUEST, "release needs a seq_id")
+            if not tokens:
+                raise _error(ErrorCode.BAD_REQUEST, "forward of a new sequence needs tokens")
+            self._check_room(len(tokens))
+            seq = self._new_seq(owner, list(tokens), tenant, load_session)
+            state = seq.user.host
+            state.pending, state.kind, state.new = done, "forward", True
+            engine.scheduler.add(seq)
+            return _PENDING
+        seq = self._owned(owner, seq_id)
+        state = seq.user.host
+        if release:
+            if tokens:
+                raise _error(ErrorCode.BAD_REQUEST, "release takes no tokens")
+            num = seq.num_tokens
+            self._free(seq, _error(ErrorCode.CANCELLED, "the sequence was released"))
+            return {"seq_id": seq_id, "num_tokens": num, "cached_tokens": 0, "released": True}
+        self._check_idle(seq)
+        if not tokens:
+            raise _error(ErrorCode.BAD_REQUEST, "forward needs tokens (or release: true)")
+        self._check_room(seq.num_tokens + len(tokens))
+        seq.token_ids.extend(tokens)
+        state.pending, state.kind, state.new = done, "forward", False
+        engine.scheduler.resume(seq)
+        return _PENDING
+
+    def _decode_next(self, owner: Any, done: CallDone, seq_id: str, temperature: float = 1.0,
+                     top_p: float = 1.0, top_k: int = 0, seed: int | None = None) -> Any:
+        seq = self._owned(owner, seq_id)
+        state = seq.user.host
+        self._check_idle(seq)
+        if state.logits is None:
+            raise _error(ErrorCode.BAD_REQUEST, "the sequence has no logits yet: forward at "
+                         "least one token first")
+        self._check_room(seq.num_tokens + 1)
+        try:
+            params = SamplingParams(max_tokens=1, temperature=temperature, top_p=top_p,
+                                    top_k=top_k, seed=seed)
+        except ValueError as exc:
+            raise _error(ErrorCode.BAD_REQUEST, str(exc)) from None
+        generator = make_generator(seed, self.engine.device)
+        token = int(sample(state.logits[None], [params], [generator])[0])
+        seq.token_ids.append(token)
+        state.pending, state.kind, state.token_id = done, "decode_next", token
+        self.engine.scheduler.resume(seq)  # its KV is computed in the next batched step
+        return _PENDING
+
+    def on_logits(self, seq: Sequence, logits: torch.Tensor) -> None:
+        """A step produced the last position's logits of a host-held sequence: answer its call."""
+        state: HostState = seq.user.host
+        assert seq.num_uncomputed_tokens == 0
+        state.logits = logits.clone()  # a row of the step's [K, V]: do not keep the whole tensor
+        self.engine.scheduler.park(seq)
+        done, state.pending = state.pending, None
+        assert done is not None, "a host-held sequence ran without a call"
+        if state.kind == "decode_next":
+            _answer(done, {"token_id": state.token_id, "num_tokens": seq.num_tokens}, None)
+            return
+        client = seq.user
+        _answer(done, {"seq_id": seq.seq_id, "num_tokens": seq.num_tokens,
+                       "cached_tokens": seq.num_admitted_cached_tokens if state.new else 0,
+                       "session_loaded": client.session_loaded,
+                       "session_tokens": client.session_tokens,
+                       "session_error": client.session_error}, None)
+
+    def fail(self, seq: Sequence, error: EngineOpError) -> None:
+        """The sequence ended (its blocks are released): forget it, fail its pending call."""
+        self.seqs.pop(seq.seq_id, None)
+        state: HostState = seq.user.host
+        done, state.pending = state.pending, None
+        if done is not None:
+            _answer(done, None, error)
+
+    def release_owner(self, owner: Any) -> None:
+        for seq in [s for s in self.seqs.values() if s.user.host.owner == owner]:
+            self._free(seq, _error(ErrorCode.CANCELLED, "the connection closed"))
+
+    def shutdown(self) -> None:
+        for seq in list(self.seqs.values()):
+            self.fail(seq, _error(ErrorCode.SHUTTING_DOWN, "the station is shutting down"))
+
+    # -- embeddings
+    def _embed(self, owner: Any, done: CallDone, token_lists: list[list[int]]) -> dict[str, Any]:
+        engine = self.engine
+        base = engine.loaded.model.base_model  # the decoder without lm_head
+        vectors = []
+        with torch.inference_mode():
+            # One text per forward: no padding, so no mask (outside a step the paged
+            # attention function is plain causal SDPA).
+            for ids in token_lists:
+                hidden = base(input_ids=torch.tensor([ids], device=engine.device),
+                              use_cache=False).last_hidden_state[0].float()  # [T, H]
+                pooled = hidden.mean(dim=0)
+                vectors.append(pooled / pooled.norm().clamp_min(1e-12))
+        array = torch.stack(vectors).cpu().numpy()
+        return {"embeddings": pack_array(array), "dim": int(array.shape[1]),
+                "num_tokens": [len(ids) for ids in token_lists]}
+
+    # -- internals
+    def _new_seq(self, owner: Any, tokens: list[int], tenant: str,
+                 load_session: str | None) -> Sequence:
+        engine = self.engine
+        seq_id = f"h{next(self._ids)}"
+        seq = Sequence(
+            seq_id, tokens, SamplingParams(max_tokens=1),
+            extra_keys=prefix_extra_keys(engine.loaded.fingerprint, engine.settings.tenant_salt,
+                                         tenant),
+            user=engine.make_client(tenant=tenant, load_session=load_session,
+                                    host=HostState(owner)),
+        )
+        self.seqs[seq_id] = seq
+        return seq
+
+    def _owned(self, owner: Any, seq_id: str) -> Sequence:
+        seq = self.seqs.get(seq_id)
+        if seq is None or seq.user.host.owner != owner:  # another connection's: not yours
+            raise _error(ErrorCode.NOT_FOUND, f"no host-held sequence {seq_id!r} on this connection")
+        return seq
+
+    def _check_idle(self, seq: Sequence) -> None:
+        if seq.user.host.pending is not None:
+            raise _error(ErrorCode.BAD_REQUEST, f"sequence {seq.seq_id!r} already has a call "
+                         "in flight")
+        assert seq.status is SequenceStatus.PARKED
+
+    def _check_room(self, num_tokens: int) -> None:
+        engine = self.engine
+        if num_tokens > engine.max_model_len:
+            raise _error(ErrorCode.CONTEXT_OVERFLOW, f"{num_tokens} tokens exceed max_model_len "
+                         f"{engine.max_model_len}")
+        if -(-(num_tokens + 1) // engine.block_size) > engine.pool.num_blocks:
+            raise _error(ErrorCode.BAD_REQUEST, f"{num_tokens} tokens do not fit the KV pool")
+
+    def _free(self, seq: Sequence, error: EngineOpError) -> None:
+        self.engine.scheduler.finish(seq, "cancelled")  # releases its blocks, whatever its state
+        self.fail(seq, error)
+
+
+def _answer(done: CallDone, result: dict[str, Any] | None, error: EngineOpError | None) -> None:
+    try:
+        done(result, error)
+    except Exception:  # a broken callback must not kill the engine thread
+        log.exception("engine_call_callback_failed")
