@@ -1,0 +1,273 @@
+"""KV sessions: the registry without a model, then the paged engine on a tiny real model
+(session hits with greedy parity, misses, tenants, budget, eviction pressure, reclaim,
+host-held sequences batched into one step per token)."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from gnosis_daemon.settings import Settings
+from station.block_pool import BlockPool
+from station.engine_api import EventKind, GenerationRequest, SamplingParams
+from station.model_loader import load_model
+from station.paged_engine import PagedEngine
+from station.sessions import SessionRegistry, common_prefix_len
+from tests.station.test_paged_engine import (Collector, assert_pool_clean, prompt_of, reference)
+from tests.support.tiny_models import build_tiny_model
+
+BS = 4
+
+
+# -- the registry alone
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        self.now += 1.0
+        return self.now
+
+
+def registry(num_blocks: int = 16, budget: int = 3) -> tuple[BlockPool, SessionRegistry]:
+    pool = BlockPool(num_blocks, BS)
+    return pool, SessionRegistry(pool, budget, clock=Clock())
+
+
+def save_released(reg: SessionRegistry, name: str, tokens: list[int]):
+    """Save the blocks of a sequence, then end it: the session alone holds them."""
+    blocks = reg.pool.allocate(len(tokens) // BS)
+    reg.save(name, "", tokens, blocks)
+    reg.pool.free(blocks)
+    return blocks
+
+
+def test_save_pins_without_copy_and_replacing_unpins_the_old():
+    pool, reg = registry()
+    blocks = pool.allocate(2)  # held by a running sequence
+    reg.save("s", "t", list(range(8)), blocks)
+    pool.free(blocks)  # the sequence ends: pinned blocks stay out of the free queue
+    assert pool.num_free_blocks == 14 and reg.pinned_blocks == 2
+    assert not {b.block_id for b in blocks} & set(pool.free_queue_ids())
+    other = pool.allocate(1)
+    reg.save("s", "t", list(range(4)), [blocks[0]])  # same id: replaces, shares block 0
+    assert reg.get("s").token_ids == (0, 1, 2, 3) and len(reg) == 1
+    assert blocks[0].pin_cnt == 1 and blocks[1].pin_cnt == 0
+    assert blocks[1].block_id in pool.free_queue_ids()
+    assert blocks[0].block_id not in pool.free_queue_ids()
+    pool.free(other)
+    assert reg.delete("s") is True and reg.delete("s") is False
+    assert pool.num_free_blocks == 16 and reg.pinned_blocks == 0
+
+
+def test_budget_expires_least_recently_used():
+    pool, reg = registry(budget=2)
+    a = save_released(reg, "a", [1] * 4)
+    b = save_released(reg, "b", [2] * 4)
+    reg.use(reg.get("a"))  # a is now the most recent: b goes first
+    save_released(reg, "c", [3] * 4)
+    assert [s.session_id for s in reg.sessions()] == ["a", "c"]
+    assert reg.num_expired == 1 and b[0].pin_cnt == 0 and a[0].pin_cnt == 1
+    assert reg.get("a").last_used > reg.get("c").last_used - 2
+
+
+def test_reclaim_expires_lru_only_when_it_makes_room():
+    pool, reg = registry(num_blocks=8, budget=8)
+    for name in "abc":
+        save_released(reg, name, [0] * 8)
+    running = pool.allocate(2)
+    assert pool.num_free_blocks == 0
+    assert reg.reclaim(3) == 2  # LRU a, then b: 4 blocks free, enough for 3
+    assert [s.session_id for s in reg.sessions()] == ["c"] and pool.can_allocate(3)
+    assert reg.reclaim(7) == 0  # even dropping c leaves 6: expire nothing
+    assert reg.reclaim(6, keep="c") == 0 and len(reg) == 1
+    pool.free(running)
+
+
+def test_empty_session_and_common_prefix():
+    pool, reg = registry()
+    reg.save("probe", "", [], [])
+    assert reg.get("probe").num_tokens == 0 and reg.pinned_blocks == 0
+    assert common_prefix_len([1, 2, 3], [1, 2, 4, 5]) == 2
+    assert common_prefix_len([1, 2], [1, 2, 3]) == 2 and common_prefix_len([], [1]) == 0
+
+
+# -- the engine on a tiny model
+@pytest.fixture(scope="module", autouse=True)
+def _few_threads():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    path = build_tiny_model(tmp_path_factory.mktemp("sessions") / "llama", "llama")
+    settings = Settings(model=str(path), runtime_dir=str(tmp_path_factory.mktemp("rt")))
+    return path, load_model(settings)
+
+
+class Engine:
+    def __init__(self, loaded, num_blocks: int = 256, **overrides) -> None:
+        settings = Settings(runtime_dir="/tmp/unused-rt", kv_block_size=BS, **overrides)
+        self.engine = PagedEngine(loaded, settings, num_blocks=num_blocks)
+        self.n = 0
+
+    def __enter__(self) -> Engine:
+        self.engine.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.engine.shutdown()
+
+    def generate(self, prompt, n: int, **session) -> Collector:
+        self.n += 1
+        collector = Collector()
+        self.engine.add_request(GenerationRequest(
+            f"r{self.n}", list(prompt), SamplingParams(max_tokens=n, temperature=0.0), **session),
+            collector)
+        return collector.wait()
+
+    def call(self, name: str, owner="c1", **kwargs) -> dict:
+        box, done = {}, threading.Event()
+
+        def on_done(result, error):
+            box["r"] = (result, error)
+            done.set()
+
+        self.engine.call(name, owner, on_done, **kwargs)
+        assert done.wait(60)
+        result, error = box["r"]
+        if error is not None:
+            raise AssertionError(f"{error.code}: {error.message}")
+        return result
+
+
+def test_save_then_load_hits_with_greedy_parity(tiny):
+    path, loaded = tiny
+    prompt = prompt_of(11, 30)
+    follow = prompt + prompt_of(12, 9)
+    with Engine(loaded) as e:
+        first = e.generate(prompt, 6, save_session="s1")
+        pre = first.one(EventKind.PREFILL)
+        assert (pre["saved"], pre["save_error"], pre["session_loaded"]) == (True, None, False)
+        assert e.engine.sessions.get("s1").num_tokens == 28
+        again = e.generate(prompt, 6, load_session="s1")
+        pre = again.one(EventKind.PREFILL)
+        assert pre["session_loaded"] is True and pre["session_error"] is None
+        assert pre["session_tokens"] == 28 and pre["cached_tokens"] >= len(prompt) - BS
+        assert again.tokens == first.tokens == reference(path, prompt, 6)
+        hit = e.generate(follow, 12, load_session="s1")
+        pre = hit.one(EventKind.PREFILL)
+        assert (pre["session_loaded"], pre["session_tokens"], pre["cached_tokens"]) == (True, 28, 28)
+        assert hit.tokens == reference(path, follow, 12)
+
+
+def test_final_session_serves_the_next_turn(tiny):
+    path, loaded = tiny
+    prompt = prompt_of(21, 17)
+    with Engine(loaded) as e:
+        turn1 = e.generate(prompt, 10, save_final_session="chat")
+        assert turn1.one(EventKind.FINISHED)["final_saved"] is True
+        completion = turn1.tokens
+        assert completion == reference(path, prompt, 10)
+        kept = (len(prompt) + len(completion) - 1) // BS * BS  # the last token has no KV yet
+        assert e.engine.sessions.get("chat").num_tokens == kept
+        e.engine.pool.reset_prefix_cache()  # only the session can serve the next turn now
+        turn2_prompt = prompt + completion + prompt_of(22, 6)
+        turn2 = e.generate(turn2_prompt, 8, load_session="chat")
+        pre = turn2.one(EventKind.PREFILL)
+        assert pre["session_tokens"] == kept and pre["cached_tokens"] == kept
+        assert turn2.tokens == reference(path, turn2_prompt, 8)
+
+
+def test_missing_or_foreign_session_is_a_miss(tiny):
+    path, loaded = tiny
+    prompt = prompt_of(31, 21)
+    with Engine(loaded) as e:
+        miss = e.generate(prompt, 5, load_session="nope")
+        pre = miss.one(EventKind.PREFILL)
+        assert (pre["session_loaded"], pre["session_error"], pre["cached_tokens"]) == (
+            False, "not_found", 0)
+        assert miss.tokens == reference(path, prompt, 5)
+        e.generate(prompt, 1, save_session="mine", tenant="alice")
+        other = e.generate(prompt, 5, load_session="mine", tenant="bob")
+        pre = other.one(EventKind.PREFILL)
+        assert (pre["session_loaded"], pre["session_error"]) == (False, "tenant_mismatch")
+        assert pre["cached_tokens"] == 0  # bob never sees alice's blocks, cache or session
+        assert other.tokens == reference(path, prompt, 5)
+        unrelated = e.generate(prompt_of(32, 21), 1, load_session="mine", tenant="alice")
+        assert unrelated.one(EventKind.PREFILL)["session_error"] == "no_common_prefix"
+
+
+def test_pinned_blocks_survive_eviction_pressure_and_delete_frees(tiny):
+    path, loaded = tiny
+    prompt = prompt_of(41, 20)
+    with Engine(loaded, num_blocks=24) as e:
+        e.generate(prompt, 1, save_session="keep")
+        pinned = {b.block_id for b in e.engine.sessions.get("keep").blocks}
+        assert len(pinned) == 5
+        for i in range(8):  # 12 blocks each: the rest of the pool churns several times
+            e.generate(prompt_of(100 + i, 40), 8)
+            assert not pinned & set(e.engine.pool.free_queue_ids())
+        assert e.engine.stats()["kv_sessions_expired"] == 0
+        follow = prompt + [7, 8, 9]
+        hit = e.generate(follow, 6, load_session="keep")
+        assert hit.one(EventKind.PREFILL)["session_tokens"] == 20
+        assert hit.tokens == reference(path, follow, 6)
+        assert e.call("kv_delete", session_id="keep") == {"deleted": True}
+        assert_pool_clean(e.engine)
+
+
+def test_sessions_expire_before_running_work_is_refused(tiny):
+    _, loaded = tiny
+    with Engine(loaded, num_blocks=16, kv_session_budget=2) as e:
+        for i in range(3):
+            e.generate(prompt_of(50 + i, 24), 1, save_session=f"s{i}")
+        listed = e.call("kv_list")
+        assert [s["session_id"] for s in listed["sessions"]] == ["s2", "s1"]  # budget 2: s0 expired
+        assert listed["budget"] == 2 and listed["pinned_blocks"] == 12
+        big = e.generate(prompt_of(60, 40), 10)  # needs 13 of 16 blocks: sessions must go
+        assert big.one(EventKind.FINISHED)["finish_reason"] in {"stop", "length"}
+        assert e.engine.stats()["kv_sessions_expired"] >= 2
+        e.call("kv_delete", session_id="s2")
+        e.call("kv_delete", session_id="s1")
+        assert_pool_clean(e.engine)
+
+
+def test_host_sequences_decode_in_one_step_per_token(tiny):
+    path, loaded = tiny
+    prompts = [prompt_of(70 + i, 9 + 3 * i) for i in range(4)]
+    with Engine(loaded) as e:
+        seqs = [e.call("forward", tokens=p)["seq_id"] for p in prompts]
+        got = [[] for _ in prompts]
+        for _ in range(6):
+            steps = e.engine.num_steps
+            results, done = {}, threading.Event()
+
+            def answer(i):
+                def on_done(result, error):
+                    assert error is None, error
+                    results[i] = result
+                    if len(results) == len(seqs):
+                        done.set()
+                return on_done
+
+            with e.engine._cond:  # queue every call before the engine thread looks
+                for i, seq_id in enumerate(seqs):
+                    e.engine.call("decode_next", "c1", answer(i), seq_id=seq_id, temperature=0.0)
+            assert done.wait(60)
+            assert e.engine.num_steps == steps + 1  # four tokens, one batched forward
+            for i in range(len(seqs)):
+                got[i].append(results[i]["token_id"])
+        for prompt, tokens in zip(prompts, got):
+            expected = reference(path, prompt, 6)  # model.generate stops at eos; we do not
+            assert tokens[:len(expected)] == expected
+        saved = e.call("kv_save", session_id="h", seq_id=seqs[0], prefix_len=len(prompts[0]) + 6)
+        assert saved["num_tokens"] == (len(prompts[0]) + 6) // BS * BS
+        e.engine.release_owner("c1")
+        e.call("kv_delete", session_id="h")
+        assert_pool_clean(e.engine)
