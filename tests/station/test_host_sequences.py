@@ -227,3 +227,21 @@ def test_disabled_capabilities_answer_unknown_op(tiny_dir, tmp_path):
         trio.run(probe)
     finally:
         assert st.stop() == 0
+
+
+async def test_stop_string_still_saves_the_final_session(station, tiny_dir):
+    prompt = prompt_of(30, 20)
+    async with open_station_client(station.socket) as conn:
+        _, full = await generate(conn, tokens=prompt, max_tokens=12, ignore_eos=True)
+        text = full["text"]
+        stop = text[len(text) // 2:len(text) // 2 + 2]
+        if not stop.strip():
+            pytest.skip("the tiny model's text has no usable stop string")
+        _, cut = await generate(conn, tokens=prompt, max_tokens=12, ignore_eos=True, stop=[stop],
+                                save_final_session="stopped")
+        assert cut["finish_reason"] == "stop" and cut["text"] == text[:text.index(stop)]
+        assert (cut["final_saved"], cut["final_save_error"]) == (True, None)
+        assert cut["token_ids"] == full["token_ids"][:len(cut["token_ids"])]
+        listed = await conn.request("kv_session.list")
+        assert [s["session_id"] for s in listed["sessions"]] == ["stopped"]
+        await drop_all_sessions(conn)
