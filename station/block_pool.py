@@ -90,6 +90,7 @@ class BlockPool:
         # Order is the eviction order: head = next to allocate.
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.cached_block_hash_to_block: dict[BlockHash, KVBlock] = {}
+        self.num_pinned_blocks = 0  # distinct blocks with pin_cnt > 0 (an int: safe to read anywhere)
 
     # -- figures
     @property
@@ -184,12 +185,16 @@ class BlockPool:
         for block in blocks:
             if not block.held:
                 del self._free[block.block_id]
+            if block.pin_cnt == 0:
+                self.num_pinned_blocks += 1
             block.pin_cnt += 1
 
     def unpin(self, blocks: Sequence[KVBlock]) -> None:
         for block in reversed(blocks):
             assert block.pin_cnt > 0, f"block {block.block_id} unpinned more often than pinned"
             block.pin_cnt -= 1
+            if block.pin_cnt == 0:
+                self.num_pinned_blocks -= 1
             if not block.held:
                 self._enqueue_free(block)
 

@@ -69,8 +69,12 @@ class SessionRegistry:
 
     @property
     def pinned_blocks(self) -> int:
-        """Distinct blocks pinned by sessions (sessions of one conversation share blocks)."""
-        return len({b.block_id for s in self._sessions.values() for b in s.blocks})
+        """Distinct blocks pinned by sessions (sessions of one conversation share blocks).
+
+        Only sessions pin, so this is the pool's counter: a plain int that ``stats`` may
+        read from another thread without iterating anything the engine mutates.
+        """
+        return self.pool.num_pinned_blocks
 
     def save(self, session_id: str, tenant: str, token_ids: Sequence[int],
              blocks: Sequence[KVBlock]) -> KVSession:
