@@ -90,7 +90,10 @@ class LiquidMemory:
                       tenant: str, name: str | None, rid: str | None) -> Prepared:
         state = self.state(connected=True)
         if not state.effective:
-            return Prepared(dict(station_args), None, fixed=liquid.disabled(state.reason))
+            # The tenant still goes along: it salts the automatic prefix cache, so two
+            # tenants never share cached blocks on the native path either.
+            return Prepared({**station_args, "tenant": tenant}, None,
+                            fixed=liquid.disabled(state.reason))
         tokens = await _prompt_tokens(conn, station_args, rid)
         plan = self.index.plan(tenant, tokens, name, min_tokens=self.block_size)
         args = {k: v for k, v in station_args.items() if k not in ("messages", "prompt")}

@@ -99,6 +99,12 @@ def _finish(kind: str, body: dict[str, Any], args: dict[str, Any], max_tokens: i
         if not _is_int(seed):
             raise errors.invalid_type("seed", "an integer", seed)
         args["seed"] = seed
+    # vLLM's extension: keep decoding past EOS (benchmarks, load drills).
+    ignore_eos = body.get("ignore_eos")
+    if ignore_eos is not None:
+        if not isinstance(ignore_eos, bool):
+            raise errors.invalid_type("ignore_eos", "a boolean", ignore_eos)
+        args["ignore_eos"] = ignore_eos
     session_name = None
     for key in SESSION_FIELDS:
         value = body.get(key)

@@ -28,7 +28,6 @@ import trio
 import gnosis_daemon
 from gnosis_daemon.logs import bind_request, configure_logging, get_logger
 from gnosis_daemon.protocol import (
-    BASE_OPS,
     OP_CAPABILITY,
     PROTOCOL_VERSION,
     Capability,

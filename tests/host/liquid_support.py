@@ -6,25 +6,10 @@ import json
 import subprocess
 
 import httpx
-import pytest
 
-from tests.support.procs import REPO, http_json, wait_for
+from tests.support.procs import http_json, wait_for
 
 START_TIMEOUT_S = 90.0
-
-
-def station_liquid_landed() -> bool:
-    """Whether the station side of issue 4 (kv_session ops) is in the tree."""
-    return any("kv_session.list" in path.read_text(errors="replace")
-               for path in (REPO / "station").glob("*.py"))
-
-
-def require_station_liquid() -> None:
-    """Tests of the full liquid path need the station's kv_session ops. Until those land
-    the test is an explicit xfail that names why (never a silent skip); once they are in
-    the tree it runs and must pass."""
-    if not station_liquid_landed():
-        pytest.xfail("station side of issue 4 (kv_session ops) has not landed yet")
 
 
 def wait_health(base_url: str, proc: subprocess.Popen, station_pid: int, **want) -> dict:

@@ -19,7 +19,6 @@ from tests.host.conftest import STALE_DISABLE
 from tests.host.liquid_support import (
     metric,
     post,
-    require_station_liquid,
     stream_chat,
     wait_health,
 )
@@ -154,7 +153,6 @@ def test_a_station_that_gains_kv_session_turns_liquid_memory_on_without_a_host_r
     assert health["station_restarts"] >= 1
     assert health["station_capabilities_learned"]["generate"] == "flag"
     off = wait_health(stale.url_off, stale.host_off, stale.station.pid)
-    require_station_liquid()
     health = wait_health(stale.url, stale.host, stale.station.pid, liquid_memory=True)
     assert (health["station_kv_session"], health["liquid_memory_reason"]) == (True, None)
     assert health["station_capabilities_learned"]["kv_session"] == "flag"

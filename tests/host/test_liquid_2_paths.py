@@ -4,7 +4,6 @@ A prompt's first request is a ``miss`` that saves its KV; the same prompt again,
 next turn of the chat, are ``hit``s that skip the saved prefix; greedy output is identical
 on hit, miss and the native path (and equals ``model.generate``); a restarted host keeps
 hitting (its index is rebuilt from ``kv_session.list``); sessions never cross tenants.
-Every test here needs the station side of issue 4 and is an explicit xfail until it lands.
 """
 
 from __future__ import annotations
@@ -19,7 +18,6 @@ from host.capabilities import negotiate
 from tests.host.liquid_support import (
     metric,
     post,
-    require_station_liquid,
     stream_chat,
     wait_health,
 )
@@ -31,7 +29,6 @@ SYSTEM = "You are a careful assistant who answers briefly."
 
 @pytest.fixture(scope="module")
 def full(liquid_stack):
-    require_station_liquid()
     s = liquid_stack
     if s.station_disable is not None:
         s.replace_station(None)

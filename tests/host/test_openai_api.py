@@ -233,3 +233,13 @@ def test_unavailable_is_503_with_retry_after():
     assert api.body()["error"] == {
         "message": "The model station is not available right now; retry shortly. (gone)",
         "type": "service_unavailable", "param": None, "code": "station_unavailable"}
+
+
+def test_ignore_eos_is_passed_through_and_type_checked():
+    from host.openai_api import parse_chat
+
+    ok = parse_chat({"messages": [{"role": "user", "content": "hi"}], "ignore_eos": True})
+    assert ok.station_args["ignore_eos"] is True
+    with pytest.raises(ApiError) as info:
+        parse_chat({"messages": [{"role": "user", "content": "hi"}], "ignore_eos": "yes"})
+    assert info.value.status == 400 and info.value.param == "ignore_eos"
