@@ -14,13 +14,13 @@ import os
 import platform
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import trio
 
 from bench.common import (
     Report,
+    free_port,
     make_prompt_ids,
     measure_plain,
     start_station,
@@ -28,6 +28,7 @@ from bench.common import (
     station_ttft,
     stop_station,
 )
+from bench.liquid import decode_next_figures, liquid_figures, start_host
 from gnosis_daemon.client import open_station_client
 from gnosis_daemon.settings import load_settings
 
@@ -55,9 +56,19 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="gnosis-bench-") as tmp:
         runtime_dir = Path(tmp) / "run"
         proc = start_station(settings, runtime_dir, Path(tmp) / "station.log")
+        hosts = []
         try:
             trio.run(_station_figures, runtime_dir / "station.sock", args, plain, report)
+            # 3. liquid memory through HTTP: two hosts on the one station, liquid on and off
+            liquid_port, native_port = free_port(), free_port()
+            hosts.append(start_host(settings, runtime_dir, liquid_port, Path(tmp) / "host-liquid.log",
+                                    liquid=True))
+            hosts.append(start_host(settings, runtime_dir, native_port, Path(tmp) / "host-native.log",
+                                    liquid=False))
+            liquid_figures(report, liquid_port, native_port, args.decode_tokens)
         finally:
+            for host in hosts:
+                stop_station(host)
             stop_station(proc)
 
     report.print()
@@ -88,6 +99,7 @@ async def _station_figures(socket_path, args, plain, report: Report) -> None:
         many = await station_decode(conn, prompts, args.decode_tokens)
         report.add(f"aggregate decode at {args.streams} streams / 1 stream", many / one, ">=", 4.0,
                    f"{args.streams} streams {many:.1f} tok/s, 1 stream {one:.1f} tok/s")
+        await decode_next_figures(conn, report, short, args.decode_tokens)
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import platform
 import random
+import socket
 import subprocess
 import sys
 import time
@@ -17,6 +18,12 @@ import trio
 from gnosis_daemon.client import open_station_client
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def make_prompt_ids(vocab_size: int, n: int, seed: int) -> list[int]:
@@ -69,8 +76,7 @@ def measure_plain(settings, prompt_tokens: int, decode_tokens: int, repeats: int
 
 
 def start_station(settings, runtime_dir: Path, log_path: Path) -> subprocess.Popen:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("GNOSIS_", "THOTH_"))}
-    env.update(settings.to_env())
+    env = settings.child_environ()
     env["GNOSIS_RUNTIME_DIR"] = str(runtime_dir)
     env["GNOSIS_LOG_FORMAT"] = "json"
     with open(log_path, "ab") as log:
@@ -161,23 +167,29 @@ async def station_decode(conn, prompts: list[list[int]], decode_tokens: int) -> 
 class Row:
     name: str
     value: float
-    op: str
-    bar: float
+    op: str  # "<=", ">=", or "info" (a figure the issues ask to report, with no bar)
+    bar: float | None
     detail: str
 
     @property
     def met(self) -> bool:
+        if self.op == "info":
+            return True
         return self.value <= self.bar if self.op == "<=" else self.value >= self.bar
+
+    @property
+    def goal(self) -> str:
+        return "(reported)" if self.op == "info" else f"{self.op} {self.bar}"
 
 
 @dataclass
 class Report:
     rows: list[Row] = field(default_factory=list)
 
-    def add(self, name: str, value: float, op: str, bar: float, detail: str) -> None:
+    def add(self, name: str, value: float, op: str, bar: float | None, detail: str) -> None:
         self.rows.append(Row(name, value, op, bar, detail))
         row = self.rows[-1]
-        print(f"{'ok  ' if row.met else 'MISS'} {name}: {value:.3f} (goal {op} {bar}) -- {detail}",
+        print(f"{'ok  ' if row.met else 'MISS'} {name}: {value:.3f} (goal {row.goal}) -- {detail}",
               flush=True)
 
     def all_met(self) -> bool:
@@ -205,8 +217,8 @@ class Report:
             "|---|---|---|---|---|",
         ]
         for row in self.rows:
-            lines.append(f"| {row.name} | {row.value:.3f} | {row.op} {row.bar} | "
-                         f"{'yes' if row.met else 'no'} | {row.detail} |")
+            met = "-" if row.op == "info" else ("yes" if row.met else "no")
+            lines.append(f"| {row.name} | {row.value:.3f} | {row.goal} | {met} | {row.detail} |")
         path.write_text("\n".join(lines) + "\n")
 
 

@@ -1,0 +1,152 @@
+"""Liquid-memory figures for `make bench`, through real HTTP and the real station socket.
+
+Two host processes share one station: one with liquid memory on, one with
+``THOTH_LIQUID_MEMORY=0`` (the native path). Decode speed is compared side by side on the
+same prompt; the second turn of a chat whose first turn carried a ~2,000-token system prompt
+is timed against the first turn; and ``decode_next``'s round trip per token is measured
+against ``generate``'s per-token time on the same sequence.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+from bench.common import REPO, Report
+
+WORDS = ("river stone lantern harbor quiet meadow copper signal orbit garden winter "
+         "mirror canyon thunder pillar ember violet marble falcon cedar").split()
+
+
+def start_host(settings, runtime_dir: Path, port: int, log_path: Path, *, liquid: bool):
+    env = settings.child_environ()
+    env.update({"GNOSIS_RUNTIME_DIR": str(runtime_dir), "GNOSIS_PORT": str(port),
+                "GNOSIS_LOG_FORMAT": "json", "THOTH_LIQUID_MEMORY": "1" if liquid else "0"})
+    with open(log_path, "ab") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "gnosis_daemon.cli", "host"], cwd=REPO,
+                                env=env, stdout=log, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        try:
+            health = httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).json()
+            if health.get("station_reachable") and health.get("liquid_memory") == liquid:
+                return proc
+        except (httpx.HTTPError, ValueError):
+            pass
+        if proc.poll() is not None:
+            raise SystemExit(f"host exited with {proc.returncode}; see {log_path}")
+        time.sleep(0.2)
+    proc.kill()
+    raise SystemExit(f"host on port {port} did not report liquid_memory={liquid} in 120 s; see {log_path}")
+
+
+@dataclass
+class Streamed:
+    ttft_s: float
+    decode_tps: float
+    text: str
+    gnosis: dict
+
+
+def stream_chat(port: int, messages: list[dict], max_tokens: int, *, user: str | None = None,
+                ignore_eos: bool = False) -> Streamed:
+    body = {"messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "ignore_eos": ignore_eos}
+    if user:
+        body["user"] = user
+    start = time.perf_counter()
+    first = last = None
+    pieces: list[str] = []
+    gnosis: dict = {}
+    n = 0
+    with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/chat/completions", json=body,
+                      timeout=600) as resp:
+        resp.raise_for_status()
+        for line in resp.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            gnosis = chunk.get("_gnosis") or gnosis
+            for choice in chunk.get("choices", []):
+                content = (choice.get("delta") or {}).get("content")
+                if content:
+                    now = time.perf_counter()
+                    if first is None:
+                        first = now
+                    else:
+                        n += 1
+                    last = now
+                    pieces.append(content)
+    assert first is not None, "no content streamed"
+    rate = n / (last - first) if n and last > first else 0.0
+    return Streamed(first - start, rate, "".join(pieces), gnosis)
+
+
+def long_system_prompt(target_words: int) -> str:
+    return " ".join(WORDS[(i * 7 + i // 3) % len(WORDS)] for i in range(target_words))
+
+
+def liquid_figures(report: Report, liquid_port: int, native_port: int, decode_tokens: int) -> None:
+    # Decode speed, side by side on the same prompt (a long answer so decode dominates).
+    ask = [{"role": "user", "content": "Write a long story about a lighthouse keeper."}]
+    stream_chat(native_port, ask, 8)  # warm-up both paths
+    stream_chat(liquid_port, ask, 8)
+    native = [stream_chat(native_port, ask, decode_tokens, ignore_eos=True) for _ in range(2)]
+    liquid = [stream_chat(liquid_port, ask, decode_tokens, ignore_eos=True) for _ in range(2)]
+    n_rate = max(r.decode_tps for r in native)
+    l_rate = max(r.decode_tps for r in liquid)
+    report.add("decode tok/s liquid path / native path", l_rate / n_rate, ">=", 1.0,
+               f"liquid {l_rate:.1f} tok/s ({liquid[-1].gnosis.get('path')}), "
+               f"native {n_rate:.1f} tok/s ({native[-1].gnosis.get('path')}); predecessor: 0.08")
+
+    # Second turn of a chat whose first turn carried ~2,000 tokens.
+    system = long_system_prompt(1150)
+    turn1 = [{"role": "system", "content": system},
+             {"role": "user", "content": "Summarise the words above in one sentence."}]
+    first = stream_chat(liquid_port, turn1, 24, user="bench-chat")
+    turn2 = turn1 + [{"role": "assistant", "content": first.text},
+                     {"role": "user", "content": "Now in three words."}]
+    second = stream_chat(liquid_port, turn2, 8, user="bench-chat")
+    report.add("second-turn TTFT / first-turn TTFT (2,000-token first turn)",
+               second.ttft_s / first.ttft_s, "<=", 0.1,
+               f"turn 2 {second.ttft_s * 1000:.0f} ms ({second.gnosis.get('liquid_memory')}, "
+               f"cached {second.gnosis.get('cached_tokens')} of {second.gnosis.get('prompt_tokens')}), "
+               f"turn 1 {first.ttft_s * 1000:.0f} ms ({first.gnosis.get('prompt_tokens')} prompt tokens)")
+
+
+async def decode_next_figures(conn, report: Report, prompt_ids: list[int], decode_tokens: int) -> None:
+    """decode_next's round trip per token vs generate's per-token time, same sequence."""
+    fwd = await conn.request("forward", {"tokens": prompt_ids})
+    seq_id = fwd["seq_id"]
+    try:
+        await conn.request("decode_next", {"seq_id": seq_id, "temperature": 0})  # warm-up
+        start = time.perf_counter()
+        for _ in range(decode_tokens):
+            await conn.request("decode_next", {"seq_id": seq_id, "temperature": 0})
+        per_token = (time.perf_counter() - start) / decode_tokens
+    finally:
+        await conn.request("forward", {"seq_id": seq_id, "tokens": [], "release": True})
+    first = last = None
+    n = 0
+    async with conn.open_stream("generate", {"tokens": prompt_ids, "max_tokens": decode_tokens + 1,
+                                             "temperature": 0, "ignore_eos": True,
+                                             "tenant": "decode-next-bench"}) as stream:
+        async for event in stream:
+            if event.get("type") == "tokens":
+                now = time.perf_counter()
+                if first is None:
+                    first = now
+                else:
+                    n += len(event["token_ids"])
+                last = now
+    gen_per_token = (last - first) / n
+    report.add("decode_next round trip per token / generate per token", per_token / gen_per_token,
+               "info", None, f"decode_next {per_token * 1000:.2f} ms/token, generate "
+               f"{gen_per_token * 1000:.2f} ms/token, round-trip overhead "
+               f"{(per_token - gen_per_token) * 1000:.2f} ms")
