@@ -33,46 +33,51 @@ def make_prompt_ids(vocab_size: int, n: int, seed: int) -> list[int]:
     return [rng.randrange(100, high) if high > 200 else rng.randrange(0, high) for _ in range(n)]
 
 
-@dataclass
 class Plain:
-    prefill_s: float
-    decode_tps: float
+    """The plain in-process baseline: the same weights, one forward, a contiguous cache.
 
+    Kept loaded for the whole run so its measurements interleave with the station's:
+    on a shared, noisy machine both sides then see the same conditions.
+    """
 
-def measure_plain(settings, prompt_tokens: int, decode_tokens: int, repeats: int = 3) -> Plain:
-    """One plain forward of the prompt, and a greedy decode loop with a contiguous cache."""
-    import torch
-    from transformers import DynamicCache
+    def __init__(self, settings) -> None:
+        import torch
 
-    from station.model_loader import load_model
+        from station.model_loader import load_model
 
-    loaded = load_model(settings)
-    model = loaded.model
-    vocab = model.config.vocab_size
-    prompt = torch.tensor([make_prompt_ids(vocab, prompt_tokens, seed=1)], device=loaded.device)
-    with torch.inference_mode():
-        model(prompt[:, :64])  # warm-up
-        prefill = []
-        for _ in range(repeats):
+        self.torch = torch
+        self.loaded = load_model(settings)
+        self.model = self.loaded.model
+        self.device = self.loaded.device
+        with torch.inference_mode():
+            self.model(torch.tensor([[1] * 64], device=self.device), logits_to_keep=1)  # warm-up
+
+    def prefill_s(self, prompt_ids: list[int]) -> float:
+        torch = self.torch
+        prompt = torch.tensor([prompt_ids], device=self.device)
+        with torch.inference_mode():
             start = time.perf_counter()
-            model(prompt, logits_to_keep=1)
-            prefill.append(time.perf_counter() - start)
-        short = torch.tensor([make_prompt_ids(vocab, 32, seed=2)], device=loaded.device)
-        rates = []
-        for _ in range(repeats):
+            self.model(prompt, logits_to_keep=1)
+            return time.perf_counter() - start
+
+    def decode_tps(self, prompt_ids: list[int], decode_tokens: int) -> float:
+        """Greedy decode tokens/s with a DynamicCache, the first (prefill) token excluded."""
+        torch = self.torch
+        from transformers import DynamicCache
+
+        with torch.inference_mode():
             cache = DynamicCache()
-            out = model(short, cache=cache, logits_to_keep=1, use_cache=True)
+            ids = torch.tensor([prompt_ids], device=self.device)
+            out = self.model(ids, cache=cache, logits_to_keep=1, use_cache=True)
             token = out.logits[:, -1].argmax(-1, keepdim=True)
-            pos = short.shape[1]
+            pos = ids.shape[1]
             start = time.perf_counter()
             for _ in range(decode_tokens):
-                out = model(token, cache=cache, use_cache=True,
-                            position_ids=torch.tensor([[pos]], device=loaded.device))
+                out = self.model(token, cache=cache, use_cache=True,
+                                 position_ids=torch.tensor([[pos]], device=self.device))
                 token = out.logits[:, -1].argmax(-1, keepdim=True)
                 pos += 1
-            rates.append(decode_tokens / (time.perf_counter() - start))
-    del model, loaded
-    return Plain(prefill_s=min(prefill), decode_tps=max(rates))
+            return decode_tokens / (time.perf_counter() - start)
 
 
 def start_station(settings, runtime_dir: Path, log_path: Path) -> subprocess.Popen:

@@ -108,6 +108,13 @@ def test_children_get_the_settings_but_not_the_notify_socket(daemon):
 def test_killed_station_is_restarted_and_host_serves_again(daemon):
     station, host = daemon.child("station"), daemon.child("host")
     os.kill(station["pid"], signal.SIGKILL)
+    # Meanwhile the host answers 503 with Retry-After and OpenAI's error body (a new
+    # station needs seconds to import torch and load, so this lands in the gap).
+    gap = httpx.post(f"{daemon.base_url}/v1/chat/completions", timeout=30, json={
+        "model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
+    assert gap.status_code == 503, gap.text
+    assert gap.headers["Retry-After"] == "1"
+    assert gap.json()["error"]["code"] == "station_unavailable"
     status = daemon.wait(lambda s: both_running(s) and s["children"]["station"]["pid"] != station["pid"],
                          RESTART_TIMEOUT_S, "a new station")
     new = status["children"]["station"]
