@@ -19,6 +19,8 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+from gnosis_daemon.tokens import common_prefix_len
+
 ANON = "anon"
 
 
@@ -89,7 +91,7 @@ class SessionIndex:
         for session_id, (owner, saved) in self._sessions.items():
             if owner != tenant:
                 continue
-            n = common_prefix(saved, prompt)
+            n = common_prefix_len(saved, prompt)
             if n > best_len:
                 best_id, best_len = session_id, n
         if best_id is not None:
@@ -117,18 +119,3 @@ def _well_formed(entry: dict[str, Any]) -> bool:
             and isinstance(tokens, list) and bool(tokens)
             and all(isinstance(t, int) for t in tokens)
             and isinstance(entry.get("last_used") or 0, (int, float)))
-
-
-def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    """Length of the common prefix: slice comparisons run in C, binary search over length."""
-    n = min(len(a), len(b))
-    if a[:n] == b[:n]:
-        return n
-    lo, hi = 0, n  # invariant: a[:lo] == b[:lo] and a[:hi] != b[:hi]
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if a[:mid] == b[:mid]:
-            lo = mid
-        else:
-            hi = mid
-    return lo

@@ -42,7 +42,8 @@ from station.model_runner import ModelRunner
 from station.sampling import make_generator, sample
 from station.scheduler import Scheduler
 from station.sequence import Sequence
-from station.sessions import SessionRegistry, common_prefix_len
+from gnosis_daemon.tokens import common_prefix_len
+from station.sessions import SessionRegistry
 
 log = get_logger(__name__)
 

@@ -37,14 +37,6 @@ class KVSession:
         return len(self.token_ids)
 
 
-def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
-    n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n
-
-
 class SessionRegistry:
     def __init__(self, pool: BlockPool, budget: int, clock: Callable[[], float] = time.time) -> None:
         assert budget > 0

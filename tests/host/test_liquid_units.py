@@ -8,7 +8,8 @@ import pytest
 from host import embeddings, liquid, openai_api
 from host.capabilities import Negotiated
 from host.errors import ApiError
-from host.session_index import SessionIndex, common_prefix, tenant_key
+from gnosis_daemon.tokens import common_prefix_len as common_prefix
+from host.session_index import SessionIndex, tenant_key
 
 KV = "station lacks the kv_session capability"
 

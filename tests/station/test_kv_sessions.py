@@ -14,7 +14,8 @@ from station.block_pool import BlockPool
 from station.engine_api import EventKind, GenerationRequest, SamplingParams
 from station.model_loader import load_model
 from station.paged_engine import PagedEngine
-from station.sessions import SessionRegistry, common_prefix_len
+from gnosis_daemon.tokens import common_prefix_len
+from station.sessions import SessionRegistry
 from tests.station.test_paged_engine import (Collector, assert_pool_clean, prompt_of, reference)
 from tests.support.tiny_models import build_tiny_model
 
