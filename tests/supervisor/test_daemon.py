@@ -155,6 +155,24 @@ def test_hung_host_is_killed_and_restarted(daemon):
     assert serves_again(daemon)["object"] == "chat.completion"
 
 
+def test_hung_station_is_killed_and_restarted(daemon):
+    station, host = daemon.child("station"), daemon.child("host")
+    os.kill(station["pid"], signal.SIGSTOP)
+    try:
+        status = daemon.wait(lambda s: both_running(s) and s["children"]["station"]["pid"] != station["pid"],
+                             RESTART_TIMEOUT_S, "the hung station replaced")
+    finally:
+        if alive(station["pid"]):
+            os.kill(station["pid"], signal.SIGKILL)
+    new = status["children"]["station"]
+    assert new["restarts"] == station["restarts"] + 1
+    assert new["last_exit"]["signal_name"] == "SIGKILL"
+    assert new["last_exit"]["reason"].startswith("unresponsive")
+    assert not alive(station["pid"])
+    assert status["children"]["host"]["pid"] == host["pid"]  # the host rode it out
+    assert serves_again(daemon)["object"] == "chat.completion"
+
+
 def test_restart_station_through_the_control_socket(daemon):
     station = daemon.child("station")
     result = cli("restart", "station", runtime_dir=daemon.runtime_dir)
