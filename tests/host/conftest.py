@@ -144,6 +144,21 @@ class LiquidStack:
                              "--model", str(self.model_dir), env=env)
         self.station_disable = disable
 
+    def use_station(self, disable: str | None, **want) -> LiquidStack:
+        """Serve from a station started with ``disable`` (replacing the running one if it
+        differs), once both hosts have reconnected to it and the liquid host shows ``want``."""
+        from tests.host.liquid_support import wait_health
+
+        if self.station_disable != disable:
+            self.replace_station(disable)
+        try:
+            wait_health(self.url, self.host, self.station.pid, **want)
+            wait_health(self.url_off, self.host_off, self.station.pid)
+        except AssertionError:
+            self.dump_logs()
+            raise
+        return self
+
     def restart_host(self) -> None:
         stop_process(self.host)
         port = free_port()

@@ -34,16 +34,7 @@ ENV_REASON = "disabled by THOTH_LIQUID_MEMORY=0"
 @pytest.fixture(scope="module")
 def stale(liquid_stack):
     """The shared stack with a stale station (this module runs before test_liquid_2_paths)."""
-    s = liquid_stack
-    if s.station_disable != STALE_DISABLE:
-        s.replace_station(STALE_DISABLE)
-    try:
-        wait_health(s.url, s.host, s.station.pid)
-        wait_health(s.url_off, s.host_off, s.station.pid)
-    except AssertionError:
-        s.dump_logs()
-        raise
-    return s
+    return liquid_stack.use_station(STALE_DISABLE)
 
 
 @pytest.fixture(scope="module")

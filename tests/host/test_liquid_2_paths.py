@@ -29,16 +29,7 @@ SYSTEM = "You are a careful assistant who answers briefly."
 
 @pytest.fixture(scope="module")
 def full(liquid_stack):
-    s = liquid_stack
-    if s.station_disable is not None:
-        s.replace_station(None)
-    try:
-        wait_health(s.url, s.host, s.station.pid, liquid_memory=True)
-        wait_health(s.url_off, s.host_off, s.station.pid)
-    except AssertionError:
-        s.dump_logs()
-        raise
-    return s
+    return liquid_stack.use_station(None, liquid_memory=True)
 
 
 @pytest.fixture(scope="module")

@@ -19,6 +19,17 @@ from gnosis_daemon.protocol import FrameDecoder
 from tests.support.tiny_models import build_tiny_model
 
 REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def few_threads():
+    """In-process engine tests: one torch thread, so the 2 cores stay shared fairly."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 START_TIMEOUT_S = 90.0
 
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 import threading
 
 import pytest
-import torch
 
 from gnosis_daemon.settings import Settings
 from station.block_pool import BlockPool
@@ -96,12 +95,7 @@ def test_empty_session_and_common_prefix():
 
 
 # -- the engine on a tiny model
-@pytest.fixture(scope="module", autouse=True)
-def _few_threads():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("few_threads")
 
 
 @pytest.fixture(scope="module")

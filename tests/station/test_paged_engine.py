@@ -8,7 +8,6 @@ import threading
 from contextlib import contextmanager
 
 import pytest
-import torch
 
 from gnosis_daemon.settings import Settings
 from station.engine_api import EventKind, GenerationRequest, SamplingParams
@@ -19,12 +18,7 @@ from tests.support.tiny_models import FAMILIES, build_tiny_model, reference_gene
 BS = 4
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _few_threads():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("few_threads")
 
 
 @pytest.fixture(scope="module")
