@@ -71,6 +71,7 @@ class Settings:
     # -- liquid memory
     liquid_memory: bool = True  # THOTH_LIQUID_MEMORY
     kv_session_budget: int = 256  # sessions kept before LRU expiry
+    kv_persistence: bool = True  # write sessions to <state_dir>/kv-sessions on stop, restore on start
     # -- timeouts and supervision (seconds)
     request_timeout_s: float = 600.0
     station_start_timeout_s: float = 300.0

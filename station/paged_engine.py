@@ -218,7 +218,8 @@ class PagedEngine:
 
     def capabilities(self) -> dict[str, bool]:
         return {"paged_kv": True, "prefix_cache": True, "continuous_batching": True,
-                "kv_session": True, "forward": True, "decode_next": True, "embed": True}
+                "kv_session": True, "forward": True, "decode_next": True, "embed": True,
+                "kv_persistence": bool(self.settings.kv_persistence)}
 
     def make_client(self, **fields: Any) -> _Client:
         """Bookkeeping for a host-held sequence (``station.host_calls``)."""

@@ -44,6 +44,8 @@ from station import engine_ops, ops
 from station.engine_api import Engine, EngineEvent, EventKind, GenerationRequest
 from station.model_loader import LoadedModel, ModelLoadError, load_model
 from station.ops import OpError
+from station.paged_engine import PagedEngine
+from station.persist import restore_sessions, save_sessions
 from station.stream import GenerateStream
 
 log = get_logger(__name__)
@@ -358,9 +360,7 @@ def remove_socket(path: Path, inode: int) -> None:
         pass
 
 
-def create_engine(loaded: LoadedModel, settings: Settings) -> Engine:
-    from station.paged_engine import PagedEngine
-
+def create_engine(loaded: LoadedModel, settings: Settings) -> PagedEngine:
     return PagedEngine(loaded, settings)
 
 
@@ -393,10 +393,15 @@ def serve(settings: Settings) -> int:
              loaded_from=loaded.loaded_from, device=str(loaded.device), dtype=str(loaded.dtype),
              fingerprint=loaded.fingerprint[:16])
     engine = create_engine(loaded, settings)
+    tier = settings.effective_state_dir / "kv-sessions"
+    if settings.kv_persistence:
+        restore_sessions(engine, tier)
     engine.start()
     try:
         trio.run(StationServer(settings, loaded, engine).serve)
     finally:
         engine.shutdown()
+        if settings.kv_persistence:
+            save_sessions(engine, tier)
     log.info("station_stopped")
     return 0
