@@ -42,6 +42,7 @@ class PrefillMeta:
     ctx_len: int  # tokens of K/V this chunk attends to (cached + earlier chunks + itself)
     block_table: torch.Tensor | None  # [num_blocks] long; None when the chunk starts at 0
     mask: torch.Tensor | None  # [q_len, ctx_len] bool, offset-causal
+    first_block: int | None = None  # the blocks are first_block.. in order: a view, no gather
 
 
 @dataclass(slots=True)
@@ -53,6 +54,7 @@ class StepContext:
     decode_mask: torch.Tensor | None  # [B, 1, 1, max_blocks * block_size] bool; None if B == 1
     decode_ctx_len: int  # B == 1: slice instead of masking
     prefills: list[PrefillMeta]
+    decode_first_block: int | None = None  # B == 1 and its blocks are consecutive: a view
 
 
 def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
@@ -78,9 +80,15 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     if b:
         # q: [B, Hkv, n_rep, D] -- one query token per sequence, its heads grouped per kv head
         q = query[0, :, :b].transpose(0, 1).reshape(b, num_kv_heads, n_rep, head_dim)
-        # index_select on a flat 1-D table is much cheaper than 2-D advanced indexing
-        k = pool[0].index_select(0, ctx.decode_block_tables).view(b, -1, num_kv_heads, head_dim)
-        v = pool[1].index_select(0, ctx.decode_block_tables).view(b, -1, num_kv_heads, head_dim)
+        first = ctx.decode_first_block
+        if first is not None:  # consecutive blocks (common): read the pool in place
+            n_blocks = ctx.decode_block_tables.numel()
+            k = pool[0, first:first + n_blocks].view(1, -1, num_kv_heads, head_dim)
+            v = pool[1, first:first + n_blocks].view(1, -1, num_kv_heads, head_dim)
+        else:
+            # index_select on a flat 1-D table is much cheaper than 2-D advanced indexing
+            k = pool[0].index_select(0, ctx.decode_block_tables).view(b, -1, num_kv_heads, head_dim)
+            v = pool[1].index_select(0, ctx.decode_block_tables).view(b, -1, num_kv_heads, head_dim)
         # k, v: [B, max_blocks * bs, Hkv, D]
         if ctx.decode_mask is None:
             k, v = k[:, :ctx.decode_ctx_len], v[:, :ctx.decode_ctx_len]
@@ -94,12 +102,25 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
             o = F.scaled_dot_product_attention(q, key[:, :, p.q_start:end], value[:, :, p.q_start:end],
                                                is_causal=True, scale=scaling, enable_gqa=n_rep > 1)
         else:
-            k = pool[0].index_select(0, p.block_table).flatten(0, 1)[:p.ctx_len].transpose(0, 1)[None]
-            v = pool[1].index_select(0, p.block_table).flatten(0, 1)[:p.ctx_len].transpose(0, 1)[None]
+            if p.first_block is not None:  # consecutive blocks: a view of the pool, no copy
+                end_block = p.first_block + p.block_table.numel()
+                k, v = pool[0, p.first_block:end_block], pool[1, p.first_block:end_block]
+            else:
+                k, v = pool[0].index_select(0, p.block_table), pool[1].index_select(0, p.block_table)
+            k = k.flatten(0, 1)[:p.ctx_len].transpose(0, 1)[None]
+            v = v.flatten(0, 1)[:p.ctx_len].transpose(0, 1)[None]
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=p.mask, scale=scaling,
                                                enable_gqa=n_rep > 1)
         out[0, p.q_start:end] = o[0].transpose(0, 1)  # o: [1, H, n, D]
     return out, None
+
+
+def _first_if_consecutive(block_ids: list[int]) -> int | None:
+    """The first id when the ids run first, first + 1, ... (then K/V are a view of the pool)."""
+    first = block_ids[0]
+    if block_ids[-1] - first != len(block_ids) - 1:
+        return None
+    return first if block_ids == list(range(first, first + len(block_ids))) else None
 
 
 def register_attention() -> None:
@@ -128,7 +149,7 @@ class ModelRunner:
 
         decodes = batch.decodes
         num_decodes = len(decodes)
-        decode_tables = decode_mask = None
+        decode_tables = decode_mask = decode_first = None
         decode_ctx_len = 0
         if decodes:
             ctx_lens = []
@@ -145,6 +166,7 @@ class ModelRunner:
                  for seq in decodes], dtype=torch.long).flatten()
             if num_decodes == 1:
                 decode_ctx_len = ctx_lens[0]
+                decode_first = _first_if_consecutive([b.block_id for b in decodes[0].blocks[:max_blocks]])
             else:
                 lens = torch.tensor(ctx_lens, dtype=torch.long)
                 decode_mask = (torch.arange(max_blocks * bs)[None, :] < lens[:, None]).view(
@@ -161,7 +183,8 @@ class ModelRunner:
             start = seq.num_computed_tokens
             ctx_len = start + n
             pos = torch.arange(start, ctx_len)
-            table = torch.tensor([b.block_id for b in seq.blocks[:-(-ctx_len // bs)]], dtype=torch.long)
+            block_ids = [b.block_id for b in seq.blocks[:-(-ctx_len // bs)]]
+            table = torch.tensor(block_ids, dtype=torch.long)
             ids_parts.append(torch.tensor(seq.token_ids[start:ctx_len], dtype=torch.long))
             pos_parts.append(pos)
             slot_parts.append(table[pos // bs] * bs + pos % bs)
@@ -169,7 +192,8 @@ class ModelRunner:
                 meta = PrefillMeta(q_start, n, ctx_len, None, None)
             else:
                 mask = torch.arange(ctx_len)[None, :] <= pos[:, None]  # [n, ctx_len]
-                meta = PrefillMeta(q_start, n, ctx_len, table.to(self.device), mask.to(self.device))
+                meta = PrefillMeta(q_start, n, ctx_len, table.to(self.device), mask.to(self.device),
+                                   _first_if_consecutive(block_ids))
             prefills.append(meta)
             if ctx_len == seq.num_tokens:
                 keep.append(q_start + n - 1)
@@ -185,6 +209,7 @@ class ModelRunner:
             decode_mask=None if decode_mask is None else decode_mask.to(dev),
             decode_ctx_len=decode_ctx_len,
             prefills=prefills,
+            decode_first_block=decode_first,
         )
         ids = torch.cat(ids_parts).to(dev)[None]
         pos_ids = torch.cat(pos_parts).to(dev)[None]
