@@ -137,6 +137,8 @@ class ModelRunner:
         self.kv_cache = kv_cache
         self.block_size = kv_cache.block_size
         self.device = device
+        # Steps that keep several rows (batched decode) apply lm_head themselves: see _head.
+        self._head = _plain_head(model)
 
     def run(self, batch: SchedulerOutput) -> tuple[torch.Tensor | None, list[Sequence]]:
         """One forward for the step -> (logits [K, V] float32, the K sequences to sample)."""
@@ -219,8 +221,33 @@ class ModelRunner:
                 if not keep:  # a mid-prompt chunk only: no logits needed; keep one row, drop it
                     self.model(input_ids=ids, position_ids=pos_ids, use_cache=False, logits_to_keep=1)
                     return None, []
-                out = self.model(input_ids=ids, position_ids=pos_ids, use_cache=False,
-                                 logits_to_keep=torch.tensor(keep, device=dev))
+                rows = torch.tensor(keep, device=dev)
+                if len(keep) > 1 and self._head is not None:
+                    hidden = self.model.base_model(input_ids=ids, position_ids=pos_ids,
+                                                   use_cache=False).last_hidden_state
+                    return _tall_linear(hidden[0, rows], *self._head).float(), sampled
+                out = self.model(input_ids=ids, position_ids=pos_ids, use_cache=False, logits_to_keep=rows)
         finally:
             _local.context = None
         return out.logits[0].float(), sampled  # [K, V]
+
+
+def _plain_head(model: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """(weight, bias) when the model's logits are exactly ``lm_head(last_hidden_state)``."""
+    head = model.get_output_embeddings()
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    if type(head) is not torch.nn.Linear or any(
+            getattr(config, name, None) for name in ("final_logit_softcapping", "logit_scale")):
+        return None  # logits post-processed: keep the model's own forward
+    return head.weight, head.bias
+
+
+def _tall_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` for a few rows x and a wide weight (the vocab head).
+
+    On CPU, MKL runs ``x @ W.T`` at 2-8 rows no faster than one row per call, while the
+    tall-skinny ``W @ x.T`` costs little more than one row (SmolLM2's 49152 x 576 head, 8
+    rows: 23 ms -> 11 ms).
+    """
+    out = torch.mm(weight, x.t()).t().contiguous()  # [K, V]
+    return out if bias is None else out + bias
