@@ -218,8 +218,8 @@ class ModelRunner:
         _local.context = ctx
         try:
             with torch.inference_mode():
-                if not keep:  # a mid-prompt chunk only: no logits needed; keep one row, drop it
-                    self.model(input_ids=ids, position_ids=pos_ids, use_cache=False, logits_to_keep=1)
+                if not keep:  # a mid-prompt chunk only: no logits needed, so no vocab head either
+                    self.model.base_model(input_ids=ids, position_ids=pos_ids, use_cache=False)
                     return None, []
                 rows = torch.tensor(keep, device=dev)
                 if len(keep) > 1 and self._head is not None:
