@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from host import errors, liquid, openai_api, sse
+from host import errors, openai_api, sse
 from host.errors import ApiError
 from host.openai_api import parse_chat, parse_completion
 
@@ -196,17 +196,6 @@ def test_text_formatting_without_usage():
 def test_sse_framing():
     assert sse.event({"a": "é\n"}) == 'data: {"a":"é\\n"}\n\n'.encode()
     assert sse.DONE == b"data: [DONE]\n\n"
-
-
-def test_gnosis_block_and_headers_come_from_the_outcome():
-    outcome = liquid.LiquidOutcome("disabled", False, "why", "native")
-    assert liquid.gnosis_block(outcome, prompt_tokens=4, completion_tokens=2, cached_tokens=0,
-                               ttft_ms=1.23456, tokens_per_second=None) == {
-        "liquid_memory": "disabled", "liquid_kv_saved": False, "liquid_miss_reason": "why",
-        "path": "native", "cached_tokens": 0, "prompt_tokens": 4, "completion_tokens": 2,
-        "ttft_ms": 1.235, "tokens_per_second": None}
-    assert liquid.headers(outcome) == {"X-Thoth-Liquid-Memory": "disabled",
-                                       "X-Thoth-Liquid-KV-Saved": "false"}
 
 
 @pytest.mark.parametrize("code, status, api_code, retry_after", [
