@@ -137,39 +137,23 @@ def test_killed_host_is_restarted(daemon):
     assert serves_again(daemon)["object"] == "chat.completion"
 
 
-def test_hung_host_is_killed_and_restarted(daemon):
-    host = daemon.child("host")
-    os.kill(host["pid"], signal.SIGSTOP)
+@pytest.mark.parametrize(("name", "peer_name"), [("host", "station"), ("station", "host")])
+def test_hung_child_is_killed_and_restarted(daemon, name, peer_name):
+    hung, peer = daemon.child(name), daemon.child(peer_name)
+    os.kill(hung["pid"], signal.SIGSTOP)
     try:
         # detection: 2 failed checks x (0.5 s interval + 2 s timeout); then a fresh start
-        status = daemon.wait(lambda s: both_running(s) and s["children"]["host"]["pid"] != host["pid"],
-                             RESTART_TIMEOUT_S, "the hung host replaced")
+        status = daemon.wait(lambda s: both_running(s) and s["children"][name]["pid"] != hung["pid"],
+                             RESTART_TIMEOUT_S, f"the hung {name} replaced")
     finally:
-        if alive(host["pid"]):
-            os.kill(host["pid"], signal.SIGKILL)
-    new = status["children"]["host"]
-    assert new["restarts"] == 2
+        if alive(hung["pid"]):
+            os.kill(hung["pid"], signal.SIGKILL)
+    new = status["children"][name]
+    assert new["restarts"] == hung["restarts"] + 1
     assert new["last_exit"]["signal_name"] == "SIGKILL"
     assert new["last_exit"]["reason"] == "unresponsive: 2 failed health checks"
-    assert not alive(host["pid"])
-    assert serves_again(daemon)["object"] == "chat.completion"
-
-
-def test_hung_station_is_killed_and_restarted(daemon):
-    station, host = daemon.child("station"), daemon.child("host")
-    os.kill(station["pid"], signal.SIGSTOP)
-    try:
-        status = daemon.wait(lambda s: both_running(s) and s["children"]["station"]["pid"] != station["pid"],
-                             RESTART_TIMEOUT_S, "the hung station replaced")
-    finally:
-        if alive(station["pid"]):
-            os.kill(station["pid"], signal.SIGKILL)
-    new = status["children"]["station"]
-    assert new["restarts"] == station["restarts"] + 1
-    assert new["last_exit"]["signal_name"] == "SIGKILL"
-    assert new["last_exit"]["reason"].startswith("unresponsive")
-    assert not alive(station["pid"])
-    assert status["children"]["host"]["pid"] == host["pid"]  # the host rode it out
+    assert not alive(hung["pid"])
+    assert status["children"][peer_name]["pid"] == peer["pid"]  # the other child rode it out
     assert serves_again(daemon)["object"] == "chat.completion"
 
 
