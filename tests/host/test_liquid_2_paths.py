@@ -193,3 +193,18 @@ def test_a_restarted_host_still_hits(full):
     resp, again = chat(full.url, msgs)
     assert outcome(resp, again)[:3] == ("hit", True, None)
     assert again["choices"][0]["message"]["content"] == first["choices"][0]["message"]["content"]
+
+
+def test_native_path_prefix_cache_is_per_tenant(full):
+    """THOTH_LIQUID_MEMORY=0: no sessions, but the automatic prefix cache is still salted with
+    the tenant, so one API key's prompt never warms another's."""
+    body = {"messages": [{"role": "user", "content": "native tenants " + "lorem ipsum " * 12}],
+            "max_tokens": 2, "temperature": 0}
+    first = post(full.url_off, "/v1/chat/completions", body, api_key="key-a").json()
+    other = post(full.url_off, "/v1/chat/completions", body, api_key="key-b").json()
+    again = post(full.url_off, "/v1/chat/completions", body, api_key="key-a").json()
+    assert first["_gnosis"]["path"] == other["_gnosis"]["path"] == "native"
+    assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert other["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    assert again["choices"][0]["message"]["content"] == first["choices"][0]["message"]["content"]
