@@ -29,25 +29,14 @@ class ProbeFailed(Exception):
     """The child did not answer the probe (refused, closed, malformed, or an error reply)."""
 
 
-def _first_leaf(exc: BaseException) -> BaseException:
-    while isinstance(exc, BaseExceptionGroup):
-        exc = exc.exceptions[0]
-    return exc
-
-
 @contextlib.contextmanager
 def _probe_failure(what: str) -> Iterator[None]:
-    """Expected failures become ``ProbeFailed``; the client's nursery wraps them in an
-    exception group, which is unwrapped only when it holds nothing else (never Cancelled)."""
+    """Expected failures become ``ProbeFailed`` (the station client raises them as
+    themselves, never wrapped in an exception group); anything else propagates."""
     try:
         yield
     except (StationError, OSError) as exc:
         raise ProbeFailed(f"{what}: {exc}") from None
-    except BaseExceptionGroup as group:
-        matched, rest = group.split((StationError, OSError))
-        if rest is not None or matched is None:
-            raise
-        raise ProbeFailed(f"{what}: {_first_leaf(matched)}") from None
 
 
 async def station_hello(path: str | os.PathLike[str], max_frame_bytes: int) -> dict[str, Any]:
