@@ -93,6 +93,7 @@ class StationConnection:
         self._ids = itertools.count(1)
         self._pending: dict[int, trio.MemorySendChannel] = {}
         self.closed = False
+        self._closed_event = trio.Event()
         self.hello: dict[str, Any] | None = None
 
     async def _read_loop(self) -> None:
@@ -117,6 +118,7 @@ class StationConnection:
 
     def _fail_all(self) -> None:
         self.closed = True
+        self._closed_event.set()
         for channel in self._pending.values():
             try:
                 channel.send_nowait(_CLOSED)
@@ -133,6 +135,10 @@ class StationConnection:
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
             self._fail_all()
             raise StationUnavailable(f"station connection lost: {exc}") from None
+
+    async def wait_closed(self) -> None:
+        """Return once the connection is closed (the station went away, or ``aclose``)."""
+        await self._closed_event.wait()
 
     async def send_raw(self, payload: bytes) -> None:
         """Send bytes as they are (tests use it to send malformed frames)."""

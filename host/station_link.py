@@ -31,9 +31,6 @@ from gnosis_daemon.logs import get_logger
 log = get_logger("host.station_link")
 
 OnConnect = Callable[[StationConnection, dict[str, Any]], Awaitable[None]]
-# How often the link looks at a live connection: the client marks it closed when its reader
-# sees EOF, so this bounds how late the link notices a dead station and starts reconnecting.
-_WATCH_INTERVAL_S = 0.05
 
 
 async def _no_probe(conn: StationConnection, hello: dict[str, Any]) -> None:
@@ -104,8 +101,7 @@ class StationLink:
                     conn.hello = hello
                     await self._on_connected(conn, hello)
                     delay = self.backoff_initial_s
-                    while not conn.closed:
-                        await trio.sleep(_WATCH_INTERVAL_S)
+                    await conn.wait_closed()
                     self.last_error = "station connection lost"
             except (StationError, trio.TooSlowError) as exc:
                 # StationUnavailable (refused, lost) or an error answer to hello: retry.
