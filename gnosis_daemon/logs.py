@@ -21,7 +21,13 @@ def configure_logging(component: str, level: str = "info", fmt: str = "auto") ->
     """Configure structlog and stdlib logging for this process (idempotent per component)."""
     global _configured
     use_json = fmt == "json" or (fmt == "auto" and not sys.stderr.isatty())
+    def add_component(_logger, _method, event_dict):
+        # A processor, not a bound contextvar: threads start with an empty context, and
+        # lines from the station's engine thread must carry the component too.
+        return {"component": component, **event_dict}
+
     processors: list = [
+        add_component,
         structlog.contextvars.merge_contextvars,
         structlog.processors.add_log_level,
         structlog.processors.TimeStamper(fmt="iso", utc=True),
@@ -37,7 +43,6 @@ def configure_logging(component: str, level: str = "info", fmt: str = "auto") ->
         cache_logger_on_first_use=True,
     )
     structlog.contextvars.clear_contextvars()
-    structlog.contextvars.bind_contextvars(component=component)
     # Libraries that use stdlib logging (hypercorn, transformers) go to stderr at WARNING+.
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr, force=True,
                         format=f"%(asctime)s {component} %(name)s %(levelname)s %(message)s")
