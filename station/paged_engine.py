@@ -104,15 +104,23 @@ class PagedEngine:
 
     # -- Engine protocol (any thread)
     def start(self) -> None:
+        """Run the engine loop on a new thread (tests and embedders)."""
         assert self._thread is None, "engine started twice"
         self._thread = threading.Thread(target=self._run, name="station-engine", daemon=True)
         self._thread.start()
+
+    def run_here(self) -> None:
+        """Run the engine loop on the calling thread until ``shutdown`` (the station's way:
+        the thread that loaded the model keeps every torch op, see ``station.server``)."""
+        assert self._thread is None, "engine started twice"
+        self._thread = threading.current_thread()
+        self._run()
 
     def shutdown(self) -> None:
         with self._cond:
             self._stopping = True
             self._cond.notify_all()
-        if self._thread is not None:
+        if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join()
         with self._cond:
             leftovers = [*self._inbox, *self.scheduler.running, *self.scheduler.waiting]
