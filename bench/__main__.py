@@ -112,7 +112,7 @@ async def _station_figures(socket_path, args, plain: Plain, report: Report) -> N
                    ">=", 0.9, f"station {one:.1f} tok/s, plain {plain_tps:.1f} tok/s")
         report.add(f"aggregate decode at {args.streams} streams / 1 stream", many / one, ">=", 4.0,
                    f"{args.streams} streams {many:.1f} tok/s, 1 stream {one:.1f} tok/s")
-        await decode_next_figures(conn, report, short, args.decode_tokens)
+        await decode_next_figures(conn, report, short, args.decode_tokens, args.rounds)
 
 
 if __name__ == "__main__":

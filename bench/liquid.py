@@ -135,18 +135,36 @@ def liquid_figures(report: Report, liquid_port: int, native_port: int, decode_to
                f"turn 1 {first.ttft_s * 1000:.0f} ms ({first.gnosis.get('prompt_tokens')} prompt tokens)")
 
 
-async def decode_next_figures(conn, report: Report, prompt_ids: list[int], decode_tokens: int) -> None:
-    """decode_next's round trip per token vs generate's per-token time, same sequence."""
+async def decode_next_figures(conn, report: Report, prompt_ids: list[int], decode_tokens: int,
+                              rounds: int) -> None:
+    """decode_next's round trip per token vs generate's per-token time, same sequence,
+    interleaved rounds, best of each."""
+    nexts, gens = [], []
+    for r in range(rounds):
+        sides = [(_decode_next_per_token, nexts), (_generate_per_token, gens)]
+        for measure, out in (sides if r % 2 == 0 else sides[::-1]):
+            out.append(await measure(conn, prompt_ids, decode_tokens))
+    per_token, gen_per_token = min(nexts), min(gens)
+    report.add("decode_next round trip per token / generate per token", per_token / gen_per_token,
+               "info", None, f"decode_next {per_token * 1000:.2f} ms/token, generate "
+               f"{gen_per_token * 1000:.2f} ms/token, round-trip overhead "
+               f"{(per_token - gen_per_token) * 1000:.2f} ms, best of {rounds} interleaved")
+
+
+async def _decode_next_per_token(conn, prompt_ids: list[int], decode_tokens: int) -> float:
     fwd = await conn.request("forward", {"tokens": prompt_ids})
     seq_id = fwd["seq_id"]
     try:
-        await conn.request("decode_next", {"seq_id": seq_id, "temperature": 0})  # warm-up
+        await conn.request("decode_next", {"seq_id": seq_id, "temperature": 0})  # the first token
         start = time.perf_counter()
         for _ in range(decode_tokens):
             await conn.request("decode_next", {"seq_id": seq_id, "temperature": 0})
-        per_token = (time.perf_counter() - start) / decode_tokens
+        return (time.perf_counter() - start) / decode_tokens
     finally:
         await conn.request("forward", {"seq_id": seq_id, "tokens": [], "release": True})
+
+
+async def _generate_per_token(conn, prompt_ids: list[int], decode_tokens: int) -> float:
     first = last = None
     n = 0
     async with conn.open_stream("generate", {"tokens": prompt_ids, "max_tokens": decode_tokens + 1,
@@ -160,8 +178,4 @@ async def decode_next_figures(conn, report: Report, prompt_ids: list[int], decod
                 else:
                     n += len(event["token_ids"])
                 last = now
-    gen_per_token = (last - first) / n
-    report.add("decode_next round trip per token / generate per token", per_token / gen_per_token,
-               "info", None, f"decode_next {per_token * 1000:.2f} ms/token, generate "
-               f"{gen_per_token * 1000:.2f} ms/token, round-trip overhead "
-               f"{(per_token - gen_per_token) * 1000:.2f} ms")
+    return (last - first) / n
