@@ -66,6 +66,7 @@ class Settings:
     kv_block_size: int = 16  # tokens per KV block
     max_batch_size: int = 32  # sequences decoded in one forward
     prefill_chunk_tokens: int = 512  # long prompts are prefilled in chunks of this many
+    cpu_packed_linears: bool = True  # CPU fp32: linear layers through oneDNN, weights packed once
     tenant_salt: str = ""  # server-side secret mixed into prefix-cache keys
     disable_capabilities: str = ""  # GNOSIS_STATION_DISABLE: stale-station drill
     # -- liquid memory

@@ -26,14 +26,12 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from gnosis_daemon.logs import get_logger
 from station.kv_cache import KVCache
+from station.linear_kernels import VocabHead, pack_decoder_linears
 from station.scheduler import SchedulerOutput
 from station.sequence import Sequence
 
 ATTN_IMPLEMENTATION = "gnosis_paged"
-
-log = get_logger(__name__)
 
 # One engine thread per engine: a thread-local context lets several engines share a process.
 _local = threading.local()
@@ -134,16 +132,20 @@ def register_attention() -> None:
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, kv_cache: KVCache, device: torch.device) -> None:
+    def __init__(self, model: torch.nn.Module, kv_cache: KVCache, device: torch.device,
+                 pack_linears: bool = True) -> None:
         register_attention()
         model.set_attn_implementation(ATTN_IMPLEMENTATION)
         self.model = model.eval()
         self.kv_cache = kv_cache
         self.block_size = kv_cache.block_size
         self.device = device
-        # When logits are exactly lm_head(hidden), the runner applies the head itself with
-        # the fastest kernel it has for few rows (see VocabHead); else the model's forward.
-        self._head = VocabHead.for_model(model, device)
+        # station.linear_kernels: on CPU fp32 the linears run through oneDNN, packed once.
+        # When logits are exactly lm_head(hidden), the runner applies the head itself
+        # (VocabHead); else the model's own forward.
+        if pack_linears:
+            pack_decoder_linears(model)
+        self._head = VocabHead.for_model(model, pack=pack_linears)
 
     def run(self, batch: SchedulerOutput) -> tuple[torch.Tensor | None, list[Sequence]]:
         """One forward for the step -> (logits [K, V] float32, the K sequences to sample)."""
@@ -235,59 +237,3 @@ class ModelRunner:
         finally:
             _local.context = None
         return out.logits[0].float(), sampled  # [K, V]
-
-
-class VocabHead:
-    """``lm_head`` for the few rows a step keeps, with the fastest kernel at hand.
-
-    On CPU with fp32 weights and oneDNN, the weight is packed once (a copy: 113 MB for
-    SmolLM2's 49152 x 576 head) and applied with oneDNN's linear, which runs 2x faster
-    than MKL's at any row count here (1 row 9.3 -> 4.6 ms, 8 rows 22 -> 8 ms; relative
-    difference ~1e-6). Elsewhere one row is a plain ``F.linear`` and several rows use the
-    tall-skinny ``W @ x.T``: MKL runs ``x @ W.T`` at 2-8 rows about as slowly as one call
-    per row (8 rows: 22 -> 11-15 ms).
-    """
-
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor | None):
-        self.weight, self.bias, self.packed = weight, bias, packed
-
-    @classmethod
-    def for_model(cls, model: torch.nn.Module, device: torch.device) -> VocabHead | None:
-        """A head when the model's logits are exactly ``lm_head(last_hidden_state)``."""
-        head = model.get_output_embeddings()
-        config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-        if type(head) is not torch.nn.Linear or any(
-                getattr(config, name, None) for name in ("final_logit_softcapping", "logit_scale")):
-            return None  # logits post-processed: keep the model's own forward
-        weight, bias = head.weight.detach(), None if head.bias is None else head.bias.detach()
-        return cls(weight, bias, _pack_for_onednn(weight, bias, device))
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None:
-            return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.bias,
-                                                      "none", [], "")
-        if x.shape[0] == 1:
-            return F.linear(x, self.weight, self.bias)
-        out = torch.mm(self.weight, x.t()).t().contiguous()  # [K, V]
-        return out if self.bias is None else out + self.bias
-
-
-def _pack_for_onednn(weight: torch.Tensor, bias: torch.Tensor | None,
-                     device: torch.device) -> torch.Tensor | None:
-    """oneDNN's packed copy of ``weight``, or None where it does not apply or disagrees."""
-    if device.type != "cpu" or weight.dtype != torch.float32 or not torch.backends.mkldnn.is_available():
-        return None
-    try:
-        with torch.inference_mode():
-            packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
-            x = torch.randn(3, weight.shape[1], generator=torch.Generator().manual_seed(0))
-            got = torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
-            want = F.linear(x, weight, bias)
-    except (RuntimeError, AttributeError) as exc:  # a torch build without these ops
-        log.info("vocab_head_unpacked", reason=f"{type(exc).__name__}: {exc}")
-        return None
-    if not torch.allclose(got, want, rtol=1e-4, atol=1e-4 * float(want.abs().max())):
-        log.warning("vocab_head_unpacked", reason="oneDNN result differs from F.linear")
-        return None
-    log.info("vocab_head_packed", kernel="onednn", bytes=weight.numel() * weight.element_size())
-    return packed

@@ -88,7 +88,8 @@ class PagedEngine:
         self.scheduler.reuse = self._reuse_session
         self.scheduler.reclaim = self._reclaim
         self.host = HostCalls(self)
-        self.runner = ModelRunner(loaded.model, self.kv_cache, device)
+        self.runner = ModelRunner(loaded.model, self.kv_cache, device,
+                                  pack_linears=settings.cpu_packed_linears)
         self.device = device
         self._cond = threading.Condition()
         self._inbox: collections.deque[Sequence] = collections.deque()
