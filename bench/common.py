@@ -6,6 +6,7 @@ import os
 import platform
 import random
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -169,6 +170,37 @@ async def station_decode(conn, prompts: list[list[int]], decode_tokens: int) -> 
 
 
 @dataclass
+class Pairs:
+    """One figure's interleaved rounds: (a, b) measured back to back in each round.
+
+    The figure is the median over rounds of a / b. Pairing cancels the slow drifts of a
+    shared machine (both sides of a round see the same conditions) and the median ignores
+    a lucky or unlucky round on either side; the detail shows every round's ratio, so the
+    spread is in the report too.
+    """
+
+    pairs: list[tuple[float, float]] = field(default_factory=list)
+
+    def add(self, a: float, b: float) -> None:
+        self.pairs.append((a, b))
+
+    @property
+    def ratios(self) -> list[float]:
+        return [a / b for a, b in self.pairs]
+
+    @property
+    def ratio(self) -> float:
+        return statistics.median(self.ratios)
+
+    def median(self, side: int) -> float:
+        return statistics.median(pair[side] for pair in self.pairs)
+
+    def spread(self) -> str:
+        return (f"median of {len(self.pairs)} interleaved rounds, per round "
+                + " ".join(f"{r:.3f}" for r in self.ratios))
+
+
+@dataclass
 class Row:
     name: str
     value: float
@@ -227,12 +259,13 @@ class Report:
             f"- prompt tokens {args.prompt_tokens}, decode tokens {args.decode_tokens}, "
             f"streams {args.streams}",
             "",
-            "Method: each side is measured `--rounds` times, interleaved with the other side",
-            "(alternating which goes first), and each side's best is compared; the station runs",
-            "as a real child process behind its socket, the baseline in the bench process. A",
-            "goal with a noise figure compares two paths that run the same code: the ratio may",
-            "fall short of it by the spread measured in the same run between identical runs",
-            "(the A/A control row), because the machine resolves nothing finer.",
+            "Method: each figure is measured in `--rounds` rounds; a round measures both sides",
+            "back to back (alternating which goes first) and the figure is the median of the",
+            "rounds' ratios, every one of which is listed. The station runs as a real child",
+            "process behind its socket, the plain baseline in the bench process. A goal with a",
+            "noise figure compares two paths that run the same code: the ratio may fall short",
+            "of it by the spread measured in the same run between identical runs (the A/A",
+            "control row), because the machine resolves nothing finer.",
             "",
             "| figure | ratio | goal | met | measured |",
             "|---|---|---|---|---|",

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import httpx
 
-from bench.common import REPO, Report
+from bench.common import REPO, Pairs, Report
 
 WORDS = ("river stone lantern harbor quiet meadow copper signal orbit garden winter "
          "mirror canyon thunder pillar ember violet marble falcon cedar").split()
@@ -96,26 +96,26 @@ def long_system_prompt(target_words: int) -> str:
 
 def liquid_figures(report: Report, liquid_port: int, native_port: int, decode_tokens: int,
                    rounds: int, first_turn_tokens: int) -> None:
-    # Decode speed on the same prompt, interleaved rounds (alternating which path goes
-    # first), best of each. Both paths run the station's one generate loop, so the
-    # native-vs-native row (an A/A control between the two native rounds) shows how much
-    # of any difference is this machine's noise.
+    # Decode speed on the same prompt, both paths back to back in each round (alternating
+    # which goes first). Both run the station's one generate loop, so the A/A control
+    # (slowest / fastest native round) shows how much of any difference is this
+    # machine's noise.
     ask = [{"role": "user", "content": "Write a long story about a lighthouse keeper."}]
     stream_chat(native_port, ask, 8)  # warm-up both paths
     stream_chat(liquid_port, ask, 8)
-    native, liquid = [], []
+    pairs, native_rates = Pairs(), []  # (liquid, native) per round
     for r in range(rounds):
-        order = [(native_port, native), (liquid_port, liquid)]
-        for port, out in (order if r % 2 == 0 else order[::-1]):
-            out.append(stream_chat(port, ask, decode_tokens, ignore_eos=True))
-    n_rate = max(r.decode_tps for r in native)
-    l_rate = max(r.decode_tps for r in liquid)
-    spread = [r.decode_tps for r in native]
-    control = min(spread) / max(spread)
-    report.add("decode tok/s liquid path / native path", l_rate / n_rate, ">=", 1.0,
-               f"liquid {l_rate:.1f} tok/s ({liquid[-1].gnosis.get('path')}), "
-               f"native {n_rate:.1f} tok/s ({native[-1].gnosis.get('path')}), best of {rounds} "
-               f"interleaved; predecessor: 0.08", noise=1.0 - control)
+        first_port, second_port = (native_port, liquid_port) if r % 2 == 0 else (liquid_port, native_port)
+        runs = {port: stream_chat(port, ask, decode_tokens, ignore_eos=True)
+                for port in (first_port, second_port)}
+        liquid, native = runs[liquid_port], runs[native_port]
+        pairs.add(liquid.decode_tps, native.decode_tps)
+        native_rates.append(native.decode_tps)
+    control = min(native_rates) / max(native_rates)
+    report.add("decode tok/s liquid path / native path", pairs.ratio, ">=", 1.0,
+               f"liquid {pairs.median(0):.1f} tok/s ({liquid.gnosis.get('path')}), native "
+               f"{pairs.median(1):.1f} tok/s ({native.gnosis.get('path')}); {pairs.spread()}; "
+               f"predecessor: 0.08", noise=1.0 - control)
     report.add("A/A control: slowest / fastest native round", control, "info", None,
                "the machine's own noise between identical runs")
 
@@ -137,18 +137,18 @@ def liquid_figures(report: Report, liquid_port: int, native_port: int, decode_to
 
 async def decode_next_figures(conn, report: Report, prompt_ids: list[int], decode_tokens: int,
                               rounds: int) -> None:
-    """decode_next's round trip per token vs generate's per-token time, same sequence,
-    interleaved rounds, best of each."""
-    nexts, gens = [], []
+    """decode_next's round trip per token vs generate's per-token time, same sequence."""
+    pairs = Pairs()  # (decode_next per token, generate per token)
     for r in range(rounds):
-        sides = [(_decode_next_per_token, nexts), (_generate_per_token, gens)]
-        for measure, out in (sides if r % 2 == 0 else sides[::-1]):
-            out.append(await measure(conn, prompt_ids, decode_tokens))
-    per_token, gen_per_token = min(nexts), min(gens)
-    report.add("decode_next round trip per token / generate per token", per_token / gen_per_token,
+        sides = [_decode_next_per_token, _generate_per_token]
+        measured = {measure: await measure(conn, prompt_ids, decode_tokens)
+                    for measure in (sides if r % 2 == 0 else sides[::-1])}
+        pairs.add(measured[_decode_next_per_token], measured[_generate_per_token])
+    per_token, gen_per_token = pairs.median(0), pairs.median(1)
+    report.add("decode_next round trip per token / generate per token", pairs.ratio,
                "info", None, f"decode_next {per_token * 1000:.2f} ms/token, generate "
                f"{gen_per_token * 1000:.2f} ms/token, round-trip overhead "
-               f"{(per_token - gen_per_token) * 1000:.2f} ms, best of {rounds} interleaved")
+               f"{(per_token - gen_per_token) * 1000:.2f} ms; {pairs.spread()}")
 
 
 async def _decode_next_per_token(conn, prompt_ids: list[int], decode_tokens: int) -> float:
