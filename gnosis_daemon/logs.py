@@ -21,6 +21,7 @@ def configure_logging(component: str, level: str = "info", fmt: str = "auto") ->
     """Configure structlog and stdlib logging for this process (idempotent per component)."""
     global _configured
     use_json = fmt == "json" or (fmt == "auto" and not sys.stderr.isatty())
+
     def add_component(_logger, _method, event_dict):
         # A processor, not a bound contextvar: threads start with an empty context, and
         # lines from the station's engine thread must carry the component too.
