@@ -121,7 +121,7 @@ class PagedEngine:
         with self._cond:
             self._stopping = True
             self._cond.notify_all()
-        if self._thread is not None and self._thread is not threading.current_thread():
+        if self._thread is not None:
             self._thread.join()
         with self._cond:
             leftovers = [*self._inbox, *self.scheduler.running, *self.scheduler.waiting]

@@ -446,6 +446,8 @@ def serve(settings: Settings) -> int:
         trio.run(StationServer(settings, loaded, engine).serve)
     finally:
         engine.shutdown()  # ends the engine loop: the torch thread returns
+        # shutdown joins the loop's thread only once run_here has registered it; a stop
+        # that comes right after boot can beat that, so join the torch thread here.
         torch_thread.thread.join()
         if settings.kv_persistence:
             save_sessions(engine, tier)
