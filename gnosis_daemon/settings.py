@@ -52,6 +52,13 @@ class Settings:
     host: str = "127.0.0.1"
     port: int = 8000
     served_model_name: str | None = None  # name in /v1/models; None = derived from the model
+    listen_backlog: int = 2048  # the HTTP socket's accept queue (hypercorn's default is 100)
+    max_request_bytes: int = 32 * 1024 * 1024  # largest HTTP request body; past it, 413
+    max_inflight_requests: int = 1024  # host: completions/embeddings in flight; past it, 429
+    # -- API keys: when either is set every /v1 route needs "Authorization: Bearer <key>"
+    api_keys: str = ""  # comma-separated (a list in TOML); GNOSIS_API_KEYS
+    api_keys_file: str | None = None  # one key a line, optionally followed by a tenant name
+    health_requires_key: bool = False  # with keys set: /health and /metrics need one too
     # -- logging
     log_level: str = "info"
     log_format: str = "auto"  # auto | json | console
@@ -68,10 +75,14 @@ class Settings:
     prefill_chunk_tokens: int = 512  # long prompts are prefilled in chunks of this many
     cpu_packed_linears: bool = True  # CPU fp32: linear layers through oneDNN, weights packed once
     tenant_salt: str = ""  # server-side secret mixed into prefix-cache keys
+    max_waiting_requests: int = 256  # station: queued sequences; past it, generate gets capacity
     disable_capabilities: str = ""  # GNOSIS_STATION_DISABLE: stale-station drill
     # -- liquid memory
     liquid_memory: bool = True  # THOTH_LIQUID_MEMORY
     kv_session_budget: int = 256  # sessions kept before LRU expiry
+    # A tenant holding more than this share of the session budget (or of the pool's pinned
+    # blocks) loses its own LRU sessions first: it cannot evict another tenant's.
+    kv_session_tenant_share: float = 0.5
     kv_persistence: bool = True  # write sessions to <state_dir>/kv-sessions on stop, restore on start
     # -- timeouts and supervision (seconds)
     request_timeout_s: float = 600.0
@@ -104,11 +115,18 @@ class Settings:
                "one of auto, float32, bfloat16, float16")
         for name in ("max_model_len", "max_tokens_default", "max_frame_bytes", "kv_cache_bytes",
                      "kv_block_size", "max_batch_size", "prefill_chunk_tokens",
-                     "kv_session_budget", "health_failures_before_kill", "max_fast_failures"):
+                     "kv_session_budget", "health_failures_before_kill", "max_fast_failures",
+                     "listen_backlog", "max_request_bytes", "max_inflight_requests",
+                     "max_waiting_requests"):
             value = getattr(self, name)
             _check(value, value > 0, name, "a positive integer")
         _check(self.kv_cache_gpu_fraction, 0 < self.kv_cache_gpu_fraction <= 1,
                "kv_cache_gpu_fraction", "a number in (0, 1]")
+        _check(self.kv_session_tenant_share, 0 < self.kv_session_tenant_share <= 1,
+               "kv_session_tenant_share", "a number in (0, 1]")
+        if self.api_keys_file is not None:
+            _check(self.api_keys_file, Path(self.api_keys_file).is_file(), "api_keys_file",
+                   "an existing file of API keys (one a line, optionally followed by a tenant)")
         for f in fields(self):
             if f.name.endswith("_s"):
                 value = getattr(self, f.name)
@@ -137,6 +155,11 @@ class Settings:
     @property
     def effective_state_dir(self) -> Path:
         return Path(self.state_dir) if self.state_dir else Path(self.runtime_dir) / "state"
+
+    @property
+    def api_key_list(self) -> list[str]:
+        """The keys of ``api_keys`` (``api_keys_file`` is read by the host)."""
+        return [k.strip() for k in self.api_keys.split(",") if k.strip()]
 
     @property
     def disabled_capabilities(self) -> frozenset[str]:
@@ -201,6 +224,10 @@ def _coerce(name: str, raw: Any, source: str) -> Any:
             return int(raw)
         if "float" in ftype:
             return float(raw)
+        if name == "api_keys" and isinstance(raw, list):  # a TOML list: stored comma-separated
+            if not all(isinstance(item, str) and "," not in item for item in raw):
+                raise ValueError(raw)
+            return ",".join(raw)
         return str(raw)
     except (TypeError, ValueError):
         raise SettingsError(
