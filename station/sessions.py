@@ -6,10 +6,21 @@ sequence's own full blocks (``BlockPool.pin``); a pinned block is never evicted,
 its ``ref_cnt``. A session only ever holds FULL blocks, so no sequence ever writes into a
 pinned block again: loading one needs no copy-on-write.
 
-The registry is bounded by a count (``settings.kv_session_budget``) and expires LRU:
-saving past the budget drops the least recently used session, and when the pool runs
-out of blocks the engine calls ``reclaim`` before it preempts running work (a running
-request is worth more than a parked prefix).
+The registry is bounded by a count (``settings.kv_session_budget``): saving past the
+budget expires one session, and when the pool runs out of blocks the engine calls
+``reclaim`` before it preempts running work (a running request is worth more than a
+parked prefix).
+
+Which session expires is fair between tenants (``settings.kv_session_tenant_share``): a
+tenant is *over its share* when it holds more than ``share * budget`` sessions (for the
+count budget) or more than ``share * pool blocks`` distinct pinned blocks (for
+``reclaim``). The victim is, in this order: the requesting tenant's own least recently
+used session when that tenant is over its share; else the least recently used session
+of any tenant over its share; and only when no tenant is over its share, the least
+recently used session of all. So one tenant flooding the registry with new prompts
+evicts its own sessions, and a tenant under its share never loses a session to a tenant
+over it. Per-tenant figures are kept incrementally (a count and a per-block pin count
+for each tenant), so choosing a victim never walks the pool.
 
 Thread-safety: none. Every call happens on the engine thread.
 """
@@ -18,8 +29,8 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from dataclasses import dataclass
-from typing import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Sequence
 
 from station.block_pool import BlockPool, KVBlock
 
@@ -37,14 +48,24 @@ class KVSession:
         return len(self.token_ids)
 
 
+@dataclass(slots=True)
+class _TenantUsage:
+    sessions: int = 0
+    blocks: dict[int, int] = field(default_factory=dict)  # block id -> this tenant's pins on it
+
+
 class SessionRegistry:
-    def __init__(self, pool: BlockPool, budget: int, clock: Callable[[], float] = time.time) -> None:
-        assert budget > 0
+    def __init__(self, pool: BlockPool, budget: int, clock: Callable[[], float] = time.time,
+                 tenant_share: float = 1.0) -> None:
+        assert budget > 0 and 0 < tenant_share <= 1
         self.pool = pool
         self.budget = budget
         self.clock = clock
+        self.tenant_share = tenant_share
         self._sessions: OrderedDict[str, KVSession] = OrderedDict()  # LRU first
+        self._tenants: dict[str, _TenantUsage] = {}  # only tenants that hold a session
         self.num_expired = 0
+        self.num_expired_over_share = 0  # of num_expired: victims whose tenant was over its share
 
     def __len__(self) -> int:
         return len(self._sessions)
@@ -58,6 +79,30 @@ class SessionRegistry:
     def sessions(self) -> list[KVSession]:
         """Every session, least recently used first."""
         return list(self._sessions.values())
+
+    @property
+    def num_tenants(self) -> int:
+        """Tenants holding at least one session (a dict's size: safe to read anywhere)."""
+        return len(self._tenants)
+
+    @property
+    def tenant_max_sessions(self) -> float:
+        """A tenant holding more sessions than this is over its share of the budget."""
+        return self.tenant_share * self.budget
+
+    @property
+    def tenant_max_blocks(self) -> float:
+        """A tenant pinning more distinct blocks than this is over its share of the pool."""
+        return self.tenant_share * self.pool.num_blocks
+
+    def tenant_sessions(self, tenant: str) -> int:
+        usage = self._tenants.get(tenant)
+        return usage.sessions if usage is not None else 0
+
+    def tenant_pinned_blocks(self, tenant: str) -> int:
+        """Distinct blocks pinned by ``tenant``'s sessions."""
+        usage = self._tenants.get(tenant)
+        return len(usage.blocks) if usage is not None else 0
 
     @property
     def pinned_blocks(self) -> int:
@@ -75,13 +120,21 @@ class SessionRegistry:
         # Pin the new blocks before unpinning the old: blocks both share never touch the
         # free queue, so they cannot be evicted in between.
         self.pool.pin(blocks)
+        session = KVSession(session_id, tenant, tuple(token_ids), list(blocks), self.clock())
+        self._account(session, +1)
         old = self._sessions.pop(session_id, None)
         if old is not None:
+            self._account(old, -1)
             self.pool.unpin(old.blocks)
-        session = KVSession(session_id, tenant, tuple(token_ids), list(blocks), self.clock())
         self._sessions[session_id] = session
         while len(self._sessions) > self.budget:
-            self._expire(next(iter(self._sessions)))
+            over = self._over_sessions
+            victim = self._choose(self._sessions.values(), over, tenant, session_id)
+            if victim is None:
+                # Only when the saver is over its share with this one session: then
+                # share * budget < 1 and every other tenant is over it too. A guard.
+                victim = next(s for s in self._sessions.values() if s.session_id != session_id)
+            self._expire(victim.session_id, over(victim.tenant))
         return session
 
     def use(self, session: KVSession) -> None:
@@ -93,6 +146,7 @@ class SessionRegistry:
         session = self._sessions.pop(session_id, None)
         if session is None:
             return False
+        self._account(session, -1)
         self.pool.unpin(session.blocks)
         return True
 
@@ -100,31 +154,101 @@ class SessionRegistry:
         for session_id in list(self._sessions):
             self.delete(session_id)
 
-    def reclaim(self, num_blocks: int, keep: str | None = None) -> int:
-        """Expire LRU sessions until ``num_blocks`` can be allocated; returns how many expired.
+    def reclaim(self, num_blocks: int, keep: str | None = None, tenant: str | None = None) -> int:
+        """Expire sessions until ``num_blocks`` can be allocated; returns how many expired.
 
-        Expires nothing when even dropping every session (but ``keep``) would not make
-        room: then the blocks are held by running work and expiring would only lose data.
+        ``tenant`` is the tenant that needs the blocks (None: unknown), ``keep`` the session
+        its request loads. Victims are chosen fairly (module docstring), by pinned blocks.
+        The whole sequence of victims is planned first, and nothing is expired unless it
+        makes room: when the blocks are held by running work, or the sessions fairness
+        allows to drop do not free enough, expiring would only lose data.
         """
-        pool = self.pool
-        if pool.can_allocate(num_blocks):
+        if self.pool.can_allocate(num_blocks):
             return 0
-        kept_ids = {b.block_id for b in self._sessions[keep].blocks} if keep in self._sessions else set()
-        # Blocks that only sessions hold (no sequence references them) come back when unpinned.
-        releasable = {b.block_id for s in self._sessions.values() if s.session_id != keep
-                      for b in s.blocks if b.ref_cnt == 0 and b.block_id not in kept_ids}
-        if pool.num_free_blocks + len(releasable) < num_blocks:
+        plan = self._plan_reclaim(num_blocks, keep, tenant)
+        if plan is None:
             return 0
-        expired = 0
-        for session_id in list(self._sessions):
-            if pool.can_allocate(num_blocks):
-                break
-            if session_id == keep:
-                continue
-            self._expire(session_id)
-            expired += 1
-        return expired
+        for session_id, over in plan:
+            self._expire(session_id, over)
+        return len(plan)
 
-    def _expire(self, session_id: str) -> None:
+    def _plan_reclaim(self, num_blocks: int, keep: str | None,
+                      requester: str | None) -> list[tuple[str, bool]] | None:
+        """The victims (and whether each one's tenant was over its share), or None."""
+        free = self.pool.num_free_blocks
+        alive = dict(self._sessions)  # LRU order; keep stays in it: its tenant's share counts
+        pins: dict[int, int] = {}  # block id -> pins left, for the blocks the plan touches
+        tenant_blocks = {t: len(u.blocks) for t, u in self._tenants.items()}
+        tenant_pins: dict[tuple[str, int], int] = {}  # (tenant, block id) -> pins left
+        limit = self.tenant_max_blocks
+        plan: list[tuple[str, bool]] = []
+
+        def over(t: str) -> bool:
+            return tenant_blocks.get(t, 0) > limit
+
+        while free < num_blocks:
+            victim = self._choose(alive.values(), over, requester, keep)
+            if victim is None:
+                return None
+            plan.append((victim.session_id, over(victim.tenant)))
+            del alive[victim.session_id]
+            usage = self._tenants[victim.tenant]
+            for block in victim.blocks:
+                left = pins.get(block.block_id, block.pin_cnt) - 1
+                pins[block.block_id] = left
+                if left == 0 and block.ref_cnt == 0:
+                    free += 1
+                key = (victim.tenant, block.block_id)
+                mine = tenant_pins.get(key, usage.blocks[block.block_id]) - 1
+                tenant_pins[key] = mine
+                if mine == 0:
+                    tenant_blocks[victim.tenant] -= 1
+        return plan
+
+    def _over_sessions(self, tenant: str) -> bool:
+        return self.tenant_sessions(tenant) > self.tenant_max_sessions
+
+    @staticmethod
+    def _choose(sessions: Iterable[KVSession], over: Callable[[str], bool],
+                requester: str | None, exclude: str | None) -> KVSession | None:
+        """The fair victim among ``sessions`` (LRU first), never ``exclude``; None when a
+        tenant is over its share but none of its sessions may go."""
+        first_over: KVSession | None = None
+        first_any: KVSession | None = None
+        anyone_over = False
+        for session in sessions:
+            is_over = over(session.tenant)
+            anyone_over = anyone_over or is_over
+            if session.session_id == exclude:
+                continue
+            if is_over:
+                if session.tenant == requester:
+                    return session  # an over-share requester pays with its own LRU session
+                if first_over is None:
+                    first_over = session
+            if first_any is None:
+                first_any = session
+        if first_over is not None:
+            return first_over
+        if anyone_over:
+            return None
+        return first_any
+
+    def _account(self, session: KVSession, sign: int) -> None:
+        usage = self._tenants.get(session.tenant)
+        if usage is None:
+            usage = self._tenants[session.tenant] = _TenantUsage()
+        usage.sessions += sign
+        for block in session.blocks:
+            pins = usage.blocks.get(block.block_id, 0) + sign
+            if pins:
+                usage.blocks[block.block_id] = pins
+            else:
+                del usage.blocks[block.block_id]
+        if usage.sessions == 0:
+            del self._tenants[session.tenant]
+
+    def _expire(self, session_id: str, over_share: bool = False) -> None:
         self.delete(session_id)
         self.num_expired += 1
+        self.num_expired_over_share += over_share

@@ -117,6 +117,8 @@ class Supervisor:
             hello = child.ready_info if running else {}
             snap["capabilities"] = {k: v for k, v in (hello.get("capabilities") or {}).items() if v}
             snap["model"] = (hello.get("model") or {}).get("id")
+            # What the station's start found in the KV disk tier: rejected or foreign tiers.
+            snap["kv_tier"] = hello.get("kv_tier")
             snap["health"] = child.health_info if running else {}
         else:
             latest = (child.health_info or child.ready_info) if running else {}

@@ -11,7 +11,8 @@ Shape (``status --json`` prints it as is)::
                     "started_at", "ready"},
      "children": {"station": {"state", "pid", "restarts", "fast_failures", "uptime_s",
                               "started_at", "backoff_remaining_s", "last_exit",
-                              "capabilities": {flag: true}, "health": {...}},
+                              "capabilities": {flag: true}, "health": {...},
+                              "kv_tier": {...} | null},
                   "host":    {... "capabilities": {"liquid_memory", ...}, "health": {...}}}}
 """
 
@@ -149,7 +150,37 @@ def render(document: dict[str, Any]) -> str:
     widths = [max(len(row[i]) for row in rows) for i in range(len(header) - 1)]
     for row in rows:
         lines.append("  ".join(cell.ljust(w) for cell, w in zip(row, widths)) + "  " + row[-1])
+    lines.extend(_kv_tier_lines((children.get("station") or {}).get("kv_tier")))
     return "\n".join(lines)
+
+
+def _kv_tier_lines(tier: Any) -> list[str]:
+    """The station's KV disk tier as its start found it; rejected and foreign tiers loudly."""
+    if not isinstance(tier, dict):
+        return []
+    if tier.get("enabled") is False:
+        return ["kv tier: off (kv_persistence = false)"]
+    line = (f"kv tier {tier.get('path')}: restored {_fmt(tier.get('restored_sessions'))} "
+            f"sessions ({_fmt(tier.get('restored_blocks'))} blocks)")
+    if tier.get("skipped_sessions"):
+        line += f", {tier['skipped_sessions']} not restored (session budget or KV pool)"
+    lines = [line]
+    rejections = [r for r in tier.get("rejections") or [] if isinstance(r, dict)]
+    for rejection in rejections:
+        lines.append(f"  REJECTED at start, kept at {rejection.get('path')}: "
+                     f"{rejection.get('reason')}")
+    foreign = tier.get("foreign")
+    if isinstance(foreign, dict):
+        lines.append(f"  FOREIGN tier kept in place (another model or layout; moved aside "
+                     f"before this station writes its own): {foreign.get('reason')}")
+    on_disk = tier.get("rejected_on_disk")
+    earlier = on_disk - len(rejections) if isinstance(on_disk, int) else 0
+    if earlier > 0:
+        lines.append(f"  {earlier} rejected tier(s) from earlier runs beside it "
+                     f"(*.rejected-*): inspect, then delete them")
+    if tier.get("foreign_on_disk"):
+        lines.append(f"  {tier['foreign_on_disk']} foreign tier(s) kept beside it (*.foreign-*)")
+    return lines
 
 
 def show(settings: Any, as_json: bool = False, out: TextIO | None = None) -> int:

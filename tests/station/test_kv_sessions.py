@@ -266,3 +266,141 @@ def test_host_sequences_decode_in_one_step_per_token(tiny):
         e.engine.release_owner("c1")
         e.call("kv_delete", session_id="h")
         assert_pool_clean(e.engine)
+
+
+# -- fair share between tenants (the registry alone, then the engine)
+def fair_registry(num_blocks: int = 32, budget: int = 4, share: float = 0.5):
+    pool = BlockPool(num_blocks, BS)
+    return pool, SessionRegistry(pool, budget, clock=Clock(), tenant_share=share)
+
+
+def save_as(reg: SessionRegistry, name: str, tenant: str, num_blocks: int = 1):
+    blocks = reg.pool.allocate(num_blocks)
+    reg.save(name, tenant, [len(name)] * (num_blocks * BS), blocks)
+    reg.pool.free(blocks)
+    return blocks
+
+
+def names(reg: SessionRegistry) -> list[str]:
+    return [s.session_id for s in reg.sessions()]
+
+
+def test_a_tenant_over_its_share_loses_its_own_lru_session_first():
+    pool, reg = fair_registry()  # budget 4, share 0.5: over share past 2 sessions
+    save_as(reg, "a1", "alice")
+    save_as(reg, "a2", "alice")
+    save_as(reg, "b1", "bob")
+    save_as(reg, "b2", "bob")
+    save_as(reg, "b3", "bob")  # 5 > 4; bob holds 3 > 2: bob's LRU goes, not alice's a1
+    assert names(reg) == ["a1", "a2", "b2", "b3"]
+    save_as(reg, "b4", "bob")
+    assert names(reg) == ["a1", "a2", "b3", "b4"]
+    save_as(reg, "a3", "alice")  # now alice is the one over her share
+    assert names(reg) == ["a2", "b3", "b4", "a3"]
+    assert (reg.num_expired, reg.num_expired_over_share) == (3, 3)
+    assert (reg.tenant_sessions("alice"), reg.tenant_sessions("bob"), reg.num_tenants) == (2, 2, 2)
+
+
+def test_a_tenant_under_its_share_takes_from_the_tenant_over_it():
+    pool, reg = fair_registry()
+    save_as(reg, "a1", "alice")  # the global LRU session
+    save_as(reg, "b1", "bob")
+    save_as(reg, "b2", "bob")
+    save_as(reg, "b3", "bob")  # 4 sessions: within budget, though bob holds 3 > 2
+    save_as(reg, "c1", "carol")  # carol is under her share: the over-share tenant pays
+    assert names(reg) == ["a1", "b2", "b3", "c1"]
+    assert reg.num_expired_over_share == 1
+
+
+def test_when_nobody_is_over_share_the_global_lru_expires():
+    pool, reg = fair_registry()
+    for name, tenant in [("a1", "alice"), ("b1", "bob"), ("a2", "alice"), ("b2", "bob")]:
+        save_as(reg, name, tenant)
+    reg.use(reg.get("a1"))  # b1 is now the least recently used
+    save_as(reg, "c1", "carol")
+    assert names(reg) == ["a2", "b2", "a1", "c1"]
+    assert (reg.num_expired, reg.num_expired_over_share) == (1, 0)
+
+
+def test_reclaim_takes_blocks_from_the_tenant_over_its_pool_share():
+    pool, reg = fair_registry(num_blocks=16, budget=64)  # over share past 8 pinned blocks
+    save_as(reg, "a1", "alice", 2)  # the global LRU session
+    for name in ("b1", "b2", "b3"):
+        save_as(reg, name, "bob", 3)  # bob pins 9 blocks
+    running = pool.allocate(pool.num_free_blocks)  # 5 blocks: the pool is full
+    assert reg.tenant_pinned_blocks("bob") == 9 and reg.tenant_pinned_blocks("alice") == 2
+    assert reg.reclaim(3, tenant="alice") == 1
+    assert names(reg) == ["a1", "b2", "b3"] and pool.num_free_blocks == 3
+    pool.allocate(3)
+    # bob is at his share now (6 <= 8), so nobody is over it: the global LRU goes.
+    assert reg.reclaim(2, tenant="bob") == 1
+    assert names(reg) == ["b2", "b3"] and reg.num_expired_over_share == 1
+    pool.free(running)
+
+
+def test_reclaim_by_an_over_share_tenant_expires_its_own_sessions_or_nothing():
+    pool, reg = fair_registry(num_blocks=16, budget=64)
+    save_as(reg, "a1", "alice", 2)
+    save_as(reg, "b1", "bob", 2)
+    save_as(reg, "b2", "bob", 9)  # bob: 11 blocks > 8
+    running = pool.allocate(pool.num_free_blocks)
+    assert reg.reclaim(2, keep="b2", tenant="bob") == 1  # his own LRU b1, never alice's a1
+    assert names(reg) == ["a1", "b2"]
+    more = pool.allocate(2)
+    # bob's one session left is the one his request loads, and it alone is over his share:
+    # alice (under hers) keeps her session; bob's request waits instead.
+    assert reg.reclaim(2, keep="b2", tenant="bob") == 0
+    assert names(reg) == ["a1", "b2"] and reg.num_expired == 1
+    pool.free(running)
+    pool.free(more)
+
+
+def test_reclaim_plans_first_and_expires_nothing_that_would_not_make_room():
+    pool, reg = fair_registry(num_blocks=16, budget=64)
+    save_as(reg, "a1", "alice", 2)
+    save_as(reg, "b1", "bob", 2)
+    save_as(reg, "b2", "bob", 9)  # bob: 11 blocks > 8
+    running = pool.allocate(pool.num_free_blocks)
+    # bob's b1 frees 2 of the 3 blocks; the third could only come from alice, who is
+    # under her share: nothing expires (losing b1 would not give bob his room).
+    assert reg.reclaim(3, keep="b2", tenant="bob") == 0
+    assert names(reg) == ["a1", "b1", "b2"] and reg.num_expired == 0
+    pool.free(running)
+
+
+def test_a_flooding_tenant_expires_its_own_sessions_and_the_other_still_hits(tiny):
+    path, loaded = tiny
+    prompt = prompt_of(80, 30)
+    with Engine(loaded, kv_session_budget=8) as e:  # share 0.5: over share past 4 sessions
+        e.generate(prompt, 1, save_session="a-conv", tenant="alice")
+        for i in range(12):  # like unnamed requests: prompt and final session each
+            e.generate(prompt_of(200 + i, 14), 3, tenant="bob", save_session=f"b{i}",
+                       save_final_session=f"b{i}-final")
+        stats = e.engine.stats()
+        assert stats["kv_sessions"] == 8 and stats["kv_session_tenants"] == 2
+        assert e.engine.sessions.tenant_sessions("bob") == 7
+        assert stats["kv_sessions_expired"] == stats["kv_sessions_expired_over_share"] == 24 - 7
+        follow = prompt + [5, 6, 7]
+        hit = e.generate(follow, 4, load_session="a-conv", tenant="alice")
+        pre = hit.one(EventKind.PREFILL)
+        assert (pre["session_loaded"], pre["session_tokens"]) == (True, 28)
+        assert hit.tokens == reference(path, follow, 4)
+
+
+def test_block_pressure_from_one_tenant_reclaims_its_own_sessions(tiny):
+    path, loaded = tiny
+    prompt = prompt_of(81, 22)
+    with Engine(loaded, num_blocks=32) as e:  # share 0.5: over share past 16 pinned blocks
+        e.generate(prompt, 1, save_session="a-conv", tenant="alice")  # 5 blocks
+        for i in range(10):  # 5 pinned blocks each: the pool runs out after a few
+            e.generate(prompt_of(300 + i, 22), 2, tenant="bob", save_session=f"b{i}")
+        # Each of bob's requests needs 6 blocks: once the pool is short, bob (over his
+        # share) gives up his own oldest sessions; alice's, the oldest of all, stays.
+        assert [s.session_id for s in e.engine.sessions.sessions()] == [
+            "a-conv", "b5", "b6", "b7", "b8", "b9"]
+        stats = e.engine.stats()
+        assert stats["kv_sessions_expired"] == stats["kv_sessions_expired_over_share"] == 5
+        follow = prompt + [9, 9]
+        hit = e.generate(follow, 4, load_session="a-conv", tenant="alice")
+        assert hit.one(EventKind.PREFILL)["session_tokens"] == 20
+        assert hit.tokens == reference(path, follow, 4)
