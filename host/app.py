@@ -9,14 +9,21 @@ completion reports what liquid memory did (``_gnosis`` block, ``X-Thoth-Liquid-*
 Two framework facts shape this file: quart-trio applies ``RESPONSE_TIMEOUT`` to streamed
 bodies too, so each SSE response lifts its own timeout; and hypercorn gives in-flight
 requests only ``graceful_timeout`` on shutdown, so that is set to ``drain_grace_s``.
+
+Overload gets an answer, never a reset: the listening socket's accept queue is
+``listen_backlog`` (hypercorn's own default of 100 overflows under a burst), the process may
+hold as many sockets as its hard file limit allows, a body over ``max_request_bytes`` is a
+413, and past ``max_inflight_requests`` completions and embeddings a request is answered 429
+with ``Retry-After`` at once instead of queueing in the host.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import re
+import resource
 import signal
+import sys
 import time
 import uuid
 from functools import partial
@@ -25,25 +32,28 @@ from typing import Any
 import trio
 from hypercorn.config import Config as HypercornConfig
 from hypercorn.trio import serve as hypercorn_serve
-from quart import Response, request
+from quart import Response, g, request
 from quart_trio import QuartTrio
+from quart.asgi import ASGIHTTPConnection
 from quart_trio.asgi import TrioASGIHTTPConnection
 from werkzeug.exceptions import HTTPException
 
+from gnosis_daemon.api_keys import ANON, KeyFileError, Keyring, bearer, load_keyring
 from gnosis_daemon.client import StationError, is_unknown_op
 from gnosis_daemon.logs import bind_request, configure_logging, get_logger
 from gnosis_daemon.settings import Settings
-from host import embeddings, errors, openai_api, sse
+from host import embeddings, errors, json_body, openai_api, sse
 from host.completions import complete, json_response
 from host.errors import ApiError
 from host.liquid_memory import LiquidMemory
 from host.metrics import Counters, RequestRecord, current_record, emit
-from host.session_index import tenant_key
 from host.station_link import StationLink
 
 log = get_logger("host")
 _DRAIN_POLL_S = 0.05
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
+# Paths that never need a key unless health_requires_key is set.
+_HEALTH_PATHS = ("/health", "/metrics")
 
 
 class _HTTPConnection(TrioASGIHTTPConnection):
@@ -53,9 +63,31 @@ class _HTTPConnection(TrioASGIHTTPConnection):
     ending; the body may never even start (client gone before the headers went out). The
     record's closers run here, shielded, however the task ends, so the station always
     hears ``cancel`` for a generation nobody will read.
+
+    quart-trio cancels the request's task as soon as the ASGI server reports the client
+    gone, and hypercorn reports that from inside the response's last send when it closes
+    the connection (a response sent before the request body was read: 401, 413, 429). A
+    cancel there aborts hypercorn's close and leaves the socket open and unread, so once the
+    last body message is being sent the disconnect no longer cancels: the task ends by itself.
     """
 
+    _response_sent = False
+
+    async def handle_messages(self, nursery: trio.Nursery, request: Any,  # type: ignore[override]
+                              receive: Any) -> None:
+        await ASGIHTTPConnection.handle_messages(self, request, receive)
+        if not self._response_sent:
+            nursery.cancel_scope.cancel()
+
     async def handle_request(self, nursery: trio.Nursery, req: Any, send: Any) -> None:
+        async def send_tracked(message: dict[str, Any]) -> None:
+            if message.get("type") == "http.response.body" and not message.get("more_body"):
+                self._response_sent = True
+            await send(message)
+
+        await self._handle_request(nursery, req, send_tracked)
+
+    async def _handle_request(self, nursery: trio.Nursery, req: Any, send: Any) -> None:
         given = req.headers.get("X-Request-Id", "")
         request_id = given if _REQUEST_ID.match(given) else "req-" + uuid.uuid4().hex
         record = RequestRecord(request_id, req.method, req.path)
@@ -87,10 +119,38 @@ def _record() -> RequestRecord:
     return record
 
 
-def create_app(settings: Settings, link: StationLink) -> QuartTrio:
+class _Admission:
+    """Completions and embeddings in flight in this host, bounded by ``limit``."""
+
+    def __init__(self, limit: int) -> None:
+        assert limit >= 1
+        self.limit = limit
+        self.inflight = 0
+
+    def admit(self, record: RequestRecord) -> None:
+        """Count the request in until its task ends (streams included), or raise 429."""
+        if self.inflight >= self.limit:
+            raise ApiError(429, f"The server is at its limit of {self.limit} requests in "
+                           f"flight; retry shortly.", "requests", None, "rate_limit_exceeded",
+                           {"Retry-After": str(errors.RETRY_AFTER_S)})
+        self.inflight += 1
+
+        async def release() -> None:
+            self.inflight -= 1
+
+        record.closers.append(release)
+
+
+def create_app(settings: Settings, link: StationLink,
+               keyring: Keyring | None = None) -> QuartTrio:
+    """The app; ``keyring`` defaults to the settings' keys (``KeyFileError`` on a bad file)."""
+    keyring = load_keyring(settings) if keyring is None else keyring
     app = QuartTrio("gnosis_host")
     app.asgi_http_class = _HTTPConnection  # type: ignore[assignment]
+    app.config["MAX_CONTENT_LENGTH"] = settings.max_request_bytes
     app.gnosis_counters = Counters()  # type: ignore[attr-defined]
+    admission = _Admission(settings.max_inflight_requests)
+    app.gnosis_admission = admission  # type: ignore[attr-defined]
     memory = LiquidMemory(settings.liquid_memory, settings.kv_session_budget,
                           negotiate_timeout_s=max(settings.health_timeout_s, 5.0))
     app.gnosis_liquid = memory  # type: ignore[attr-defined]
@@ -103,6 +163,28 @@ def create_app(settings: Settings, link: StationLink) -> QuartTrio:
 
     link.on_connect = on_connect
 
+    @app.before_request
+    async def _authenticate() -> None:
+        # Without keys every caller is the one local tenant; with keys the key names it.
+        if not keyring.enabled:
+            g.tenant = ANON
+            return
+        g.tenant = None
+        path = request.path
+        if not (path == "/v1" or path.startswith("/v1/")) and \
+                not (settings.health_requires_key and path in _HEALTH_PATHS):
+            return
+        key = bearer(request.headers.get("Authorization"))
+        tenant = keyring.tenant(key)
+        if tenant is None:
+            message = ("Incorrect API key provided." if key else
+                       "You didn't provide an API key. You need to provide your API key in an "
+                       "Authorization header using Bearer auth (i.e. Authorization: Bearer "
+                       "YOUR_KEY).")
+            raise ApiError(401, message, errors.INVALID_REQUEST, None, "invalid_api_key",
+                           {"WWW-Authenticate": "Bearer"})
+        g.tenant = tenant
+
     @app.after_request
     async def _finish(response: Response) -> Response:
         record = _record()
@@ -112,12 +194,17 @@ def create_app(settings: Settings, link: StationLink) -> QuartTrio:
             # The answer is complete; a disconnect while it is sent does not change that.
             record.outcome = record.outcome or ("ok" if response.status_code < 400 else "error")
         response.headers["X-Request-Id"] = record.request_id
+        if _body_unread():
+            # Answered before the body was read (401, 413, 429...): the rest of the body is
+            # still coming, and a client reusing the connection would wait behind it.
+            response.headers["Connection"] = "close"
         return response
 
     @app.errorhandler(ApiError)
     async def _api_error(exc: ApiError) -> Response:
         record = _record()
         record.outcome = record.outcome or f"error:{exc.code or exc.type}"
+        exc = errors.for_client(exc, record.request_id)
         return Response(sse.encode_json(exc.body()), exc.status, exc.headers,
                         content_type="application/json")
 
@@ -128,13 +215,15 @@ def create_app(settings: Settings, link: StationLink) -> QuartTrio:
         message = exc.description or exc.name
         if status == 404:
             message = f"Unknown request URL: {request.method} {request.path}."
+        if status == 413:
+            message = (f"The request body is larger than this server's limit of "
+                       f"{settings.max_request_bytes} bytes.")
         return await _api_error(ApiError(status, message, errors.INVALID_REQUEST, None, code))
 
     @app.errorhandler(Exception)
     async def _unexpected(exc: Exception) -> Response:
         log.exception("unhandled_error")
-        return await _api_error(ApiError(500, "Internal server error.", errors.SERVER_ERROR,
-                                         None, "internal_error"))
+        return await _api_error(errors.internal(f"{type(exc).__name__}: {exc}"))
 
     @app.get("/health")
     async def health() -> Response:
@@ -153,6 +242,8 @@ def create_app(settings: Settings, link: StationLink) -> QuartTrio:
                                              if connected and memory.negotiated else {}),
             "station_restarts": link.reconnects,
             "station_last_error": None if connected else link.last_error,
+            # The station's KV disk tier at its start (restored, rejected, foreign).
+            "station_kv_tier": hello.get("kv_tier") if hello else None,
         }
         # Liquid memory: effective state, env switch, station kv_session, reason when off.
         body.update(memory.state(connected=connected).health_fields())
@@ -163,7 +254,9 @@ def create_app(settings: Settings, link: StationLink) -> QuartTrio:
     @app.get("/metrics")
     async def metrics() -> Response:
         gauges = {"station_up": 1.0 if link.connected else 0.0,
-                  "station_restarts": float(link.reconnects)}
+                  "station_restarts": float(link.reconnects),
+                  "model_requests_inflight": float(admission.inflight),
+                  "model_requests_inflight_limit": float(admission.limit)}
         return Response(app.gnosis_counters.render(gauges), 200,  # type: ignore[attr-defined]
                         content_type="text/plain; version=0.0.4")
 
@@ -180,16 +273,19 @@ def create_app(settings: Settings, link: StationLink) -> QuartTrio:
 
     @app.post("/v1/chat/completions")
     async def chat_completions() -> Response:
+        admission.admit(_record())
         return await complete(settings, link, memory, openai_api.parse_chat(await _body()),
-                              _record(), _tenant())
+                              _record(), g.tenant)
 
     @app.post("/v1/completions")
     async def completions() -> Response:
+        admission.admit(_record())
         return await complete(settings, link, memory,
-                              openai_api.parse_completion(await _body()), _record(), _tenant())
+                              openai_api.parse_completion(await _body()), _record(), g.tenant)
 
     @app.post("/v1/embeddings")
     async def create_embeddings() -> Response:
+        admission.admit(_record())
         req = embeddings.parse(await _body())
         try:
             conn = link.current()
@@ -201,6 +297,7 @@ def create_app(settings: Settings, link: StationLink) -> QuartTrio:
             raise errors.model_not_found(req.model)
         if not memory.has("embed"):
             raise embeddings.not_supported()
+        embeddings.check_fits(req, (link.hello or {}).get("model") or {}, link.max_frame_bytes)
         try:
             with trio.fail_after(settings.request_timeout_s):
                 result = await conn.request("embed", req.station_args, rid=_record().request_id)
@@ -217,24 +314,16 @@ def create_app(settings: Settings, link: StationLink) -> QuartTrio:
     return app
 
 
-def _tenant() -> str:
-    """The caller's tenant: the hash of its bearer key (sessions never cross tenants)."""
-    auth = request.headers.get("Authorization", "")
-    scheme, _, key = auth.partition(" ")
-    return tenant_key(key.strip() if scheme.lower() == "bearer" else None)
-
-
-def _reject_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not valid JSON")
-
-
 async def _body() -> Any:
     data = await request.get_data(cache=False)
-    try:
-        # NaN/Infinity are not JSON, and would slip through every range check.
-        return json.loads(data, parse_constant=_reject_constant)
-    except (ValueError, UnicodeDecodeError):
-        raise errors.malformed_json() from None
+    g.body_read = True
+    return json_body.decode(data)
+
+
+def _body_unread() -> bool:
+    has_body = (request.content_length or 0) > 0 or \
+        "chunked" in request.headers.get("Transfer-Encoding", "").lower()
+    return has_body and not g.get("body_read", False)
 
 
 def _model_card(link: StationLink) -> dict[str, Any]:
@@ -255,16 +344,37 @@ def _bind(settings: Settings) -> str:
 def serve(settings: Settings) -> int:
     """Run the host until SIGTERM/SIGINT, then drain in-flight requests and return 0."""
     configure_logging("host", settings.log_level, settings.log_format)
+    try:
+        keyring = load_keyring(settings)
+    except KeyFileError as exc:
+        log.error("host_bad_api_keys", error=str(exc))
+        print(f"gnosis-daemon host: {exc}", file=sys.stderr)
+        return 2
+    _raise_file_limit()
     link = StationLink(settings.station_socket, max_frame_bytes=settings.max_frame_bytes,
                        hello_timeout_s=settings.health_timeout_s)
-    app = create_app(settings, link)
+    app = create_app(settings, link, keyring)
     config = HypercornConfig()
     config.bind = [_bind(settings)]
+    config.backlog = settings.listen_backlog
     # hypercorn's default 3 s would cut in-flight generations at shutdown.
     config.graceful_timeout = settings.drain_grace_s
     config.loglevel = "WARNING"
     trio.run(_serve, app, config, link, settings)
     return 0
+
+
+def _raise_file_limit() -> None:
+    """Every client connection is a file descriptor: a soft limit of 1024 would stall the
+    accept loop under a burst, so take the hard limit (capped: an unlimited one is not a
+    number the kernel's per-process tables can honour)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = hard if hard != resource.RLIM_INFINITY else 1 << 20
+    if soft != resource.RLIM_INFINITY and soft < want:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+        except (ValueError, OSError) as exc:
+            log.warning("host_file_limit", soft=soft, hard=hard, error=str(exc))
 
 
 async def _serve(app: QuartTrio, config: HypercornConfig, link: StationLink,

@@ -5,6 +5,12 @@ stream the same way: the first event is the ``prefill`` event, which fixes the l
 outcome, so the ``X-Thoth-Liquid-*`` headers are known before any body byte; a streamed
 response waits for it before answering, so a context overflow, a full KV pool or a lost
 station still gets its HTTP status instead of a 200 with an error inside.
+
+A prompt that cannot fit is refused here, before the station sees it: its characters are
+compared with ``max_model_len * max_token_chars`` (the most characters one token stands for,
+from the station's ``hello``), and its size with the station's frame limit, so a 16 MiB
+prompt costs the host one length check instead of costing the station a tokenization, or
+every tenant the station connection that an oversized frame would end.
 """
 
 from __future__ import annotations
@@ -42,6 +48,7 @@ async def complete(settings: Settings, link: StationLink, memory: LiquidMemory,
     assert model_id is not None
     if req.model is not None and req.model != model_id:
         raise errors.model_not_found(req.model)
+    check_prompt_fits(req, (link.hello or {}).get("model") or {}, link.max_frame_bytes)
     record.model = model_id
     fmt = openai_api.Formatter(req.kind, model_id, req.include_usage)
     if not req.stream:
@@ -76,6 +83,57 @@ async def complete(settings: Settings, link: StationLink, memory: LiquidMemory,
     response = Response(body, 200, {**sse.HEADERS, **liquid.headers(outcome)})
     response.timeout = None  # a generation may outlast RESPONSE_TIMEOUT (60 s)
     return response
+
+
+def check_prompt_fits(req: openai_api.CompletionRequest, model: dict[str, Any],
+                      max_frame_bytes: int) -> None:
+    """Refuse, without the station, token ids outside the vocabulary and a prompt that cannot
+    fit ``max_model_len`` (``model``: the station's ``hello["model"]``) or one station frame
+    (a frame past the station's limit ends the whole connection, every tenant's requests
+    on it included)."""
+    tokens = req.station_args.get("tokens")
+    vocab_size = model.get("vocab_size")
+    if tokens is not None and isinstance(vocab_size, int):
+        openai_api.check_token_ids(tokens, vocab_size, req.prompt_param)
+    max_model_len = model.get("max_model_len")
+    if isinstance(max_model_len, int) and tokens is not None and len(tokens) >= max_model_len:
+        raise _too_long(req, f"This model's maximum context length is {max_model_len} "
+                        f"tokens, but the prompt has {len(tokens)} tokens, which leaves no "
+                        f"room for a completion.")
+    max_token_chars = model.get("max_token_chars")
+    # A station that does not say how long a token can be measures the prompt itself.
+    if isinstance(max_model_len, int) and isinstance(max_token_chars, int) \
+            and max_token_chars >= 1 and req.prompt_chars > max_model_len * max_token_chars:
+        raise _too_long(req, f"This model's maximum context length is {max_model_len} "
+                        f"tokens, and one token stands for at most {max_token_chars} "
+                        f"characters, so a prompt can hold at most "
+                        f"{max_model_len * max_token_chars} characters; this one holds "
+                        f"{req.prompt_chars}.")
+    check_frame(req, max_frame_bytes)
+
+
+def check_frame(req: openai_api.CompletionRequest, max_frame_bytes: int) -> None:
+    """A generate frame past the station's ``max_frame_bytes`` would end the station
+    connection, every tenant's requests on it included: refuse the request instead."""
+    args = req.station_args
+    texts = [m["content"] for m in args["messages"]] if "messages" in args else \
+        [args.get("prompt", "")]
+    items = len(args.get("messages") or args.get("tokens") or ())
+    prompt = openai_api.frame_estimate(texts, items, max_frame_bytes)
+    stop = openai_api.frame_estimate(list(args.get("stop") or ()), 0, max_frame_bytes)
+    if prompt + stop + openai_api.FRAME_OVERHEAD < max_frame_bytes:
+        return
+    if stop > prompt:
+        raise errors.invalid_value("stop", f"the stop strings are too long to pass to this "
+                                   f"server's model station (its frames hold at most "
+                                   f"{max_frame_bytes} bytes).")
+    raise _too_long(req, f"The prompt is too large to pass to this server's model station: "
+                    f"about {prompt} bytes, and its frames hold at most {max_frame_bytes}.")
+
+
+def _too_long(req: openai_api.CompletionRequest, message: str) -> ApiError:
+    return ApiError(400, message, errors.INVALID_REQUEST, req.prompt_param,
+                    "context_length_exceeded")
 
 
 async def _next(stream: StationStream) -> dict[str, Any] | None:
@@ -131,7 +189,8 @@ async def _stream_body(stream: StationStream, first: dict[str, Any] | None,
     except StationError as exc:
         # Headers are gone: the error travels as an event, the way OpenAI streams report it.
         record.outcome = f"error:{exc.code}"
-        yield sse.event(errors.from_station(exc, prompt_param).body())
+        error = errors.for_client(errors.from_station(exc, prompt_param), record.request_id)
+        yield sse.event(error.body())
         return
     result = stream.result
     assert result is not None

@@ -16,8 +16,16 @@ from typing import Any
 from gnosis_daemon.protocol import unpack_array
 from host import errors
 from host.errors import ApiError
+from host.openai_api import (
+    FRAME_OVERHEAD,
+    MAX_TOKEN_ID,
+    check_token_ids,
+    frame_estimate,
+    unrecognized,
+)
 
 MAX_INPUTS = 2048  # OpenAI's limit on inputs per request
+FIELDS = frozenset({"input", "model", "encoding_format", "dimensions", "user"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,6 +48,9 @@ def parse(body: Any) -> EmbeddingRequest:
     if not isinstance(body, dict):
         raise errors.invalid(f"The request body must be a JSON object, but got "
                              f"{errors._json_type(body)} instead.")
+    for key in body:
+        if key not in FIELDS:
+            raise unrecognized(key)
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise errors.invalid_type("model", "a string", model)
@@ -58,6 +69,8 @@ def parse(body: Any) -> EmbeddingRequest:
         raise errors.invalid_type("input", "a string, an array of strings, an array of token "
                                   "ids or an array of token-id arrays", value)
     items = args.get("texts") or args.get("tokens") or []
+    for ids in args.get("tokens") or ():
+        check_token_ids(ids, MAX_TOKEN_ID + 1, "input")
     if any(isinstance(v, str) and not v for v in items):
         raise errors.invalid_value("input", "strings must not be empty.")
     if len(items) > MAX_INPUTS:
@@ -78,6 +91,23 @@ def parse(body: Any) -> EmbeddingRequest:
     return EmbeddingRequest(model, args, len(items), encoding)
 
 
+def check_fits(req: EmbeddingRequest, model: dict[str, Any], max_frame_bytes: int) -> None:
+    """Refuse, without the station, token ids outside the vocabulary and an input whose
+    ``embed`` frame would pass the station's ``max_frame_bytes`` (which would end the station
+    connection for every tenant)."""
+    vocab_size = model.get("vocab_size")
+    token_lists = req.station_args.get("tokens") or []
+    if isinstance(vocab_size, int):
+        for ids in token_lists:
+            check_token_ids(ids, vocab_size, "input")
+    texts = req.station_args.get("texts") or []
+    items = len(texts) + sum(len(ids) for ids in token_lists)
+    if frame_estimate(texts, items, max_frame_bytes) + FRAME_OVERHEAD >= max_frame_bytes:
+        raise errors.invalid_value("input", f"the input is too large to pass to this server's "
+                                   f"model station (its frames hold at most {max_frame_bytes} "
+                                   f"bytes).")
+
+
 def not_supported(detail: str = "") -> ApiError:
     message = "The model station does not support embeddings (capability embed)."
     if detail:
@@ -89,11 +119,10 @@ def response(req: EmbeddingRequest, model: str, result: dict[str, Any]) -> dict[
     try:
         matrix = unpack_array(result["embeddings"])
     except (KeyError, TypeError, ValueError) as exc:
-        raise ApiError(500, f"The model station sent a bad embeddings array: {exc}",
-                       errors.SERVER_ERROR, None, "internal_error") from None
+        raise errors.internal(f"the model station sent a bad embeddings array: {exc}") from None
     if matrix.ndim != 2 or matrix.shape[0] != req.count:
-        raise ApiError(500, f"The model station sent embeddings of shape {matrix.shape} for "
-                       f"{req.count} inputs.", errors.SERVER_ERROR, None, "internal_error")
+        raise errors.internal(f"the model station sent embeddings of shape {matrix.shape} for "
+                              f"{req.count} inputs")
     matrix = matrix.astype("<f4", copy=False)
     data = []
     for index, row in enumerate(matrix):

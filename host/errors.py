@@ -4,6 +4,10 @@ Every error the host answers has OpenAI's body, so the official clients raise th
 exception class (``BadRequestError``, ``NotFoundError``, ``InternalServerError``...)::
 
     {"error": {"message": str, "type": str, "param": str | null, "code": str | null}}
+
+A 500 never carries an internal message (a station exception, a traceback's text): the
+client gets ``Internal server error (request id <id>).`` and the detail goes to the host's
+log line with the same request id (``for_client``).
 """
 
 from __future__ import annotations
@@ -12,7 +16,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gnosis_daemon.client import StationError
+from gnosis_daemon.logs import get_logger
 from gnosis_daemon.protocol import ErrorCode
+
+log = get_logger("host.errors")
 
 INVALID_REQUEST = "invalid_request_error"
 SERVICE_UNAVAILABLE = "service_unavailable"
@@ -33,6 +40,8 @@ class ApiError(Exception):
     param: str | None = None
     code: str | None = None
     headers: dict[str, str] = field(default_factory=dict)
+    # What went wrong inside, for the log only (never sent to the client).
+    detail: str | None = None
 
     def __post_init__(self) -> None:
         assert 400 <= self.status < 600, self.status
@@ -91,7 +100,8 @@ def from_station(exc: StationError, prompt_param: str) -> ApiError:
         return ApiError(400, exc.message or "The prompt is longer than the model's context.",
                         INVALID_REQUEST, prompt_param, "context_length_exceeded")
     if code == ErrorCode.BAD_REQUEST:
-        return ApiError(400, exc.message, INVALID_REQUEST, None, "invalid_value")
+        # The host has checked every other field, so what the station refuses is the prompt.
+        return ApiError(400, exc.message, INVALID_REQUEST, prompt_param, "invalid_value")
     if code in (ErrorCode.CAPACITY, ErrorCode.SHUTTING_DOWN):
         return ApiError(503, exc.message or "The server is busy; retry shortly.",
                         SERVICE_UNAVAILABLE, None, str(code), {"Retry-After": str(RETRY_AFTER_S)})
@@ -99,8 +109,23 @@ def from_station(exc: StationError, prompt_param: str) -> ApiError:
         return ApiError(503, f"The model station does not support this operation: {exc.message}",
                         SERVICE_UNAVAILABLE, None, "station_unsupported",
                         {"Retry-After": str(RETRY_AFTER_S)})
-    return ApiError(500, f"Internal error in the model station: {exc.message}", SERVER_ERROR,
-                    None, "internal_error")
+    return internal(f"station error {code}: {exc.message}")
+
+
+def internal(detail: str) -> ApiError:
+    """A 500; ``detail`` is logged, never answered."""
+    return ApiError(500, "Internal server error.", SERVER_ERROR, None, "internal_error",
+                    detail=detail)
+
+
+def for_client(exc: ApiError, request_id: str) -> ApiError:
+    """What the client may see of ``exc``: a 500 becomes a generic message naming the request
+    id, and its detail is logged under that id."""
+    if exc.status != 500:
+        return exc
+    log.error("internal_error", request_id=request_id, detail=exc.detail or exc.message)
+    return ApiError(500, f"Internal server error (request id {request_id}).", SERVER_ERROR,
+                    None, "internal_error", dict(exc.headers))
 
 
 def _json_type(value: Any) -> str:

@@ -3,9 +3,20 @@
 ``parse_chat`` / ``parse_completion`` turn a decoded JSON body into a ``CompletionRequest``
 whose ``station_args`` are the station's ``generate`` arguments, or raise ``ApiError`` with
 OpenAI's error body. ``Formatter`` shapes the results: ``chat.completion`` /
-``chat.completion.chunk`` and ``text_completion`` objects. Fields OpenAI defines that this
-server does not implement are ignored unless ignoring them would change the answer the
-client asked for (``n > 1``, ``logprobs``, ``echo``): those are rejected as unsupported.
+``chat.completion.chunk`` and ``text_completion`` objects.
+
+Field policy (docs/api.md lists every field):
+
+- implemented fields are validated, ranges included, so every value the station receives is
+  one it can take (integers that fit its msgpack frame and its sampler);
+- fields OpenAI defines that would change the answer and are not implemented (``tools``,
+  ``logit_bias``, ``response_format``, penalties...) are refused with ``unsupported_value``
+  naming the field, unless the value equals the default (``presence_penalty: 0``,
+  ``tool_choice: "none"``, ``response_format: {"type": "text"}``), which changes nothing;
+- fields OpenAI defines that do not change the answer (``metadata``, ``store``,
+  ``service_tier``...) are type-checked and have no effect;
+- any other field is refused the way OpenAI refuses it ("Unrecognized request argument"),
+  so a typo or another server's extension is never silently dropped.
 """
 
 from __future__ import annotations
@@ -13,7 +24,7 @@ from __future__ import annotations
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable, Iterable
 
 from host import errors
 
@@ -24,6 +35,29 @@ MAX_STOP = 4
 # Fields that name a liquid-memory session, first present wins (OpenAI's prompt_cache_key
 # and user are such names; session_id is this server's own).
 SESSION_FIELDS = ("session_id", "prompt_cache_key", "user")
+# The largest max_tokens / top_k accepted: far past any context, and an int32 everywhere.
+MAX_INT32 = 2**31 - 1
+# seed is an int64, as in OpenAI's API; the station folds it into its generator's 64 bits.
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
+# Token ids before the station's vocab_size is known (the host checks that bound too).
+MAX_TOKEN_ID = MAX_INT32
+
+# Fields both endpoints implement.
+_SAMPLING = frozenset({
+    "model", "max_tokens", "temperature", "top_p", "top_k", "n", "stop", "seed", "stream",
+    "stream_options", "ignore_eos", "session_id", "prompt_cache_key", "user", "logprobs",
+    "presence_penalty", "frequency_penalty", "logit_bias", "min_p", "repetition_penalty"})
+CHAT_FIELDS = _SAMPLING | {
+    "messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice", "functions",
+    "function_call", "parallel_tool_calls", "response_format", "prediction", "audio",
+    "modalities", "web_search_options", "reasoning_effort", "verbosity", "metadata", "store",
+    "service_tier", "safety_identifier"}
+TEXT_FIELDS = _SAMPLING | {"prompt", "best_of", "echo", "suffix"}
+MESSAGE_FIELDS = frozenset({"role", "content", "name", "tool_calls", "tool_call_id",
+                            "function_call", "refusal", "audio"})
+PART_FIELDS = frozenset({"type", "text"})
+STREAM_OPTION_FIELDS = frozenset({"include_usage", "include_obfuscation"})
+_ECHO_MAX = 64  # characters of a refused field's name quoted back
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,6 +70,9 @@ class CompletionRequest:
     prompt_param: str  # "messages" | "prompt": where a context overflow is blamed
     # A named liquid-memory session: session_id, else prompt_cache_key, else user.
     session_name: str | None = None
+    # Characters of prompt text (message contents, or the completion prompt): the host
+    # refuses a prompt that cannot fit the context before the station tokenizes it.
+    prompt_chars: int = 0
 
     def __post_init__(self) -> None:
         assert self.kind in (CHAT, TEXT), self.kind
@@ -44,6 +81,7 @@ class CompletionRequest:
 
 def parse_chat(body: Any) -> CompletionRequest:
     body = _object(body)
+    _known(body, CHAT_FIELDS)
     messages = body.get("messages")
     if messages is None:
         raise errors.missing("messages")
@@ -53,30 +91,57 @@ def parse_chat(body: Any) -> CompletionRequest:
         raise errors.invalid_value("messages", "empty array. Expected an array with minimum "
                                    "length 1, but got an empty array instead.")
     args = {"messages": [_message(m, f"messages[{i}]") for i, m in enumerate(messages)]}
-    if _present(body, "logprobs") and body["logprobs"] is not False:
-        raise errors.unsupported("logprobs", "is not supported by this server.")
-    max_tokens = _positive_int(body, "max_completion_tokens")
+    if _present(body, "logprobs"):
+        if not isinstance(body["logprobs"], bool):
+            raise errors.invalid_type("logprobs", "a boolean", body["logprobs"])
+        if body["logprobs"]:
+            raise errors.unsupported("logprobs", "is not supported by this server.")
+    _default_only(body, "top_logprobs", _is_int, "an integer", lambda v: v == 0)
+    _default_only(body, "tools", _is_list, "an array", lambda v: not v)
+    _default_only(body, "functions", _is_list, "an array", lambda v: not v)
+    # Without tools (the only way here) "none" and "auto" both mean: answer in text.
+    _default_only(body, "tool_choice", _is_str_or_dict, "a string or an object",
+                  lambda v: v in ("none", "auto"))
+    _default_only(body, "function_call", _is_str_or_dict, "a string or an object",
+                  lambda v: v in ("none", "auto"))
+    _default_only(body, "response_format", _is_dict, "an object",
+                  lambda v: v == {"type": "text"})
+    _default_only(body, "modalities", _is_list, "an array", lambda v: v == ["text"])
+    for key in ("prediction", "audio", "web_search_options", "reasoning_effort", "verbosity"):
+        if _present(body, key):
+            raise errors.unsupported(key, "is not supported by this server.")
+    # OpenAI fields that do not change the answer: checked, then without effect here.
+    _typed(body, "metadata", _is_str_dict, "an object of strings")
+    _typed(body, "store", _is_bool, "a boolean")
+    _typed(body, "parallel_tool_calls", _is_bool, "a boolean")
+    _typed(body, "service_tier", _is_str, "a string")
+    _typed(body, "safety_identifier", _is_str, "a string")
+    max_tokens = _bounded_int(body, "max_completion_tokens", 1, MAX_INT32)
     if max_tokens is None:
-        max_tokens = _positive_int(body, "max_tokens")
-    return _finish(CHAT, body, args, max_tokens, "messages")
+        max_tokens = _bounded_int(body, "max_tokens", 1, MAX_INT32)
+    chars = sum(len(m["content"]) for m in args["messages"])
+    return _finish(CHAT, body, args, max_tokens, "messages", chars)
 
 
 def parse_completion(body: Any) -> CompletionRequest:
     body = _object(body)
+    _known(body, TEXT_FIELDS)
     if not _present(body, "prompt"):
         raise errors.missing("prompt")
     args = _prompt(body["prompt"])
     if _present(body, "logprobs"):
         raise errors.unsupported("logprobs", "is not supported by this server.")
-    if _present(body, "echo") and body["echo"] is not False:
-        raise errors.unsupported("echo", "is not supported by this server.")
+    _default_only(body, "echo", _is_bool, "a boolean", lambda v: v is False)
     if _present(body, "suffix"):
         raise errors.unsupported("suffix", "is not supported by this server.")
-    return _finish(TEXT, body, args, _positive_int(body, "max_tokens"), "prompt")
+    _default_only(body, "best_of", _is_int, "an integer", lambda v: v == 1)
+    chars = len(args.get("prompt", ""))
+    return _finish(TEXT, body, args, _bounded_int(body, "max_tokens", 1, MAX_INT32), "prompt",
+                   chars)
 
 
 def _finish(kind: str, body: dict[str, Any], args: dict[str, Any], max_tokens: int | None,
-            prompt_param: str) -> CompletionRequest:
+            prompt_param: str, prompt_chars: int) -> CompletionRequest:
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise errors.invalid_type("model", "a string", model)
@@ -85,6 +150,14 @@ def _finish(kind: str, body: dict[str, Any], args: dict[str, Any], max_tokens: i
     # OpenAI's default temperature is 1.0, so an unset temperature samples; 0 is greedy.
     args["temperature"] = _number(body, "temperature", 0.0, 2.0, low_open=False, default=1.0)
     args["top_p"] = _number(body, "top_p", 0.0, 1.0, low_open=True, default=1.0)
+    # vLLM's extension: -1 (vLLM's default) and 0 mean off.
+    top_k = _bounded_int(body, "top_k", -1, MAX_INT32)
+    if top_k is not None and top_k > 0:
+        args["top_k"] = top_k
+    for key in ("presence_penalty", "frequency_penalty", "min_p"):
+        _default_only(body, key, _is_number, "a decimal", lambda v: v == 0)
+    _default_only(body, "repetition_penalty", _is_number, "a decimal", lambda v: v == 1)
+    _default_only(body, "logit_bias", _is_dict, "an object", lambda v: not v)
     n = body.get("n")
     if n is not None:
         if not _is_int(n):
@@ -94,10 +167,8 @@ def _finish(kind: str, body: dict[str, Any], args: dict[str, Any], max_tokens: i
     stop = body.get("stop")
     if stop is not None:
         args["stop"] = _stop(stop)
-    seed = body.get("seed")
+    seed = _bounded_int(body, "seed", SEED_MIN, SEED_MAX)
     if seed is not None:
-        if not _is_int(seed):
-            raise errors.invalid_type("seed", "an integer", seed)
         args["seed"] = seed
     # vLLM's extension: keep decoding past EOS (benchmarks, load drills).
     ignore_eos = body.get("ignore_eos")
@@ -124,12 +195,16 @@ def _finish(kind: str, body: dict[str, Any], args: dict[str, Any], max_tokens: i
         if not stream:
             raise errors.invalid("The 'stream_options' parameter is only allowed when 'stream' "
                                  "is enabled.", "stream_options", "invalid_value")
+        _known(options, STREAM_OPTION_FIELDS, "stream_options.")
         include_usage = options.get("include_usage")
         if include_usage is None:
             include_usage = False
         if not isinstance(include_usage, bool):
             raise errors.invalid_type("stream_options.include_usage", "a boolean", include_usage)
-    return CompletionRequest(kind, model, stream, include_usage, args, prompt_param, session_name)
+        # OpenAI's padding against length side channels: no effect on the answer.
+        _typed(options, "include_obfuscation", _is_bool, "a boolean", "stream_options.")
+    return CompletionRequest(kind, model, stream, include_usage, args, prompt_param, session_name,
+                             prompt_chars)
 
 
 def _object(body: Any) -> dict[str, Any]:
@@ -137,6 +212,40 @@ def _object(body: Any) -> dict[str, Any]:
         raise errors.invalid(f"The request body must be a JSON object, but got "
                              f"{errors._json_type(body)} instead.")
     return body
+
+
+def _known(obj: dict[str, Any], allowed: Iterable[str], prefix: str = "") -> None:
+    """Refuse the first field that is not in ``allowed``, the way OpenAI does."""
+    allowed = frozenset(allowed)
+    for key in obj:
+        if key not in allowed:
+            raise unrecognized(prefix + key)
+
+
+def unrecognized(name: str) -> errors.ApiError:
+    shown = name if len(name) <= _ECHO_MAX else name[:_ECHO_MAX] + "..."
+    return errors.invalid(f"Unrecognized request argument supplied: {shown}", shown,
+                          "unknown_parameter")
+
+
+def _default_only(body: dict[str, Any], key: str, type_ok: Callable[[Any], bool],
+                  expected: str, is_default: Callable[[Any], bool], prefix: str = "") -> None:
+    """A field this server does not implement: accepted only when null or its default."""
+    value = body.get(key)
+    if value is None:
+        return
+    if not type_ok(value):
+        raise errors.invalid_type(prefix + key, expected, value)
+    if not is_default(value):
+        raise errors.unsupported(prefix + key, "is not supported by this server (only its "
+                                 "default value is accepted).")
+
+
+def _typed(body: dict[str, Any], key: str, type_ok: Callable[[Any], bool], expected: str,
+           prefix: str = "") -> None:
+    value = body.get(key)
+    if value is not None and not type_ok(value):
+        raise errors.invalid_type(prefix + key, expected, value)
 
 
 def _present(body: dict[str, Any], key: str) -> bool:
@@ -147,18 +256,54 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _is_bool(value: Any) -> bool:
+    return isinstance(value, bool)
+
+
+def _is_str(value: Any) -> bool:
+    return isinstance(value, str)
+
+
+def _is_list(value: Any) -> bool:
+    return isinstance(value, list)
+
+
+def _is_dict(value: Any) -> bool:
+    return isinstance(value, dict)
+
+
+def _is_str_or_dict(value: Any) -> bool:
+    return isinstance(value, (str, dict))
+
+
+def _is_str_dict(value: Any) -> bool:
+    return isinstance(value, dict) and all(isinstance(v, str) for v in value.values())
+
+
 def _message(message: Any, where: str) -> dict[str, str]:
     if not isinstance(message, dict):
         raise errors.invalid_type(where, "an object", message)
+    _known(message, MESSAGE_FIELDS, f"{where}.")
     role = message.get("role")
     if role is None:
         raise errors.missing(f"{where}.role")
     if role not in ROLES:
         raise errors.invalid_value(f"{where}.role", f"value must be one of "
                                    f"{', '.join(repr(r) for r in ROLES)}, but got {role!r}.")
+    # Each of these would change what the model reads; the chat template here gets only
+    # role and content, so they are refused rather than dropped.
+    for key in ("name", "function_call", "refusal", "audio"):
+        if _present(message, key):
+            raise errors.unsupported(f"{where}.{key}", "is not supported by this server.")
+    _default_only(message, "tool_calls", _is_list, "an array", lambda v: not v, f"{where}.")
+    _typed(message, "tool_call_id", _is_str, "a string", f"{where}.")
     content = message.get("content")
     if content is None and role == "assistant":
-        content = ""  # an assistant turn that only made tool calls has no content
+        content = ""  # an assistant turn without content (OpenAI allows null there)
     elif isinstance(content, list):
         content = "".join(_text_part(part, f"{where}.content[{i}]")
                           for i, part in enumerate(content))
@@ -177,25 +322,27 @@ def _text_part(part: Any, where: str) -> str:
     if part.get("type") != "text":
         raise errors.invalid_value(f"{where}.type", f"only 'text' content parts are supported, "
                                    f"but got {part.get('type')!r}.")
+    _known(part, PART_FIELDS, f"{where}.")
     text = part.get("text")
     if not isinstance(text, str):
         raise errors.invalid_type(f"{where}.text", "a string", text)
     return text
 
 
+def _token_ids(value: Any) -> bool:
+    return isinstance(value, list) and bool(value) and all(_is_int(t) for t in value)
+
+
 def _prompt(prompt: Any) -> dict[str, Any]:
     if isinstance(prompt, str):
         return {"prompt": prompt}
     if isinstance(prompt, list) and prompt:
-        if all(_is_int(t) for t in prompt):
-            if any(t < 0 for t in prompt):
-                raise errors.invalid_value("prompt", "token ids must be non-negative integers.")
-            return {"tokens": list(prompt)}
+        if _token_ids(prompt):
+            return {"tokens": check_token_ids(prompt, MAX_TOKEN_ID + 1, "prompt")}
         if len(prompt) == 1 and isinstance(prompt[0], str):
             return {"prompt": prompt[0]}
-        if len(prompt) == 1 and isinstance(prompt[0], list) and prompt[0] \
-                and all(_is_int(t) and t >= 0 for t in prompt[0]):
-            return {"tokens": list(prompt[0])}
+        if len(prompt) == 1 and _token_ids(prompt[0]):
+            return {"tokens": check_token_ids(prompt[0], MAX_TOKEN_ID + 1, "prompt")}
         if len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
             raise errors.unsupported("prompt", "must hold one prompt on this server (batched "
                                      "prompts are not supported).")
@@ -203,15 +350,46 @@ def _prompt(prompt: Any) -> dict[str, Any]:
                               "token ids", prompt)
 
 
-def _positive_int(body: dict[str, Any], key: str) -> int | None:
+def check_token_ids(tokens: list[int], vocab_size: int, param: str) -> list[int]:
+    """``tokens`` when every id is in ``[0, vocab_size)``, else ``invalid_value`` on ``param``."""
+    low, high = min(tokens), max(tokens)
+    if low < 0:
+        raise errors.invalid_value(param, f"token ids must be non-negative integers, but got "
+                                   f"{low}.")
+    if high >= vocab_size:
+        raise errors.invalid_value(param, f"token ids must be below the vocabulary size "
+                                   f"{vocab_size}, but got {high}.")
+    return list(tokens)
+
+
+# msgpack's own bytes around each message or token id, and a frame's fixed fields, counted
+# generously.
+ITEM_OVERHEAD = 48
+FRAME_OVERHEAD = 64 * 1024
+
+
+def frame_estimate(texts: list[str], items: int, max_frame_bytes: int) -> int:
+    """An upper bound of the bytes ``texts`` and ``items`` maps or ints take in a station
+    frame. UTF-8 takes at most 4 bytes a character, so texts are encoded to measure them only
+    when that bound comes near ``max_frame_bytes``."""
+    size = 4 * sum(len(t) for t in texts)
+    if size >= max_frame_bytes // 4:
+        size = sum(len(t.encode("utf-8")) for t in texts)
+    return size + ITEM_OVERHEAD * items
+
+
+def _bounded_int(body: dict[str, Any], key: str, low: int, high: int) -> int | None:
     value = body.get(key)
     if value is None:
         return None
     if not _is_int(value):
         raise errors.invalid_type(key, "an integer", value)
-    if value < 1:
-        raise errors.invalid_value(key, f"integer below minimum value. Expected a value >= 1, "
-                                   f"but got {value} instead.")
+    if value < low:
+        raise errors.invalid_value(key, f"integer below minimum value. Expected a value >= "
+                                   f"{low}, but got {value} instead.")
+    if value > high:
+        raise errors.invalid_value(key, f"integer above maximum value. Expected a value <= "
+                                   f"{high}, but got {value} instead.")
     return value
 
 

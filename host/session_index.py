@@ -3,7 +3,7 @@
 The station is the source of truth (it expires sessions LRU under its budget and may lose
 them in a restart without persistence): the index is rebuilt from ``kv_session.list`` on
 every connect, and a session the station reports missing is dropped. Sessions are scoped
-per tenant (the hash of the caller's API key): a plan never names another tenant's session.
+per tenant (``gnosis_daemon.api_keys``): a plan never names another tenant's session.
 
 Session ids carry the tenant and a digest, never the caller's text: ``<tenant>.p.<digest of
 the prompt>`` (the prompt's KV, saved when its prefill ends), ``<tenant>.c.<random>`` (prompt
@@ -20,15 +20,6 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 from gnosis_daemon.tokens import common_prefix_len
-
-ANON = "anon"
-
-
-def tenant_key(api_key: str | None) -> str:
-    """A tenant is the hash of the caller's bearer key; callers without one share ``anon``."""
-    if not api_key:
-        return ANON
-    return hashlib.sha256(api_key.encode()).hexdigest()[:16]
 
 
 def _digest(*parts: object) -> str:

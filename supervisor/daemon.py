@@ -24,12 +24,13 @@ from typing import Any, Callable
 
 import trio
 
+from gnosis_daemon.api_keys import KeyFileError
 from gnosis_daemon.logs import configure_logging, get_logger
 from gnosis_daemon.settings import Settings
 from supervisor.child import Child, ChildSpec
 from supervisor.control import ControlError, serve_control
 from supervisor.notify import Notifier
-from supervisor.probes import host_health, station_health, station_hello
+from supervisor.probes import host_health, probe_api_key, station_health, station_hello
 from supervisor.states import ChildMachine, ChildState, RestartPolicy
 from supervisor.status import STATUS_VERSION, write_status
 
@@ -69,6 +70,8 @@ class Supervisor:
         self._last_flags: Any = None
         self._last_summary = ""
         self._nursery: trio.Nursery | None = None
+        # Read once at start: a bad keys file stops the daemon here (see serve), not later.
+        self._probe_key = probe_api_key(settings)
         env = settings.child_environ()
         policy = RestartPolicy.from_settings(settings)
         common = dict(health_interval_s=settings.health_interval_s,
@@ -93,7 +96,8 @@ class Supervisor:
         return Child(spec, machine, self.log, on_info=self._on_info)
 
     async def _host_probe(self) -> dict[str, Any]:
-        status, body = await host_health(self.settings.host, self.settings.port)
+        status, body = await host_health(self.settings.host, self.settings.port,
+                                         self._probe_key)
         return {"http_status": status, "body": body}
 
     # -- publishing
@@ -293,4 +297,10 @@ class Supervisor:
 
 def serve(settings: Settings) -> int:
     configure_logging("supervisor", settings.log_level, settings.log_format)
-    return trio.run(Supervisor(settings).run)
+    try:
+        supervisor = Supervisor(settings)
+    except KeyFileError as exc:
+        get_logger("supervisor").error("bad_api_keys_file", error=str(exc))
+        print(f"gnosis-daemon: {exc}", file=sys.stderr)
+        return 2
+    return trio.run(supervisor.run)

@@ -4,7 +4,9 @@
   identity come back) or send ``health`` (watchdog).
 - host: ``GET /health`` over a raw HTTP/1.1 request on trio (the supervisor does not need an
   HTTP client library). Any HTTP status counts as alive: a host whose station is down answers
-  503, and restarting the host would not help.
+  503, and restarting the host would not help. With ``health_requires_key`` the probe sends
+  one of the configured API keys (``probe_api_key``), so it reads the real /health body (the
+  supervisor publishes its liquid-memory fields) instead of a 401.
 
 Error handling: every failure to get an answer raises ``ProbeFailed`` with a message for the
 log; callers bound the time with their own deadline (a SIGSTOPped child accepts connections
@@ -20,7 +22,9 @@ from typing import Any, Iterator
 
 import trio
 
+from gnosis_daemon.api_keys import load_keyring
 from gnosis_daemon.client import StationError, open_station_client
+from gnosis_daemon.settings import Settings
 
 MAX_HEALTH_BYTES = 1 << 20
 
@@ -121,15 +125,27 @@ def parse_response(raw: bytes) -> tuple[int, dict[str, Any]]:
     return status, document if isinstance(document, dict) else {"body": document}
 
 
-async def host_health(host: str, port: int) -> tuple[int, dict[str, Any]]:
+def probe_api_key(settings: Settings) -> str | None:
+    """The key the host probe sends: one configured key when ``/health`` needs one, else
+    ``None``. The keys are read either way, so a bad keys file raises
+    ``gnosis_daemon.api_keys.KeyFileError`` (a ``ValueError``) here, at the supervisor's
+    start, instead of the host failing on it at every restart."""
+    keyring = load_keyring(settings)
+    return keyring.probe_key if settings.health_requires_key else None
+
+
+async def host_health(host: str, port: int,
+                      api_key: str | None = None) -> tuple[int, dict[str, Any]]:
     address = connect_address(host)
     try:
         stream = await trio.open_tcp_stream(address, port)
     except OSError as exc:
         raise ProbeFailed(f"host /health: cannot connect to {address}:{port}: {exc}") from None
     netloc = f"[{address}]:{port}" if ":" in address else f"{address}:{port}"
+    auth = f"Authorization: Bearer {api_key}\r\n" if api_key else ""
     request = (f"GET /health HTTP/1.1\r\nHost: {netloc}\r\nAccept: application/json\r\n"
-               f"User-Agent: gnosis-daemon-supervisor\r\nConnection: close\r\n\r\n").encode()
+               f"{auth}User-Agent: gnosis-daemon-supervisor\r\nConnection: close\r\n\r\n"
+               ).encode()
     raw = bytearray()
     try:
         async with stream:

@@ -15,6 +15,7 @@ import pytest
 import trio
 
 from gnosis_daemon.client import open_station_client
+from tests.host.liquid_support import HOST_ENV
 from tests.support.procs import REPO, child_env, free_port, http_json, stop_process, wait_for
 from tests.support.tiny_models import build_tiny_model
 
@@ -162,7 +163,8 @@ class LiquidStack:
     def restart_host(self) -> None:
         stop_process(self.host)
         port = free_port()
-        self.host = spawn("host", self.runtime_dir, self.root / "host.log", "--port", str(port))
+        self.host = spawn("host", self.runtime_dir, self.root / "host.log", "--port", str(port),
+                          env=HOST_ENV)
         self.url = f"http://127.0.0.1:{port}"
 
     def dump_logs(self) -> None:
@@ -182,9 +184,9 @@ def liquid_stack(tmp_path_factory, tiny_llama):
     station = spawn("station", runtime_dir, root / "station.log", "--model", str(tiny_llama),
                     env={"GNOSIS_STATION_DISABLE": STALE_DISABLE})
     port, port_off = free_port(), free_port()
-    host = spawn("host", runtime_dir, root / "host.log", "--port", str(port))
+    host = spawn("host", runtime_dir, root / "host.log", "--port", str(port), env=HOST_ENV)
     host_off = spawn("host", runtime_dir, root / "host-off.log", "--port", str(port_off),
-                     env={"THOTH_LIQUID_MEMORY": "0"})
+                     env={"THOTH_LIQUID_MEMORY": "0", **HOST_ENV})
     s = LiquidStack(root, tiny_llama, runtime_dir, station, STALE_DISABLE, host,
                     f"http://127.0.0.1:{port}", host_off, f"http://127.0.0.1:{port_off}")
     try:

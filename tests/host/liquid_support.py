@@ -10,6 +10,11 @@ import httpx
 from tests.support.procs import http_json, wait_for
 
 START_TIMEOUT_S = 90.0
+# The liquid hosts run with API keys, so tenants come from keys; a request that names none
+# uses DEFAULT_KEY. The other keys are the tenants the tests compare.
+DEFAULT_KEY = "liquid-default"
+API_KEYS = (DEFAULT_KEY, "k1", "tenant-a", "tenant-b", "key-a", "key-b")
+HOST_ENV = {"GNOSIS_API_KEYS": ",".join(API_KEYS)}
 
 
 def wait_health(base_url: str, proc: subprocess.Popen, station_pid: int, **want) -> dict:
@@ -25,7 +30,7 @@ def wait_health(base_url: str, proc: subprocess.Popen, station_pid: int, **want)
 
 
 def post(base_url: str, path: str, body: dict, api_key: str | None = None) -> httpx.Response:
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    headers = {"Authorization": f"Bearer {api_key or DEFAULT_KEY}"}
     return httpx.post(base_url + path, json=body, headers=headers, timeout=60)
 
 
@@ -33,7 +38,7 @@ def stream_chat(base_url: str, body: dict, api_key: str | None = None,
                 ) -> tuple[httpx.Headers, list]:
     """A streamed chat completion: the response headers (read before any body byte) and
     the decoded SSE events."""
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    headers = {"Authorization": f"Bearer {api_key or DEFAULT_KEY}"}
     with httpx.stream("POST", base_url + "/v1/chat/completions", json={**body, "stream": True},
                       headers=headers, timeout=60) as resp:
         assert resp.status_code == 200, resp.read()

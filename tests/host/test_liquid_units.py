@@ -9,7 +9,8 @@ from host import embeddings, liquid, openai_api
 from host.capabilities import Negotiated
 from host.errors import ApiError
 from gnosis_daemon.tokens import common_prefix_len as common_prefix
-from host.session_index import SessionIndex, tenant_key
+from gnosis_daemon.api_keys import tenant_key
+from host.session_index import SessionIndex
 
 KV = "station lacks the kv_session capability"
 

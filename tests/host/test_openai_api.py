@@ -31,7 +31,7 @@ def test_chat_defaults_follow_openai():
 def test_chat_all_supported_fields_reach_the_station():
     req = parse_chat(chat(model="m", max_tokens=7, temperature=0, top_p=0.5, n=1, stop="x",
                           seed=3, stream=True, stream_options={"include_usage": True},
-                          user="u", logprobs=False, presence_penalty=0, unknown_field=[1]))
+                          user="u", logprobs=False, presence_penalty=0))
     assert req.model == "m" and req.stream and req.include_usage
     assert req.station_args == {"messages": USER, "max_tokens": 7, "temperature": 0.0,
                                 "top_p": 0.5, "stop": ["x"], "seed": 3}
