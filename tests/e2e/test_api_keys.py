@@ -15,7 +15,7 @@ import httpx
 import pytest
 from openai import AuthenticationError, OpenAI
 
-from tests.host.conftest import spawn
+from tests.host.conftest import spawn, station_call
 from tests.support.procs import free_port, http_json, stop_process, wait_for
 from tests.support.tiny_models import build_tiny_model
 
@@ -121,3 +121,58 @@ def test_without_keys_all_callers_share_one_tenant(hosts):
         "messages": [{"role": "system", "content": f"lantern: {SYSTEM}"},
                      {"role": "user", "content": "What happened to the lantern?"}]})
     assert r.headers["X-Thoth-Liquid-Memory"] == "hit"
+
+
+def test_a_flooding_tenant_does_not_evict_another_tenants_named_session(tmp_path):
+    """Two tenants on a station whose session budget is 8 (share 0.5: 4 each before a
+    tenant's own sessions go first). beta floods 12 distinct prompts (each pins two
+    sessions); team's named conversation still hits, and the station counts the flood's
+    expiries as over-share ones."""
+    model = build_tiny_model(tmp_path / "tiny-llama", "llama")
+    runtime_dir = tmp_path / "run"
+    (tmp_path / "keys").write_text(KEYS_FILE)
+    station = spawn("station", runtime_dir, tmp_path / "station.log", "--model", str(model),
+                    env={"GNOSIS_KV_SESSION_BUDGET": "8"})
+    port = free_port()
+    host = spawn("host", runtime_dir, tmp_path / "host.log", "--port", str(port),
+                 env={"GNOSIS_API_KEYS_FILE": str(tmp_path / "keys")})
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_for(lambda: (h := http_json(url + "/health"))[0] == 200 and h[1]["liquid_memory"],
+                 90, "/health 200 with liquid memory on", host)
+
+        def named(key: str, text: str) -> httpx.Response:
+            r = httpx.post(url + "/v1/chat/completions", timeout=60,
+                           headers={"Authorization": f"Bearer {key}"},
+                           json={"max_tokens": 2, "temperature": 0, "session_id": "conv-1",
+                                 "messages": [{"role": "system", "content": SYSTEM},
+                                              {"role": "user", "content": text}]})
+            assert r.status_code == 200, r.text
+            return r
+
+        assert named("sk-alpha", "first turn").headers["X-Thoth-Liquid-Memory"] == "miss"
+        sock = runtime_dir / "station.sock"
+
+        def sessions_of(tenant: str) -> set[str]:
+            listed = station_call(sock, "kv_session.list")["sessions"]
+            return {s["session_id"] for s in listed if s["tenant"] == tenant}
+
+        team = sessions_of("team")
+        assert team
+        for i in range(12):
+            r = httpx.post(url + "/v1/completions", timeout=60,
+                           headers={"Authorization": "Bearer sk-beta"},
+                           json={"prompt": f"flood {i}: " + "the tide rolls in " * 8,
+                                 "max_tokens": 2, "temperature": 0})
+            assert r.status_code == 200, r.text
+        again = named("sk-gamma", "first turn")  # same tenant (team), same conversation
+        assert again.headers["X-Thoth-Liquid-Memory"] == "hit"
+        assert again.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+        # Every session team held before the flood is still there; beta paid for its own.
+        assert team <= sessions_of("team")
+        stats = station_call(sock, "stats")
+        assert stats["kv_sessions"] == 8
+        assert stats["kv_sessions_expired_over_share"] == 12 * 2 - (8 - len(team))
+    finally:
+        for proc in (host, station):
+            stop_process(proc)
