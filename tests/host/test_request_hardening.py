@@ -48,15 +48,32 @@ async def test_nesting_100k_deep_is_a_400_not_a_recursion_error(client, path, op
     client.app.config["MAX_CONTENT_LENGTH"] = len(raw) + 1
     status, body = await post(client, path, raw)
     assert (status, body) == (400, {"error": {
-        "message": "The JSON body nests arrays and objects 100001 levels deep; at most 64 are "
-                   "allowed.", "type": "invalid_request_error", "param": None, "code": None}})
+        "message": "The JSON body nests arrays and objects more than a thousand levels deep; "
+                   "at most 64 are allowed.", "type": "invalid_request_error", "param": None,
+        "code": None}})
+
+
+def test_nesting_just_past_the_limit_is_a_400_naming_the_depth():
+    with pytest.raises(ApiError) as info:
+        json_body.decode(b'{"messages": ' + b"[" * 65 + b"]" * 65 + b"}")
+    assert info.value.status == 400
+    assert info.value.message.startswith("The JSON body nests arrays and objects 66 levels deep")
+    assert json_body.nesting_depth(json.loads(b"[" * 64 + b"]" * 64)) == 64
 
 
 def test_nesting_counts_brackets_in_strings_as_text():
     inside = json.dumps({"messages": [{"role": "user", "content": "[{" * 5000}]}).encode()
-    assert json_body.nesting_depth(inside) == 3
+    assert json_body.nesting_depth(json.loads(inside)) == 3
     assert json_body.decode(inside)["messages"][0]["content"] == "[{" * 5000
-    assert json_body.nesting_depth(b"[" * 65 + b"]" * 65) == 65
+
+
+def test_an_unterminated_string_of_escaped_quotes_is_rejected_in_one_pass():
+    # Skipping strings with a pattern rescans to the end from every quote of this body:
+    # 200k escaped quotes took minutes of a frozen event loop. One pass answers at once.
+    raw = b"[" * 70 + b'"' + b'\\"' * 200_000
+    with pytest.raises(ApiError) as info:
+        json_body.decode(raw)
+    assert info.value.status == 400 and "could not parse the JSON body" in info.value.message
 
 
 SURROGATE_CASES = [
