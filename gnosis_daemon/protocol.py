@@ -117,11 +117,18 @@ def error_frame(request_id: Any, code: ErrorCode | str, message: str) -> bytes:
 
 
 class FrameDecoder:
-    """Streaming decoder with a bounded buffer.
+    """Streaming decoder that bounds every frame's size, whatever its shape.
 
     ``feed`` yields every complete message. Raises a fatal ``ProtocolError`` when the
     bytes cannot be decoded or one frame exceeds ``max_frame_bytes``: the caller answers
     with an error frame and closes that connection only.
+
+    msgpack's unpacker builds arrays and maps progressively and drops the bytes it has
+    consumed, so its buffer limit alone bounds only str/bin values: a frame of a huge array
+    of small ints would pass. The size of the frame being decoded is therefore counted here:
+    the bytes fed since the end of the last complete message (``Unpacker.tell()``). Bytes are
+    fed in slices that never take that count past the limit, so the unpacker's own buffer
+    (at most the current frame's bytes) never overflows either.
     """
 
     def __init__(self, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> None:
@@ -129,24 +136,55 @@ class FrameDecoder:
         self._unpacker = msgpack.Unpacker(
             raw=False, max_buffer_size=max_frame_bytes, strict_map_key=False,
             max_bin_len=max_frame_bytes, max_str_len=max_frame_bytes,
+            max_ext_len=max_frame_bytes,
+            # Every element takes at least one byte (a map entry two), so a longer container
+            # cannot fit a frame; the bound also caps what a container header alone makes
+            # the unpacker allocate.
+            max_array_len=max_frame_bytes, max_map_len=max_frame_bytes // 2,
         )
+        self._fed = 0  # bytes fed so far
+        self._frame_start = 0  # stream offset where the frame being decoded begins
+
+    def _too_big(self) -> ProtocolError:
+        return ProtocolError(ErrorCode.BAD_REQUEST,
+                             f"frame exceeds the {self.max_frame_bytes}-byte limit "
+                             "(max_frame_bytes)", fatal=True)
 
     def feed(self, data: bytes) -> Iterator[Any]:
-        try:
-            self._unpacker.feed(data)
-        except msgpack.BufferFull:
-            raise ProtocolError(ErrorCode.BAD_REQUEST,
-                                f"frame exceeds the {self.max_frame_bytes}-byte limit",
-                                fatal=True) from None
-        try:
-            yield from self._unpacker
-        except msgpack.BufferFull:
-            raise ProtocolError(ErrorCode.BAD_REQUEST,
-                                f"frame exceeds the {self.max_frame_bytes}-byte limit",
-                                fatal=True) from None
-        except (msgpack.UnpackException, msgpack.ExtraData, ValueError) as exc:
-            raise ProtocolError(ErrorCode.BAD_REQUEST, f"undecodable frame: {exc}",
-                                fatal=True) from None
+        view = memoryview(data)
+        while True:
+            room = self.max_frame_bytes - (self._fed - self._frame_start)
+            piece, view = view[:room], view[room:]
+            if piece:
+                try:
+                    self._unpacker.feed(piece)
+                except msgpack.BufferFull:
+                    raise self._too_big() from None
+                self._fed += len(piece)
+            yield from self._drain()
+            if self._fed - self._frame_start >= self.max_frame_bytes:
+                raise self._too_big()  # the frame is unfinished and already at the limit
+            if not view:
+                return
+
+    def _drain(self) -> Iterator[Any]:
+        while True:
+            try:
+                message = next(self._unpacker)
+            except StopIteration:
+                return
+            except msgpack.BufferFull:
+                raise self._too_big() from None
+            except (msgpack.UnpackException, msgpack.ExtraData, ValueError) as exc:
+                if "exceeds max_" in str(exc):  # a container or value longer than a frame holds
+                    raise self._too_big() from None
+                raise ProtocolError(ErrorCode.BAD_REQUEST, f"undecodable frame: {exc}",
+                                    fatal=True) from None
+            end = self._unpacker.tell()
+            size, self._frame_start = end - self._frame_start, end
+            if size > self.max_frame_bytes:
+                raise self._too_big()
+            yield message
 
 
 def parse_request(message: Any) -> Request:

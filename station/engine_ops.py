@@ -6,6 +6,11 @@ steps (``PagedEngine.call``). Here their arguments are checked, so a bad one is 
 ``bad_request`` frame before the engine sees anything, and ``EngineCall`` carries the
 engine's answer back to the trio task that waits for it: one request frame in, one final
 frame out.
+
+``embed`` of texts tokenizes them first, on a worker thread (``encode_embed_texts``); its
+texts are only measured here (the size bound of ``station.ops``). A call can be cancelled
+at any stage (``EngineCall.cancel``): before the engine has it, its tokenizing is abandoned;
+after, the engine drops it at its next step boundary and frees what it held.
 """
 
 from __future__ import annotations
@@ -15,9 +20,10 @@ from typing import Any
 import trio
 
 from gnosis_daemon.protocol import ErrorCode
-from station.engine_api import EngineOpError, SamplingParams
+from station.engine_api import Engine, EngineOpError, SamplingParams
 from station.model_loader import LoadedModel
-from station.ops import OpError, arg, bad, check_token_range, int_list
+from station.ops import (OpError, arg, bad, check_text_size, codec, number, seed_arg,
+                         token_list)
 
 # op -> engine call name
 ENGINE_OPS = {
@@ -45,9 +51,7 @@ def _session_id(args: dict[str, Any]) -> str:
 
 
 def _tokens(loaded: LoadedModel, args: dict[str, Any], name: str = "tokens") -> list[int]:
-    tokens = int_list(args, name, [])
-    check_token_range(loaded, tokens, name)
-    return tokens
+    return token_list(loaded, args, name, [])
 
 
 def _kv_save(loaded: LoadedModel, args: dict[str, Any]) -> dict[str, Any]:
@@ -83,10 +87,10 @@ def _forward(loaded: LoadedModel, args: dict[str, Any]) -> dict[str, Any]:
 
 def _decode_next(loaded: LoadedModel, args: dict[str, Any]) -> dict[str, Any]:
     kwargs = {"seq_id": arg(args, "seq_id", str),
-              "temperature": float(arg(args, "temperature", (int, float), 1.0)),
-              "top_p": float(arg(args, "top_p", (int, float), 1.0)),
+              "temperature": number(args, "temperature", 1.0),
+              "top_p": number(args, "top_p", 1.0),
               "top_k": arg(args, "top_k", int, 0),
-              "seed": arg(args, "seed", int, None, nullable=True)}
+              "seed": seed_arg(args)}
     try:
         SamplingParams(max_tokens=1, **{k: v for k, v in kwargs.items() if k != "seq_id"})
     except ValueError as exc:
@@ -95,20 +99,32 @@ def _decode_next(loaded: LoadedModel, args: dict[str, Any]) -> dict[str, Any]:
 
 
 def _embed(loaded: LoadedModel, args: dict[str, Any]) -> dict[str, Any]:
+    """``{"texts": [...]}`` (to encode with ``encode_embed_texts``) or ``{"token_lists"}``."""
     if ("texts" in args) == ("tokens" in args):
         raise bad("embed takes exactly one of 'texts' or 'tokens'")
-    if "texts" in args:
-        texts = arg(args, "texts", list)
-        if any(not isinstance(t, str) for t in texts):
-            raise bad("argument 'texts' must be a list of strings")
-        token_lists = [list(loaded.tokenizer.encode(t, add_special_tokens=True)) for t in texts]
-    else:
-        lists = arg(args, "tokens", list)
-        token_lists = [int_list({"tokens": item}, "tokens") for item in lists]
-        for ids in token_lists:
-            check_token_range(loaded, ids, "tokens")
-    if not 1 <= len(token_lists) <= MAX_EMBED_INPUTS:
+    inputs = arg(args, "texts" if "texts" in args else "tokens", list)
+    if not 1 <= len(inputs) <= MAX_EMBED_INPUTS:
         raise bad(f"embed takes 1 to {MAX_EMBED_INPUTS} inputs")
+    if "texts" in args:
+        if any(not isinstance(t, str) for t in inputs):
+            raise bad("argument 'texts' must be a list of strings")
+        for i, text in enumerate(inputs):
+            check_text_size(loaded, len(text), f"input {i}")
+        return {"texts": list(inputs)}
+    token_lists = []
+    for i, item in enumerate(inputs):
+        if not isinstance(item, list):
+            raise bad("argument 'tokens' must be a list of lists of ints")
+        token_lists.append(token_list(loaded, {"tokens": item}, "tokens"))
+    return _checked_inputs(loaded, token_lists)
+
+
+def encode_embed_texts(loaded: LoadedModel, texts: list[str]) -> dict[str, Any]:
+    """Worker thread: the texts' token ids (the tokenizer's special tokens added)."""
+    return _checked_inputs(loaded, codec(loaded).encode_many(texts, True))
+
+
+def _checked_inputs(loaded: LoadedModel, token_lists: list[list[int]]) -> dict[str, Any]:
     for i, ids in enumerate(token_lists):
         if not ids:
             raise bad(f"input {i} has no tokens")
@@ -127,13 +143,25 @@ assert set(_PARSERS) == set(ENGINE_OPS)
 
 
 class EngineCall:
-    """One in-flight engine call, seen from trio: the engine's answer or a server-made error."""
+    """One in-flight engine call, seen from trio: the engine's answer or a server-made error.
 
-    def __init__(self, token: trio.lowlevel.TrioToken) -> None:
+    ``scope`` is set while its arguments are tokenized on a worker thread; ``submitted``
+    once the engine has it (``done`` is the callback it was given, and the key
+    ``cancel_call`` knows it by).
+    """
+
+    def __init__(self, token: trio.lowlevel.TrioToken, engine: Engine) -> None:
         self._token = token
+        self._engine = engine
         self._event = trio.Event()
         self._result: dict[str, Any] | None = None
         self._error: EngineOpError | None = None
+        self.scope: trio.CancelScope | None = None
+        self.submitted = False
+
+    @property
+    def finished(self) -> bool:
+        return self._event.is_set()
 
     def done(self, result: dict[str, Any] | None, error: EngineOpError | None) -> None:
         """Engine thread: hand the answer to trio (never blocks)."""
@@ -145,6 +173,19 @@ class EngineCall:
     def fail(self, code: ErrorCode, message: str) -> None:
         """Trio thread: end the call with a server-made error (shutdown)."""
         self._set(None, EngineOpError(code.value, message))
+
+    def cancel(self, code: ErrorCode = ErrorCode.CANCELLED,
+               message: str = "request cancelled") -> bool:
+        """Trio thread: end the call now with ``code`` and stop the work behind it (the
+        engine drops it at its next step boundary). False if it had already ended."""
+        if self.finished:
+            return False
+        self.fail(code, message)
+        if self.scope is not None:
+            self.scope.cancel()
+        if self.submitted:
+            self._engine.cancel_call(self.done)
+        return True
 
     def _set(self, result: dict[str, Any] | None, error: EngineOpError | None) -> None:
         if not self._event.is_set():

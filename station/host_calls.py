@@ -10,12 +10,21 @@ position and are not scheduled. A call appends tokens and resumes the sequence i
 scheduler, so its KV is computed in the same batched forward as every other request; the
 call is answered (``done``) when that step produced the last position's logits.
 ``decode_next`` samples from the kept logits first, so one call = one token = one step.
+
+``embed`` is a stepped call: the engine loop embeds a bounded share of its inputs per
+iteration (``embed_step``), between the batched steps, so running generations keep
+producing tokens while a long embed is in flight.
+
+Cancelling (``cancel``, by the ``done`` callback a call was queued with): an embed in
+progress is dropped with what it computed; a ``forward`` or ``decode_next`` in flight frees
+its sequence, since the client can no longer know which of its tokens have KV.
 """
 
 from __future__ import annotations
 
+import collections
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -49,6 +58,14 @@ class HostState:
     logits: torch.Tensor | None = None  # [V] float32 of the last position
 
 
+@dataclass(slots=True, eq=False)
+class EmbedJob:
+    owner: Any
+    done: CallDone
+    token_lists: list[list[int]]
+    vectors: list[torch.Tensor] = field(default_factory=list)  # one per input embedded so far
+
+
 class HostCalls:
     NAMES = frozenset({"kv_save", "kv_load", "kv_delete", "kv_list", "forward", "decode_next",
                        "embed"})
@@ -57,6 +74,8 @@ class HostCalls:
         self.engine = engine
         self.seqs: dict[str, Sequence] = {}
         self._ids = itertools.count(1)
+        self.embeds: collections.deque[EmbedJob] = collections.deque()  # in progress, round robin
+        self.embed_inputs_done = 0  # inputs embedded since start (stats)
 
     # -- dispatch
     def run(self, name: str, owner: Any, done: CallDone | None, kwargs: dict[str, Any]) -> None:
@@ -67,14 +86,14 @@ class HostCalls:
         try:
             result = getattr(self, "_" + name)(owner, done, **kwargs)
         except EngineOpError as exc:
-            _answer(done, None, exc)
+            answer(done, None, exc)
             return
         except Exception as exc:  # a bug in one call must not take the engine down
             log.exception("engine_call_failed", call=name)
-            _answer(done, None, _error(ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}"))
+            answer(done, None, _error(ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}"))
             return
         if result is not _PENDING:
-            _answer(done, result, None)
+            answer(done, result, None)
 
     # -- KV sessions
     def _kv_save(self, owner: Any, done: CallDone, session_id: str, prefix_len: int,
@@ -196,14 +215,14 @@ class HostCalls:
         done, state.pending = state.pending, None
         assert done is not None, "a host-held sequence ran without a call"
         if state.kind == "decode_next":
-            _answer(done, {"token_id": state.token_id, "num_tokens": seq.num_tokens}, None)
+            answer(done, {"token_id": state.token_id, "num_tokens": seq.num_tokens}, None)
             return
         client = seq.user
-        _answer(done, {"seq_id": seq.seq_id, "num_tokens": seq.num_tokens,
-                       "cached_tokens": seq.num_admitted_cached_tokens if state.new else 0,
-                       "session_loaded": client.session_loaded,
-                       "session_tokens": client.session_tokens,
-                       "session_error": client.session_error}, None)
+        answer(done, {"seq_id": seq.seq_id, "num_tokens": seq.num_tokens,
+                      "cached_tokens": seq.num_admitted_cached_tokens if state.new else 0,
+                      "session_loaded": client.session_loaded,
+                      "session_tokens": client.session_tokens,
+                      "session_error": client.session_error}, None)
 
     def fail(self, seq: Sequence, error: EngineOpError) -> None:
         """The sequence ended (its blocks are released): forget it, fail its pending call."""
@@ -211,32 +230,71 @@ class HostCalls:
         state: HostState = seq.user.host
         done, state.pending = state.pending, None
         if done is not None:
-            _answer(done, None, error)
+            answer(done, None, error)
 
     def release_owner(self, owner: Any) -> None:
+        closed = _error(ErrorCode.CANCELLED, "the connection closed")
         for seq in [s for s in self.seqs.values() if s.user.host.owner == owner]:
-            self._free(seq, _error(ErrorCode.CANCELLED, "the connection closed"))
+            self._free(seq, closed)
+        for job in [j for j in self.embeds if j.owner == owner]:
+            self.embeds.remove(job)
+            answer(job.done, None, closed)
+
+    def cancel(self, dones: set[CallDone]) -> None:
+        """Drop the in-flight calls whose ``done`` is in ``dones``, freeing what they held."""
+        cancelled = _error(ErrorCode.CANCELLED, "request cancelled")
+        for seq in [s for s in self.seqs.values() if s.user.host.pending in dones]:
+            self._free(seq, cancelled)
+        for job in [j for j in self.embeds if j.done in dones]:
+            self.embeds.remove(job)
+            answer(job.done, None, cancelled)
 
     def shutdown(self) -> None:
         for seq in list(self.seqs.values()):
             self.fail(seq, _error(ErrorCode.SHUTTING_DOWN, "the station is shutting down"))
+        while self.embeds:
+            answer(self.embeds.popleft().done, None,
+                   _error(ErrorCode.SHUTTING_DOWN, "the station is shutting down"))
 
     # -- embeddings
-    def _embed(self, owner: Any, done: CallDone, token_lists: list[list[int]]) -> dict[str, Any]:
+    def _embed(self, owner: Any, done: CallDone, token_lists: list[list[int]]) -> Any:
+        self.embeds.append(EmbedJob(owner, done, token_lists))
+        return _PENDING
+
+    def embed_step(self, token_budget: int) -> None:
+        """One share of the oldest embed's work: its next input, then more while they fit
+        ``token_budget`` tokens; the job then goes to the back of the line."""
+        job = self.embeds.popleft()
+        try:
+            spent = 0
+            while len(job.vectors) < len(job.token_lists):
+                ids = job.token_lists[len(job.vectors)]
+                if spent and spent + len(ids) > token_budget:
+                    break
+                job.vectors.append(self._embed_one(ids))
+                self.embed_inputs_done += 1
+                spent += len(ids)
+        except Exception as exc:  # a bug or a failed forward ends this call only
+            log.exception("embed_failed")
+            answer(job.done, None, _error(ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}"))
+            return
+        if len(job.vectors) < len(job.token_lists):
+            self.embeds.append(job)
+            return
+        array = torch.stack(job.vectors).cpu().numpy()
+        answer(job.done, {"embeddings": pack_array(array), "dim": int(array.shape[1]),
+                          "num_tokens": [len(ids) for ids in job.token_lists]}, None)
+
+    def _embed_one(self, ids: list[int]) -> torch.Tensor:
+        """Mean of the final hidden states, L2-normalised. One text per forward: no padding,
+        so no mask (outside a step the paged attention function is plain causal SDPA)."""
         engine = self.engine
         base = engine.loaded.model.base_model  # the decoder without lm_head
-        vectors = []
         with torch.inference_mode():
-            # One text per forward: no padding, so no mask (outside a step the paged
-            # attention function is plain causal SDPA).
-            for ids in token_lists:
-                hidden = base(input_ids=torch.tensor([ids], device=engine.device),
-                              use_cache=False).last_hidden_state[0].float()  # [T, H]
-                pooled = hidden.mean(dim=0)
-                vectors.append(pooled / pooled.norm().clamp_min(1e-12))
-        array = torch.stack(vectors).cpu().numpy()
-        return {"embeddings": pack_array(array), "dim": int(array.shape[1]),
-                "num_tokens": [len(ids) for ids in token_lists]}
+            hidden = base(input_ids=torch.tensor([ids], device=engine.device),
+                          use_cache=False).last_hidden_state[0].float()  # [T, H]
+            pooled = hidden.mean(dim=0)
+            return pooled / pooled.norm().clamp_min(1e-12)
 
     # -- internals
     def _new_seq(self, owner: Any, tokens: list[int], tenant: str,
@@ -278,7 +336,7 @@ class HostCalls:
         self.fail(seq, error)
 
 
-def _answer(done: CallDone, result: dict[str, Any] | None, error: EngineOpError | None) -> None:
+def answer(done: CallDone, result: dict[str, Any] | None, error: EngineOpError | None) -> None:
     try:
         done(result, error)
     except Exception:  # a broken callback must not kill the engine thread

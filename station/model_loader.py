@@ -28,6 +28,7 @@ import torch
 
 from gnosis_daemon.logs import get_logger
 from gnosis_daemon.settings import Settings
+from station.tokenizing import Codec
 
 log = get_logger(__name__)
 
@@ -57,6 +58,10 @@ class LoadedModel:
     model_type: str
     vocab_size: int
     converted: bool = False  # this load converted a GGUF (False: HF dir or cache hit)
+    # The most characters of text one token can stand for (None: no such bound is known for
+    # this tokenizer); see ``max_token_chars``.
+    max_token_chars: int | None = None
+    codec: Any = None  # station.tokenizing.Codec over ``tokenizer``
 
 
 def default_model_path() -> Path:
@@ -133,7 +138,7 @@ def load_model(settings: Settings) -> LoadedModel:
         max_model_len=min(settings.max_model_len, int(max_len)),
         path=str(path), loaded_from=str(source), model_type=str(config.model_type),
         vocab_size=int(getattr(config, "vocab_size", None) or len(tokenizer)),
-        converted=converted,
+        converted=converted, max_token_chars=max_token_chars(tokenizer), codec=Codec(tokenizer),
     )
 
 
@@ -230,3 +235,100 @@ def eos_token_ids(model: Any, tokenizer: Any) -> tuple[int, ...]:
         if token in vocab and token in (tokenizer.chat_template or ""):
             ids.add(int(vocab[token]))
     return tuple(sorted(ids))
+
+
+# Normalizers that never shorten text get factor 1. Composition (NFC, NFKC) joins a base
+# character and its combining marks into one, and no canonical decomposition in Unicode is
+# longer than 4 code points, so it shortens text at most 4x. Any other normalizer (Strip,
+# StripAccents, BertNormalizer, sentencepiece's Precompiled, ...) may delete characters.
+_NORMALIZER_FACTORS = {"NFD": 1, "NFKD": 1, "Lowercase": 1, "Prepend": 1, "ByteLevel": 1,
+                       "NFC": 4, "NFKC": 4}
+# Pre-tokenizers that keep every character (Split and Punctuation unless their behaviour is
+# "Removed"); Whitespace, WhitespaceSplit, BertPreTokenizer and CharDelimiterSplit drop
+# the characters they split on.
+_KEEPING_PRE_TOKENIZERS = frozenset({"ByteLevel", "Metaspace", "Digits", "Split", "Punctuation",
+                                     "UnicodeScripts"})
+
+
+def max_token_chars(tokenizer: Any) -> int | None:
+    """The most characters of text one token can stand for, or None when no bound is known.
+
+    A token stands for at most as many characters as its string in the vocabulary has,
+    once every character of the text reaches the model's tokens: byte-level BPE writes each
+    byte of the text as one character of a token string (a character is at least one byte),
+    sentencepiece writes each character as itself (a space as U+2581) or, with byte
+    fallback, as ``<0xNN>`` tokens (6 characters for one byte); an added token stands for
+    its own text. So a text of ``n`` characters takes at least ``n / max_len`` tokens, where
+    ``max_len`` is the longest token string (added tokens included), times the factor by
+    which the normalizer can shorten text. The bound fails where the pipeline can make a
+    run of characters vanish or fold into one token: a normalizer or pre-tokenizer that
+    deletes characters, unknown characters that are dropped or fused into one unknown token,
+    WordPiece and WordLevel (a whole unknown word is one token). For those, and for
+    tokenizers without a ``tokenizers`` backend to inspect, the answer is None.
+    """
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return None
+    try:
+        spec = json.loads(backend.to_str())
+        vocab = tokenizer.get_vocab()
+    except Exception:  # noqa: BLE001 - an exotic tokenizer: no bound rather than no station
+        log.warning("max_token_chars_unknown", exc_info=True)
+        return None
+    factor = _normalizer_factor(spec.get("normalizer"))
+    pre = _pre_tokenizer_types(spec.get("pre_tokenizer"))
+    if factor is None or pre is None or not _model_keeps_text(spec.get("model") or {}, pre):
+        return None
+    longest = max((len(t) for t in vocab), default=0)
+    longest = max([longest] + [len(t.get("content", "")) for t in spec.get("added_tokens") or ()])
+    return factor * longest if longest > 0 else None
+
+
+def _normalizer_factor(spec: dict | None) -> int | None:
+    if spec is None:
+        return 1
+    kind = spec.get("type")
+    if kind == "Sequence":
+        factor = 1
+        for inner in spec.get("normalizers") or ():
+            inner_factor = _normalizer_factor(inner)
+            if inner_factor is None:
+                return None
+            factor *= inner_factor
+        return factor
+    if kind == "Replace":
+        pattern, content = spec.get("pattern") or {}, spec.get("content") or ""
+        if "String" not in pattern or not content:
+            return None  # a regex can match any run of characters
+        return max(1, -(-len(pattern["String"]) // len(content)))
+    return _NORMALIZER_FACTORS.get(kind)
+
+
+def _pre_tokenizer_types(spec: dict | None) -> set[str] | None:
+    """The pre-tokenizer types in use, or None if one of them can drop characters."""
+    if spec is None:
+        return set()
+    kind = spec.get("type")
+    if kind == "Sequence":
+        types: set[str] = set()
+        for inner in spec.get("pretokenizers") or ():
+            inner_types = _pre_tokenizer_types(inner)
+            if inner_types is None:
+                return None
+            types |= inner_types
+        return types
+    if kind not in _KEEPING_PRE_TOKENIZERS or spec.get("behavior") == "Removed":
+        return None
+    return {kind}
+
+
+def _model_keeps_text(model: dict, pre_tokenizers: set[str]) -> bool:
+    """Every character reaches a token of its own string (none dropped or fused away)."""
+    if model.get("byte_fallback"):
+        return True
+    if model.get("type") == "BPE":
+        # Byte-level: every byte has a token. Otherwise an unknown character becomes one
+        # unknown token each, unless there is no unknown token (dropped) or they are fused.
+        return "ByteLevel" in pre_tokenizers or (bool(model.get("unk_token"))
+                                                  and not model.get("fuse_unk"))
+    return False

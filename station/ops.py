@@ -1,21 +1,40 @@
-"""Argument checking and the cheap ops (tokenize, detokenize) of the station protocol.
+"""Argument checking and the text ops (tokenize, detokenize) of the station protocol.
 
 Every check raises ``OpError`` with the protocol error code, so the server turns any bad
-argument into one error frame and the connection keeps working. Tokenizer calls here run on
-the trio thread: they are cheap, and torch never runs here.
+argument into one error frame and the connection keeps working.
+
+Threads: the checks that cost no more than the frame's own decoding run on the trio thread
+(types, ranges, lengths, the size bound below). Everything that runs the tokenizer or the
+chat template (``tokenize``, ``detokenize``, ``GeneratePlan.encode``) takes time in
+proportion to its input, so the server calls it on a worker thread.
+
+The size bound: ``LoadedModel.max_token_chars`` is the most characters one token can stand
+for, so a text longer than ``max_model_len * max_token_chars`` characters cannot fit the
+context whatever its tokens: it is refused with ``context_overflow`` before anything
+tokenizes it. Chat messages count their roles' and contents' characters (the template
+writes both).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+import math
+from dataclasses import dataclass, replace
+from typing import Any, Callable
 
 from gnosis_daemon.protocol import ErrorCode
 from gnosis_daemon.settings import Settings
 from station.engine_api import SamplingParams
 from station.model_loader import LoadedModel
+from station.tokenizing import Codec
 
 _MISSING = object()
+# The range of a seed: an int64 or a uint64 (what msgpack carries); the generator takes
+# its 64 bits, so a negative seed is the same as that seed plus 2**64.
+SEED_MIN, SEED_END = -(2**63), 2**64
+# Stop strings are matched on the socket thread after every token, at a cost that grows
+# with their number and with the square of their length: both are bounded.
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 512
 
 
 class OpError(Exception):
@@ -53,11 +72,45 @@ def _kind_names(kinds: tuple[type, ...]) -> str:
     return " or ".join(k.__name__ for k in kinds)
 
 
+def number(args: dict[str, Any], name: str, default: float) -> float:
+    """A finite int or float argument, as a float (NaN or infinity would poison sampling)."""
+    value = float(arg(args, name, (int, float), default))
+    if not math.isfinite(value):
+        raise bad(f"argument {name!r} must be a finite number")
+    return value
+
+
+def seed_arg(args: dict[str, Any], name: str = "seed") -> int | None:
+    seed = arg(args, name, int, None, nullable=True)
+    if seed is not None and not SEED_MIN <= seed < SEED_END:
+        raise bad(f"argument {name!r} must be in [-2**63, 2**64)")
+    return seed
+
+
 def int_list(args: dict[str, Any], name: str, default: Any = _MISSING) -> list[int]:
     value = arg(args, name, list, default)
     if any(isinstance(v, bool) or not isinstance(v, int) for v in value):
         raise bad(f"argument {name!r} must be a list of ints")
     return list(value)
+
+
+def token_list(loaded: LoadedModel, args: dict[str, Any], name: str,
+               default: Any = _MISSING) -> list[int]:
+    """Token ids: at most ``max_model_len`` of them (checked before anything else, so a
+    long list costs nothing), each in ``[0, vocab_size)``."""
+    value = arg(args, name, list, default)
+    if len(value) > loaded.max_model_len:
+        raise OpError(ErrorCode.CONTEXT_OVERFLOW, f"argument {name!r} has {len(value)} tokens, "
+                      f"more than max_model_len {loaded.max_model_len}")
+    tokens = int_list({name: value}, name)
+    check_token_range(loaded, tokens, name)
+    return tokens
+
+
+def check_token_range(loaded: LoadedModel, tokens: list[int], name: str) -> None:
+    vocab = loaded.vocab_size
+    if any(not 0 <= t < vocab for t in tokens):
+        raise bad(f"argument {name!r} has token ids outside [0, {vocab})")
 
 
 def check_messages(value: Any) -> list[dict[str, str]]:
@@ -70,49 +123,90 @@ def check_messages(value: Any) -> list[dict[str, str]]:
     return [{"role": m["role"], "content": m["content"]} for m in value]
 
 
+# -- the size bound (trio thread: lengths only)
+def text_char_limit(loaded: LoadedModel) -> int | None:
+    """Characters beyond which no text fits ``max_model_len`` tokens (None: no bound known)."""
+    if not loaded.max_token_chars:
+        return None
+    return loaded.max_model_len * loaded.max_token_chars
+
+
+def check_text_size(loaded: LoadedModel, chars: int, what: str) -> None:
+    limit = text_char_limit(loaded)
+    if limit is not None and chars > limit:
+        raise OpError(ErrorCode.CONTEXT_OVERFLOW,
+                      f"{what} has {chars} characters: at most {loaded.max_token_chars} "
+                      f"characters per token, it cannot fit the model's "
+                      f"{loaded.max_model_len}-token context ({limit} characters at most)")
+
+
+def messages_chars(messages: list[dict[str, str]]) -> int:
+    return sum(len(m["role"]) + len(m["content"]) for m in messages)
+
+
+# -- tokenizer work (worker thread)
+def codec(loaded: LoadedModel) -> Codec:
+    if loaded.codec is None:
+        loaded.codec = Codec(loaded.tokenizer)
+    return loaded.codec
+
+
 def render_chat(loaded: LoadedModel, messages: list[dict[str, str]],
                 add_generation_prompt: bool) -> list[int]:
-    """Chat template -> token ids (rendered to text, then encoded without extra specials,
-    since the template already writes every special token it wants)."""
+    """Chat template -> token ids. The template writes every control token it wants, so
+    nothing is added; special-token text inside a content is encoded as text
+    (``station.tokenizing``). A role must not hold special-token text at all."""
     tokenizer = loaded.tokenizer
     if not getattr(tokenizer, "chat_template", None):
         raise bad(f"model {loaded.served_id!r} has no chat template; send 'prompt' or 'tokens'")
-    try:
-        text = tokenizer.apply_chat_template(messages, tokenize=False,
-                                             add_generation_prompt=add_generation_prompt)
-    except Exception as exc:  # jinja raises its own error types for bad roles/orders
-        raise bad(f"chat template rejected the messages: {exc}") from None
-    return list(tokenizer.encode(text, add_special_tokens=False))
+    text_codec = codec(loaded)
+    for i, message in enumerate(messages):
+        if text_codec.has_special_text(message["role"]):
+            raise bad(f"messages[{i}].role holds special-token text")
+
+    def render(msgs: list[dict[str, Any]]) -> str:
+        try:
+            return tokenizer.apply_chat_template(msgs, tokenize=False,
+                                                 add_generation_prompt=add_generation_prompt)
+        except Exception as exc:  # jinja raises its own error types for bad roles/orders
+            raise bad(f"chat template rejected the messages: {exc}") from None
+
+    return text_codec.encode_chat(messages, render)
 
 
-def tokenize(loaded: LoadedModel, args: dict[str, Any]) -> dict[str, Any]:
+def plan_tokenize(loaded: LoadedModel, args: dict[str, Any]) -> Callable[[], dict[str, Any]]:
+    """Check a ``tokenize`` (sizes included); the returned call does the tokenizing."""
     has_text, has_messages = "text" in args, "messages" in args
     if has_text == has_messages:
         raise bad("tokenize takes exactly one of 'text' or 'messages'")
     if has_messages:
         messages = check_messages(args["messages"])
         add_gen = arg(args, "add_generation_prompt", bool, True)
-        return {"tokens": render_chat(loaded, messages, add_gen)}
+        check_text_size(loaded, messages_chars(messages), "messages")
+        return lambda: {"tokens": render_chat(loaded, messages, add_gen)}
     text = arg(args, "text", str)
     add_special = arg(args, "add_special_tokens", bool, False)
-    return {"tokens": list(loaded.tokenizer.encode(text, add_special_tokens=add_special))}
+    check_text_size(loaded, len(text), "text")
+    return lambda: {"tokens": codec(loaded).encode(text, add_special)}
+
+
+def plan_detokenize(loaded: LoadedModel, args: dict[str, Any]) -> Callable[[], dict[str, Any]]:
+    """A ``detokenize``: its checks walk every token id, so they run with the decoding."""
+    return lambda: detokenize(loaded, args)
+
+
+def tokenize(loaded: LoadedModel, args: dict[str, Any]) -> dict[str, Any]:
+    return plan_tokenize(loaded, args)()
 
 
 def detokenize(loaded: LoadedModel, args: dict[str, Any]) -> dict[str, Any]:
     tokens = int_list(args, "tokens")
     check_token_range(loaded, tokens, "tokens")
     skip = arg(args, "skip_special_tokens", bool, True)
-    text = loaded.tokenizer.decode(tokens, skip_special_tokens=skip,
-                                   clean_up_tokenization_spaces=False)
-    return {"text": text}
+    return {"text": codec(loaded).decode(tokens, skip)}
 
 
-def check_token_range(loaded: LoadedModel, tokens: list[int], name: str) -> None:
-    vocab = loaded.vocab_size
-    if any(not 0 <= t < vocab for t in tokens):
-        raise bad(f"argument {name!r} has token ids outside [0, {vocab})")
-
-
+# -- generate
 @dataclass(frozen=True, slots=True)
 class GenerateArgs:
     prompt_ids: list[int]
@@ -124,26 +218,65 @@ class GenerateArgs:
     save_final_session: str | None = None
 
 
-def parse_generate(loaded: LoadedModel, settings: Settings, args: dict[str, Any]) -> GenerateArgs:
+@dataclass(frozen=True, slots=True)
+class GeneratePlan:
+    """A checked ``generate`` whose prompt may still be text to encode (``encode``, on a
+    worker thread); ``finish`` turns it into ``GenerateArgs`` once the ids are known."""
+
+    prompt_ids: list[int] | None  # given as tokens
+    prompt: str | None
+    add_special_tokens: bool
+    messages: list[dict[str, str]] | None
+    max_tokens: int
+    params: SamplingParams  # max_tokens=1 until ``finish`` caps it by the prompt's room
+    stop: tuple[str, ...]
+    tenant: str
+    load_session: str | None
+    save_session: str | None
+    save_final_session: str | None
+
+    @property
+    def needs_encoding(self) -> bool:
+        return self.prompt_ids is None
+
+    def encode(self, loaded: LoadedModel) -> list[int]:
+        if self.prompt_ids is not None:
+            return self.prompt_ids
+        if self.messages is not None:
+            return render_chat(loaded, self.messages, True)
+        assert self.prompt is not None
+        return codec(loaded).encode(self.prompt, self.add_special_tokens)
+
+    def finish(self, loaded: LoadedModel, prompt_ids: list[int]) -> GenerateArgs:
+        if not prompt_ids:
+            raise bad("the prompt has no tokens")
+        room = loaded.max_model_len - len(prompt_ids)
+        if room <= 0:
+            raise OpError(ErrorCode.CONTEXT_OVERFLOW,
+                          f"prompt of {len(prompt_ids)} tokens leaves no room in the model's "
+                          f"{loaded.max_model_len}-token context")
+        return GenerateArgs(
+            prompt_ids=prompt_ids, params=replace(self.params, max_tokens=min(self.max_tokens, room)),
+            stop=self.stop, tenant=self.tenant, load_session=self.load_session,
+            save_session=self.save_session, save_final_session=self.save_final_session)
+
+
+def plan_generate(loaded: LoadedModel, settings: Settings, args: dict[str, Any]) -> GeneratePlan:
+    """Every check of ``generate`` that needs no tokenizer (trio thread)."""
     sources = [k for k in ("tokens", "prompt", "messages") if k in args]
     if len(sources) != 1:
         raise bad("generate takes exactly one of 'tokens', 'prompt' or 'messages'")
+    prompt_ids = prompt = messages = None
+    add_special = True
     if sources[0] == "tokens":
-        prompt_ids = int_list(args, "tokens")
-        check_token_range(loaded, prompt_ids, "tokens")
+        prompt_ids = token_list(loaded, args, "tokens")
     elif sources[0] == "prompt":
         add_special = arg(args, "add_special_tokens", bool, True)
-        prompt_ids = list(loaded.tokenizer.encode(arg(args, "prompt", str),
-                                                  add_special_tokens=add_special))
+        prompt = arg(args, "prompt", str)
+        check_text_size(loaded, len(prompt), "prompt")
     else:
-        prompt_ids = render_chat(loaded, check_messages(args["messages"]), True)
-    if not prompt_ids:
-        raise bad("the prompt has no tokens")
-    room = loaded.max_model_len - len(prompt_ids)
-    if room <= 0:
-        raise OpError(ErrorCode.CONTEXT_OVERFLOW,
-                      f"prompt of {len(prompt_ids)} tokens leaves no room in the model's "
-                      f"{loaded.max_model_len}-token context")
+        messages = check_messages(args["messages"])
+        check_text_size(loaded, messages_chars(messages), "messages")
     max_tokens = arg(args, "max_tokens", int, settings.max_tokens_default)
     if max_tokens < 1:
         raise bad("argument 'max_tokens' must be at least 1")
@@ -151,23 +284,37 @@ def parse_generate(loaded: LoadedModel, settings: Settings, args: dict[str, Any]
     stop = [stop] if isinstance(stop, str) else stop
     if any(not isinstance(s, str) for s in stop):
         raise bad("argument 'stop' must be a string or a list of strings")
-    seed = arg(args, "seed", int, None, nullable=True)
+    if len(stop) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_CHARS for s in stop):
+        raise bad(f"argument 'stop' takes at most {MAX_STOP_STRINGS} strings of at most "
+                  f"{MAX_STOP_CHARS} characters")
+    stop_ids = arg(args, "stop_token_ids", list, [])
+    if len(stop_ids) > loaded.vocab_size:
+        raise bad(f"argument 'stop_token_ids' has more ids than the vocabulary's {loaded.vocab_size}")
+    stop_ids = int_list({"stop_token_ids": stop_ids}, "stop_token_ids")
+    check_token_range(loaded, stop_ids, "stop_token_ids")
     try:
         params = SamplingParams(
-            max_tokens=min(max_tokens, room),
-            temperature=float(arg(args, "temperature", (int, float), 1.0)),
-            top_p=float(arg(args, "top_p", (int, float), 1.0)),
+            max_tokens=1,
+            temperature=number(args, "temperature", 1.0),
+            top_p=number(args, "top_p", 1.0),
             top_k=arg(args, "top_k", int, 0),
-            seed=seed,
-            stop_token_ids=tuple(int_list(args, "stop_token_ids", [])),
+            seed=seed_arg(args),
+            stop_token_ids=tuple(stop_ids),
             ignore_eos=arg(args, "ignore_eos", bool, False),
         )
     except ValueError as exc:
         raise bad(str(exc)) from None
-    return GenerateArgs(
-        prompt_ids=prompt_ids, params=params, stop=tuple(s for s in stop if s),
+    return GeneratePlan(
+        prompt_ids=prompt_ids, prompt=prompt, add_special_tokens=add_special, messages=messages,
+        max_tokens=max_tokens, params=params, stop=tuple(s for s in stop if s),
         tenant=arg(args, "tenant", str, ""),
         load_session=arg(args, "load_session", str, None, nullable=True),
         save_session=arg(args, "save_session", str, None, nullable=True),
         save_final_session=arg(args, "save_final_session", str, None, nullable=True),
     )
+
+
+def parse_generate(loaded: LoadedModel, settings: Settings, args: dict[str, Any]) -> GenerateArgs:
+    """``plan_generate``, encoding and ``finish`` in one call (on the calling thread)."""
+    plan = plan_generate(loaded, settings, args)
+    return plan.finish(loaded, plan.encode(loaded))

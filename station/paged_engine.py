@@ -18,7 +18,13 @@ prompt (``_reuse_session``, at admission); ``save_session`` pins the prompt's fu
 when its prefill ends, ``save_final_session`` pins prompt+completion when it finishes.
 Socket ops other than ``generate`` arrive through ``call`` and run on this thread at a
 step boundary (``station.host_calls``); host-held sequences decode in the same batched
-forward as every generate.
+forward as every generate. ``embed`` is stepped: each loop iteration embeds a bounded share
+of one call's inputs after the batched step, so it never holds up decoding for long.
+``cancel_call`` drops a call (queued, in progress, or waiting for its sequence's step).
+
+Backpressure: at most ``max_waiting_requests`` sequences wait for admission; a ``generate``
+or a ``forward`` that would make a new one past that is refused at once with the
+retryable ``capacity`` error.
 """
 
 from __future__ import annotations
@@ -36,7 +42,7 @@ from gnosis_daemon.protocol import ErrorCode
 from station.block_pool import BlockPool, KVBlock, prefix_extra_keys
 from station.engine_api import (CallDone, EngineEvent, EngineOpError, EventCallback, EventKind,
                                 GenerationRequest)
-from station.host_calls import HostCalls, HostState
+from station.host_calls import HostCalls, HostState, answer
 from station.kv_cache import KVCache, KVCacheShape, num_blocks_for
 from station.model_runner import ModelRunner
 from station.sampling import make_generator, sample
@@ -84,7 +90,8 @@ class PagedEngine:
         self.kv_cache = KVCache(shape, num_blocks, device)
         self.pool = BlockPool(num_blocks, self.block_size)
         self.scheduler = Scheduler(self.pool, settings.max_batch_size, settings.prefill_chunk_tokens)
-        self.sessions = SessionRegistry(self.pool, settings.kv_session_budget)
+        self.sessions = SessionRegistry(self.pool, settings.kv_session_budget,
+                                        tenant_share=settings.kv_session_tenant_share)
         self.scheduler.reuse = self._reuse_session
         self.scheduler.reclaim = self._reclaim
         self.host = HostCalls(self)
@@ -96,6 +103,7 @@ class PagedEngine:
         self._aborts: dict[str, str] = {}  # request id -> finish reason (cancelled | stop)
         self._calls: collections.deque[tuple[str, Any, CallDone | None, dict[str, Any]]] = (
             collections.deque())
+        self._cancels: set[CallDone] = set()  # calls to drop at the next step boundary
         self._known: set[str] = set()  # queued or running ids (duplicate check)
         self._stopping = False
         self._thread: threading.Thread | None = None
@@ -169,6 +177,7 @@ class PagedEngine:
                 raise RuntimeError("the engine is shutting down")
             if request.request_id in self._known:
                 raise ValueError(f"request id {request.request_id!r} is already running")
+            self._check_queue()
             self._known.add(request.request_id)
             self._inbox.append(seq)
             self._cond.notify_all()
@@ -188,12 +197,35 @@ class PagedEngine:
                 self._cond.notify_all()
 
     def call(self, name: str, owner: Any, done: CallDone, **kwargs: Any) -> None:
+        """Queue an engine call. Raises ``EngineOpError`` (capacity) for a ``forward`` that
+        would make a new sequence wait past ``max_waiting_requests``."""
         assert name in HostCalls.NAMES, name
         with self._cond:
             if self._stopping:
                 raise RuntimeError("the engine is shutting down")
+            if _makes_sequence(name, kwargs):
+                self._check_queue()
             self._calls.append((name, owner, done, kwargs))
             self._cond.notify_all()
+
+    def cancel_call(self, done: CallDone) -> None:
+        """Drop the call queued with ``done`` at the next step boundary (thread-safe,
+        idempotent): it is answered ``cancelled`` and frees what it held (an embed's work,
+        a host-held sequence whose ``forward``/``decode_next`` was in flight)."""
+        with self._cond:
+            if not self._stopping:
+                self._cancels.add(done)
+                self._cond.notify_all()
+
+    def _check_queue(self) -> None:
+        """Refuse a new waiting sequence past ``max_waiting_requests`` (lock held)."""
+        waiting = (len(self._inbox) + len(self.scheduler.waiting)
+                   + sum(_makes_sequence(name, kwargs) for name, _, _, kwargs in self._calls))
+        limit = self.settings.max_waiting_requests
+        if waiting >= limit:
+            raise EngineOpError(ErrorCode.CAPACITY.value,
+                                f"{waiting} requests are already waiting in the station "
+                                f"(max_waiting_requests {limit}); retry later")
 
     def release_owner(self, owner: Any) -> None:
         with self._cond:
@@ -222,7 +254,13 @@ class PagedEngine:
             "kv_session_budget": self.sessions.budget,
             "kv_sessions_expired": self.sessions.num_expired,
             "pinned_blocks": self.sessions.pinned_blocks,
+            "kv_session_tenants": self.sessions.num_tenants,
+            "kv_session_tenant_max_sessions": self.sessions.tenant_max_sessions,
+            "kv_session_tenant_max_blocks": self.sessions.tenant_max_blocks,
+            "kv_sessions_expired_over_share": self.sessions.num_expired_over_share,
             "host_sequences": len(self.host.seqs),
+            "embed_calls": len(self.host.embeds),
+            "embed_inputs": self.host.embed_inputs_done,
         }
 
     def capabilities(self) -> dict[str, bool]:
@@ -239,11 +277,13 @@ class PagedEngine:
         while True:
             with self._cond:
                 while not (self._stopping or self._inbox or self._aborts or self._calls
-                           or self.scheduler.has_unfinished()):
+                           or self._cancels or self.scheduler.has_unfinished()
+                           or self.host.embeds):
                     self._cond.wait()
                 if self._stopping:
                     return
                 new, aborts, calls = list(self._inbox), self._aborts, list(self._calls)
+                cancels, self._cancels = self._cancels, set()
                 self._inbox.clear()
                 self._calls.clear()
                 self._aborts = {}
@@ -257,9 +297,18 @@ class PagedEngine:
                     self.scheduler.finish(seq, reason)
                     self._finished(seq)
             for name, owner, done, kwargs in calls:
+                if done is not None and done in cancels:
+                    cancels.discard(done)
+                    answer(done, None,
+                           EngineOpError(ErrorCode.CANCELLED.value, "request cancelled"))
+                    continue
                 self.host.run(name, owner, done, kwargs)
+            if cancels:
+                self.host.cancel(cancels)
             if self.scheduler.has_unfinished():
                 self.step()
+            if self.host.embeds:
+                self.host.embed_step(self.settings.prefill_chunk_tokens)
 
     def step(self) -> None:
         """schedule -> run -> postprocess (engine thread only)."""
@@ -325,7 +374,8 @@ class PagedEngine:
 
     def _reclaim(self, num_blocks: int, seq: Sequence | None) -> int:
         keep = seq.user.load_session if seq is not None else None
-        expired = self.sessions.reclaim(num_blocks, keep)
+        tenant = seq.user.tenant if seq is not None else None  # None: a decode's new block
+        expired = self.sessions.reclaim(num_blocks, keep, tenant)
         if expired:
             log.info("kv_sessions_expired_for_room", expired=expired, blocks_needed=num_blocks)
         return expired
@@ -409,3 +459,8 @@ class PagedEngine:
             seq.user.on_event(EngineEvent(seq.seq_id, kind, data))
         except Exception:  # a broken callback must not kill the engine thread
             log.exception("engine_event_callback_failed", request_id=seq.seq_id)
+
+
+def _makes_sequence(name: str, kwargs: dict[str, Any]) -> bool:
+    """An engine call that adds a new sequence to the waiting queue."""
+    return name == "forward" and kwargs.get("seq_id") is None and not kwargs.get("release")

@@ -5,6 +5,12 @@ under umask 0o177 (so it is 0600 from birth, no window where others could connec
 connection owns a nursery with one task per streaming request; when the connection ends
 (EOF, error, undecodable frame) every request it still has is aborted in the engine.
 
+Threads: the trio thread only decodes frames, checks arguments (in time bounded by the
+frame) and moves answers; tokenizer and chat-template work (``tokenize``, ``detokenize``,
+a text or chat prompt, ``embed`` texts) runs on worker threads (``_text_work``, at most
+``TEXT_THREADS`` at once), and the model runs on the engine thread. A request whose
+arguments are being tokenized is in ``_Connection.preparing`` and can be cancelled there.
+
 Error handling: a frame that decodes but breaks the protocol gets an error frame and the
 connection keeps working; a frame that cannot be decoded (or is too big) gets an error
 frame with id null and closes that connection only. SIGTERM/SIGINT stop accepting, end
@@ -14,6 +20,7 @@ in-flight requests with ``shutting_down``, remove the socket and exit 0.
 from __future__ import annotations
 
 import errno
+import functools
 import itertools
 import os
 import queue
@@ -44,16 +51,35 @@ from gnosis_daemon.protocol import (
 )
 from gnosis_daemon.settings import Settings
 from station import engine_ops, ops
-from station.engine_api import Engine, EngineEvent, EventKind, GenerationRequest
+from station.engine_api import Engine, EngineEvent, EngineOpError, EventKind, GenerationRequest
 from station.model_loader import LoadedModel, ModelLoadError, load_model
 from station.ops import OpError
 from station.paged_engine import PagedEngine
-from station.persist import restore_sessions, save_sessions
+from station.persist import TierReport, restore_sessions, save_sessions
 from station.stream import GenerateStream
 
 log = get_logger(__name__)
 
 _SHUTDOWN_GRACE_S = 5.0  # time for final frames to reach clients after SIGTERM
+# Worker threads for tokenizer work. The Rust tokenizer releases the GIL, so these run
+# beside the trio thread; two keep one huge input from queueing every other request
+# without taking every core from the engine thread.
+TEXT_THREADS = 2
+
+
+class _Preparing:
+    """A request whose arguments are being tokenized on a worker thread."""
+
+    def __init__(self) -> None:
+        self.scope = trio.CancelScope()
+        self.error: tuple[ErrorCode, str] | None = None  # why it was stopped
+
+    def cancel(self, code: ErrorCode, message: str) -> bool:
+        if self.error is not None:
+            return False
+        self.error = (code, message)
+        self.scope.cancel()
+        return True
 
 
 class _Connection:
@@ -63,7 +89,12 @@ class _Connection:
         self.send_lock = trio.Lock()
         self.generates: dict[Any, GenerateStream] = {}
         self.calls: dict[Any, engine_ops.EngineCall] = {}  # in-flight engine calls by frame id
+        self.preparing: dict[Any, _Preparing] = {}  # generate/tokenize/detokenize on a worker
         self.closed = False
+
+    def in_flight(self, request_id: Any) -> bool:
+        return (request_id in self.generates or request_id in self.calls
+                or request_id in self.preparing)
 
     async def send(self, payload: bytes) -> None:
         if self.closed:
@@ -85,11 +116,8 @@ class StationServer:
         self._connections: set[_Connection] = set()
         self._numbers = itertools.count(1)
         self.shutting_down = False
-        self._handlers = {
-            "hello": self._hello, "health": self._health, "stats": self._stats,
-            "tokenize": lambda req: ops.tokenize(self.loaded, req.args),
-            "detokenize": lambda req: ops.detokenize(self.loaded, req.args),
-        }
+        self._handlers = {"hello": self._hello, "health": self._health, "stats": self._stats}
+        self._text_limiter = trio.CapacityLimiter(TEXT_THREADS)
 
     def _capabilities(self) -> dict[str, bool]:
         flags = {Capability.GENERATE.value: True}
@@ -130,9 +158,12 @@ class StationServer:
                     "code": ErrorCode.SHUTTING_DOWN.value,
                     "message": "the station is shutting down"}))
             for call in list(conn.calls.values()):
-                call.fail(ErrorCode.SHUTTING_DOWN, "the station is shutting down")
+                call.cancel(ErrorCode.SHUTTING_DOWN, "the station is shutting down")
+            for prep in list(conn.preparing.values()):
+                prep.cancel(ErrorCode.SHUTTING_DOWN, "the station is shutting down")
         with trio.move_on_after(_SHUTDOWN_GRACE_S):
-            while any(conn.generates or conn.calls for conn in self._connections):
+            while any(conn.generates or conn.calls or conn.preparing
+                      for conn in self._connections):
                 await trio.sleep(0.01)
 
     async def _accept_loop(self, listener: trio.socket.SocketType, nursery: trio.Nursery) -> None:
@@ -164,7 +195,9 @@ class StationServer:
                 gen.close()
             conn.generates.clear()
             conn.closed = True
-            self.engine.release_owner(conn.number)  # its host-held sequences and their blocks
+            # Its host-held sequences and their blocks, and its engine calls still in
+            # progress (an embed stops at the engine's next step boundary).
+            self.engine.release_owner(conn.number)
             with trio.CancelScope(shield=True):
                 await stream.aclose()
 
@@ -206,6 +239,9 @@ class StationServer:
                 if req.op in engine_ops.ENGINE_OPS:
                     self._start_engine_call(conn, req, nursery)
                     return
+                if req.op in ("tokenize", "detokenize"):
+                    self._start_text_op(conn, req, nursery)
+                    return
                 if req.op == "cancel":
                     result = self._cancel(conn, req)
                 elif req.op in self._handlers:
@@ -223,6 +259,10 @@ class StationServer:
             await conn.send(result_frame(req.id, result))
 
     # -- ops
+    # What the start found in the KV disk tier (``persist.TierReport.as_dict()``), set by
+    # ``serve``; hello and health publish it so a rejected or foreign tier is never silent.
+    kv_tier: dict[str, Any] | None = None
+
     def _hello(self, req: Request) -> dict[str, Any]:
         loaded, stats = self.loaded, self.engine.stats()
         return {
@@ -231,18 +271,21 @@ class StationServer:
                       "fingerprint": loaded.fingerprint, "model_type": loaded.model_type,
                       "max_model_len": loaded.max_model_len, "vocab_size": loaded.vocab_size,
                       "eos_token_ids": list(loaded.eos_token_ids),
+                      "max_token_chars": loaded.max_token_chars,
                       "device": str(loaded.device), "dtype": str(loaded.dtype).removeprefix("torch.")},
             "capabilities": dict(self.capabilities),
             "kv_pool": {"block_size": int(self.engine.block_size),
                         "blocks_total": int(stats.get("blocks_total", 0)),
                         "blocks_free": int(stats.get("blocks_free", 0))},
+            "kv_tier": self.kv_tier,
         }
 
     def _health(self, req: Request) -> dict[str, Any]:
         stats = self.engine.stats()
         return {"status": "shutting_down" if self.shutting_down else "ok", "pid": os.getpid(),
                 "uptime_s": round(time.monotonic() - self.started, 3),
-                "running": int(stats.get("running", 0)), "waiting": int(stats.get("waiting", 0))}
+                "running": int(stats.get("running", 0)), "waiting": int(stats.get("waiting", 0)),
+                "kv_tier": self.kv_tier}
 
     def _stats(self, req: Request) -> dict[str, Any]:
         return {**self.engine.stats(), "connections": len(self._connections)}
@@ -251,23 +294,88 @@ class StationServer:
         target = req.args.get("target")
         if not isinstance(target, (int, str)) or isinstance(target, bool):
             raise ops.bad("argument 'target' must be the id of a request on this connection")
+        prep = conn.preparing.get(target)
+        if prep is not None:
+            return {"cancelled": prep.cancel(ErrorCode.CANCELLED, "request cancelled")}
+        call = conn.calls.get(target)
+        if call is not None:
+            return {"cancelled": call.cancel()}
         gen = conn.generates.get(target)
         if gen is None or gen.done:
             return {"cancelled": False}
         self.engine.abort(gen.engine_id)
         return {"cancelled": True}
 
-    def _start_generate(self, conn: _Connection, req: Request, nursery: trio.Nursery) -> None:
-        if req.id in conn.generates:
+    def _check_new_id(self, conn: _Connection, req: Request) -> None:
+        if conn.in_flight(req.id):
             raise ops.bad(f"request id {req.id!r} is already in flight on this connection")
-        gen_args = ops.parse_generate(self.loaded, self.settings, req.args)
-        engine_id = f"{req.rid or 'gen'}:{conn.number}:{req.id}"
-        gen = GenerateStream(req.id, engine_id, gen_args, self.loaded.tokenizer,
-                             self.loaded.eos_token_ids, trio.lowlevel.current_trio_token())
-        if ((gen_args.load_session or gen_args.save_session or gen_args.save_final_session)
+
+    async def _text_work(self, work: Any) -> Any:
+        """``work()`` on a worker thread. Cancelling abandons it: the thread finishes on its
+        own (its limiter slot stays taken until then) and its result is dropped."""
+        return await trio.to_thread.run_sync(work, limiter=self._text_limiter,
+                                             abandon_on_cancel=True)
+
+    async def _run_prepared(self, conn: _Connection, req: Request, prep: _Preparing,
+                            work: Any, then: Any) -> None:
+        """The task of a request in ``conn.preparing``: ``work()`` on a worker thread, then
+        ``then(result)`` on trio, whose return value is the result frame (None: ``then``
+        has handed the request on and it answers itself)."""
+        reply = None
+        with bind_request(req.rid):
+            try:
+                with prep.scope:
+                    result = await self._text_work(work)
+                if prep.error is not None:  # cancelled, or the station is stopping
+                    raise OpError(*prep.error)
+                del conn.preparing[req.id]
+                reply = then(result)
+            except OpError as exc:
+                await conn.send(error_frame(req.id, exc.code, exc.message))
+                return
+            except Exception as exc:  # a bug in one op must not end the connection
+                log.exception("op_failed", op=req.op)
+                await conn.send(error_frame(req.id, ErrorCode.INTERNAL,
+                                            f"{type(exc).__name__}: {exc}"))
+                return
+            finally:
+                if conn.preparing.get(req.id) is prep:
+                    del conn.preparing[req.id]
+            if reply is not None:
+                await conn.send(result_frame(req.id, reply))
+
+    def _start_text_op(self, conn: _Connection, req: Request, nursery: trio.Nursery) -> None:
+        """tokenize / detokenize: cheap checks here, the tokenizer on a worker thread."""
+        self._check_new_id(conn, req)
+        plan = ops.plan_tokenize if req.op == "tokenize" else ops.plan_detokenize
+        work = plan(self.loaded, req.args)
+        prep = conn.preparing[req.id] = _Preparing()
+        nursery.start_soon(self._run_prepared, conn, req, prep, work, lambda result: result)
+
+    def _start_generate(self, conn: _Connection, req: Request, nursery: trio.Nursery) -> None:
+        self._check_new_id(conn, req)
+        plan = ops.plan_generate(self.loaded, self.settings, req.args)
+        if ((plan.load_session or plan.save_session or plan.save_final_session)
                 and Capability.KV_SESSION.value not in self.capabilities):
             raise ops.bad("KV session arguments need capability kv_session, which this "
                           "station does not have")
+        if not plan.needs_encoding:
+            assert plan.prompt_ids is not None
+            self._submit_generate(conn, req, nursery, plan.finish(self.loaded, plan.prompt_ids))
+            return
+
+        def submit(prompt_ids: list[int]) -> None:
+            self._submit_generate(conn, req, nursery, plan.finish(self.loaded, prompt_ids))
+
+        prep = conn.preparing[req.id] = _Preparing()
+        nursery.start_soon(self._run_prepared, conn, req, prep,
+                           functools.partial(plan.encode, self.loaded), submit)
+
+    def _submit_generate(self, conn: _Connection, req: Request, nursery: trio.Nursery,
+                         gen_args: ops.GenerateArgs) -> None:
+        engine_id = f"{req.rid or 'gen'}:{conn.number}:{req.id}"
+        gen = GenerateStream(req.id, engine_id, gen_args, self.loaded.tokenizer,
+                             self.loaded.eos_token_ids, trio.lowlevel.current_trio_token())
         request = GenerationRequest(engine_id, gen_args.prompt_ids, gen_args.params,
                                     tenant=gen_args.tenant, load_session=gen_args.load_session,
                                     save_session=gen_args.save_session,
@@ -278,6 +386,8 @@ class StationServer:
             raise ops.bad(str(exc)) from None
         except RuntimeError as exc:
             raise OpError(ErrorCode.SHUTTING_DOWN, str(exc)) from None
+        except EngineOpError as exc:  # capacity: the waiting queue is full
+            raise OpError(ErrorCode(exc.code), exc.message) from None
         conn.generates[req.id] = gen
         nursery.start_soon(self._run_generate, conn, req, gen)
 
@@ -291,26 +401,47 @@ class StationServer:
 
     def _start_engine_call(self, conn: _Connection, req: Request, nursery: trio.Nursery) -> None:
         """Ops served on the engine thread: one task each, so calls of one connection
-        (many host-held sequences' decode_next) reach the same engine step together."""
-        if req.id in conn.calls or req.id in conn.generates:
-            raise ops.bad(f"request id {req.id!r} is already in flight on this connection")
+        (many host-held sequences' decode_next) reach the same engine step together.
+        ``embed`` of texts is handed to the engine by its task, once tokenized."""
+        self._check_new_id(conn, req)
         kwargs = engine_ops.parse(self.loaded, req.op, req.args)
-        call = engine_ops.EngineCall(trio.lowlevel.current_trio_token())
+        call = engine_ops.EngineCall(trio.lowlevel.current_trio_token(), self.engine)
+        texts = kwargs.pop("texts", None)
+        if texts is None:
+            self._submit_call(conn, req, call, kwargs)
+        conn.calls[req.id] = call
+        nursery.start_soon(self._run_engine_call, conn, req, call, texts)
+
+    def _submit_call(self, conn: _Connection, req: Request, call: engine_ops.EngineCall,
+                     kwargs: dict[str, Any]) -> None:
         try:
             self.engine.call(engine_ops.ENGINE_OPS[req.op], conn.number, call.done, **kwargs)
         except RuntimeError as exc:
             raise OpError(ErrorCode.SHUTTING_DOWN, str(exc)) from None
-        conn.calls[req.id] = call
-        nursery.start_soon(self._run_engine_call, conn, req, call)
+        except EngineOpError as exc:  # capacity: the waiting queue is full
+            raise OpError(ErrorCode(exc.code), exc.message) from None
+        call.submitted = True
 
     async def _run_engine_call(self, conn: _Connection, req: Request,
-                               call: engine_ops.EngineCall) -> None:
+                               call: engine_ops.EngineCall, texts: list[str] | None) -> None:
         with bind_request(req.rid):
             try:
                 try:
+                    if texts is not None:
+                        with trio.CancelScope() as call.scope:
+                            kwargs = await self._text_work(functools.partial(
+                                engine_ops.encode_embed_texts, self.loaded, texts))
+                        call.scope = None
+                        if not call.finished:  # else cancelled meanwhile: wait() says so
+                            self._submit_call(conn, req, call, kwargs)
                     result = await call.wait()
                 except OpError as exc:
                     await conn.send(error_frame(req.id, exc.code, exc.message))
+                    return
+                except Exception as exc:  # a bug in one op must not end the connection
+                    log.exception("op_failed", op=req.op)
+                    await conn.send(error_frame(req.id, ErrorCode.INTERNAL,
+                                                f"{type(exc).__name__}: {exc}"))
                     return
                 await conn.send(result_frame(req.id, result))
             finally:
@@ -390,6 +521,8 @@ class _TorchThread:
     def __init__(self, settings: Settings, tier: Path) -> None:
         self.settings = settings
         self.tier = tier
+        # Set before the boot result is handed over; read by the main thread after it.
+        self.tier_report = TierReport(str(tier), enabled=settings.kv_persistence)
         self._booted: queue.Queue[tuple[LoadedModel, PagedEngine] | BaseException] = queue.Queue()
         self.thread = threading.Thread(target=self._main, name="station-torch", daemon=True)
 
@@ -409,7 +542,8 @@ class _TorchThread:
                      dtype=str(loaded.dtype), fingerprint=loaded.fingerprint[:16])
             engine = create_engine(loaded, self.settings)
             if self.settings.kv_persistence:
-                restore_sessions(engine, self.tier)
+                # Never raises for what is on disk: a bad tier is moved aside and reported.
+                self.tier_report = restore_sessions(engine, self.tier)
         except BaseException as exc:  # noqa: BLE001 - handed to the main thread
             self._booted.put(exc)
             return
@@ -443,13 +577,18 @@ def serve(settings: Settings) -> int:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     try:
-        trio.run(StationServer(settings, loaded, engine).serve)
+        server = StationServer(settings, loaded, engine)
+        server.kv_tier = torch_thread.tier_report.as_dict()
+        trio.run(server.serve)
     finally:
         engine.shutdown()  # ends the engine loop: the torch thread returns
         # shutdown joins the loop's thread only once run_here has registered it; a stop
         # that comes right after boot can beat that, so join the torch thread here.
         torch_thread.thread.join()
         if settings.kv_persistence:
-            save_sessions(engine, tier)
+            try:
+                save_sessions(engine, tier)
+            except Exception:  # a full or read-only disk: the previous tier stays whole
+                log.exception("kv_sessions_save_failed", path=str(tier))
     log.info("station_stopped")
     return 0

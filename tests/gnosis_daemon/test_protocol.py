@@ -109,3 +109,43 @@ async def test_client_errors_are_not_wrapped_in_exception_groups(tmp_path):
             async with open_station_client(str(tmp_path / "missing.sock")):
                 pass
         nursery.cancel_scope.cancel()
+
+
+def test_an_oversized_array_frame_is_fatal_before_it_is_all_read():
+    """Arrays and maps are decoded progressively, so the unpacker's buffer never fills: the
+    decoder counts the frame's bytes itself (a list of 5-byte ints, as large as it likes)."""
+    decoder = FrameDecoder(1024)
+    frame = protocol.request_frame(1, "generate", {"tokens": [70_000] * 1000})
+    assert len(frame) > 5000
+    fed = 0
+    with pytest.raises(ProtocolError) as info:
+        for i in range(0, len(frame), 100):
+            fed += 100
+            list(decoder.feed(frame[i:i + 100]))
+    assert info.value.fatal and info.value.code == ErrorCode.BAD_REQUEST
+    assert "1024-byte limit" in info.value.message
+    assert fed <= 1100  # refused as soon as the frame passed the limit, not at its end
+
+
+def test_frame_limit_is_exact_and_counts_each_frame_alone():
+    def frame_of(size: int) -> bytes:
+        base = protocol.request_frame(1, "x", {"t": []})
+        frame = protocol.request_frame(1, "x", {"t": [1] * (size - len(base) - 2)})
+        assert len(frame) == size
+        return frame
+
+    at_limit = frame_of(1024)
+    # Many frames in one read, more bytes than the limit in all: each is judged alone.
+    out = list(FrameDecoder(1024).feed(at_limit * 5))
+    assert out == [msgpack.unpackb(at_limit)] * 5
+    with pytest.raises(ProtocolError) as info:
+        list(FrameDecoder(1024).feed(at_limit + frame_of(1025)))
+    assert "1024-byte limit" in info.value.message
+
+
+def test_container_headers_longer_than_a_frame_are_refused():
+    decoder = FrameDecoder(1024)
+    # An array header that claims 2**31 elements: refused from the header alone.
+    with pytest.raises(ProtocolError) as info:
+        list(decoder.feed(b"\xdd\x80\x00\x00\x00"))
+    assert info.value.fatal and "1024-byte limit" in info.value.message

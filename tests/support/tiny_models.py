@@ -20,7 +20,10 @@ SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 FAMILIES = ("llama", "mistral", "qwen2")
 
 
-def build_tokenizer():
+def build_tokenizer(merges: list[tuple[str, str]] | tuple = ()):
+    """The tiny models' tokenizer: one token per byte, then the special tokens (ids 256-258).
+    ``merges`` (byte-level strings, e.g. ``("Ġ", "t")``) add BPE merges, their tokens after
+    the special ones: a tokenizer for tests of merges across text boundaries."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -28,7 +31,9 @@ def build_tokenizer():
     vocab = {ch: i for i, ch in enumerate(alphabet)}
     for token in SPECIAL_TOKENS:
         vocab[token] = len(vocab)
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    for left, right in merges:
+        vocab.setdefault(left + right, len(vocab))
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=list(merges)))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens(SPECIAL_TOKENS)
@@ -42,7 +47,8 @@ def build_tokenizer():
     )
 
 
-def tiny_config(family: str = "llama", vocab_size: int = 259):
+def tiny_config(family: str = "llama", vocab_size: int = 259,
+                max_position_embeddings: int = 4096):
     from transformers import LlamaConfig, MistralConfig, Qwen2Config
 
     common = dict(
@@ -52,7 +58,7 @@ def tiny_config(family: str = "llama", vocab_size: int = 259):
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
-        max_position_embeddings=4096,
+        max_position_embeddings=max_position_embeddings,
         initializer_range=0.3,
         bos_token_id=257,
         eos_token_id=258,
@@ -68,7 +74,8 @@ def tiny_config(family: str = "llama", vocab_size: int = 259):
     raise ValueError(f"unknown tiny model family {family!r}; expected one of {FAMILIES}")
 
 
-def build_tiny_model(path: str | Path, family: str = "llama", seed: int | None = None) -> Path:
+def build_tiny_model(path: str | Path, family: str = "llama", seed: int | None = None,
+                     max_position_embeddings: int = 4096) -> Path:
     """Write a tiny random model + tokenizer to ``path`` and return it (seed: per family)."""
     if seed is None:
         seed = FAMILIES.index(family) if family in FAMILIES else 0
@@ -78,7 +85,8 @@ def build_tiny_model(path: str | Path, family: str = "llama", seed: int | None =
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer()
-    config = tiny_config(family, vocab_size=len(tokenizer))
+    config = tiny_config(family, vocab_size=len(tokenizer),
+                         max_position_embeddings=max_position_embeddings)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.generation_config.eos_token_id = config.eos_token_id

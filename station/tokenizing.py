@@ -1,0 +1,206 @@
+"""The station's tokenizer work: encode, decode and chat prompts.
+
+All of it takes time in proportion to its input, so the server runs it on a worker thread
+(``trio.to_thread``), never on the socket's trio thread. With a ``tokenizers`` backend (every
+"fast" tokenizer) the calls go through the Rust batch entry points, ``encode_batch`` and
+``decode_batch``, which release the GIL while they work: the trio thread keeps serving
+meanwhile. The single-input ``Tokenizer.encode``/``decode`` hold the GIL throughout. Measured
+with SmolLM2's tokenizer on a text at its size bound (663,552 characters, 0.35-0.4 s of
+work) while another thread slept 1 ms in a loop: under ``encode`` that thread got the GIL
+twice, its longest wait 381 ms; under ``encode_batch`` its longest wait was 11 ms (the ids
+becoming Python ints), 8 ms under ``decode_batch``. The ids are the ones
+``tokenizer.encode``/``decode`` give: transformers' fast tokenizer calls the same backend,
+with truncation and padding off.
+
+Chat prompts: the template is rendered to text and encoded with special tokens recognised,
+because the template writes the control tokens (``<|im_start|>``...) as text. Special-token
+text inside a message's content must not become a control token (a user could forge a
+system turn), so when a content holds any, each occurrence is wrapped in markers made of a
+random number between private-use characters before rendering. After rendering, the markers
+are removed and their places noted; the text is encoded as usual, and every stretch between
+two of the template's own special tokens that holds a forged one is encoded again with
+special tokens split (as plain text). Prompts whose contents hold no special-token text take
+the plain path, so their ids are exactly ``encode(render(messages))``. Markers (rather than
+placeholders for whole contents) keep templates that transform a content (``| trim``,
+``.split(...)``) working.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import re
+import secrets
+from typing import Any, Callable
+
+# Encoded in front of a stretch in the middle of a prompt, then dropped, so that a
+# tokenizer that marks the start of a text (sentencepiece's prefix space, Metaspace with
+# prepend_scheme "first") encodes the stretch as it would mid-text.
+_ANCHOR = "\n"
+
+Render = Callable[[list[dict[str, Any]]], str]
+
+
+class Codec:
+    """Encode/decode through one tokenizer, safe to call from several threads at once."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
+        self.special_ids = frozenset(int(i) for i, t in added.items() if t.special)
+        self.special_tokens = tuple(sorted({t.content for t in added.values() if t.special},
+                                           key=len, reverse=True))  # longest first
+        self._special_re = (re.compile("|".join(re.escape(t) for t in self.special_tokens))
+                            if self.special_tokens else None)
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        self._plain = self._text = None
+        self._mid_needs_anchor = False
+        if backend is not None:
+            from tokenizers import Tokenizer
+
+            # Copies, so that switching special-token splitting is never a shared toggle
+            # (transformers flips ``encode_special_tokens`` on its one backend per call).
+            spec = backend.to_str()
+            self._plain, self._text = Tokenizer.from_str(spec), Tokenizer.from_str(spec)
+            for copy in (self._plain, self._text):
+                copy.no_truncation()
+                copy.no_padding()
+            self._text.encode_special_tokens = True
+            self._mid_needs_anchor = _prepends_first(json.loads(spec).get("pre_tokenizer"))
+        self._anchor_ids = self.encode_as_text(_ANCHOR) if self._mid_needs_anchor else []
+
+    # -- plain calls
+    def encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        return self.encode_many([text], add_special_tokens)[0]
+
+    def encode_many(self, texts: list[str], add_special_tokens: bool) -> list[list[int]]:
+        if self._plain is None:
+            return [list(self.tokenizer.encode(t, add_special_tokens=add_special_tokens))
+                    for t in texts]
+        return [e.ids for e in self._plain.encode_batch(texts, add_special_tokens=add_special_tokens)]
+
+    def encode_as_text(self, text: str) -> list[int]:
+        """``text`` with special-token text split into ordinary tokens, nothing added."""
+        if self._text is None:
+            return list(self.tokenizer(text, add_special_tokens=False,
+                                       split_special_tokens=True)["input_ids"])
+        return self._text.encode_batch([text], add_special_tokens=False)[0].ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool) -> str:
+        if self._plain is None:
+            return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens,
+                                         clean_up_tokenization_spaces=False)
+        return self._plain.decode_batch([ids], skip_special_tokens=skip_special_tokens)[0]
+
+    def has_special_text(self, text: str) -> bool:
+        return self._special_re is not None and self._special_re.search(text) is not None
+
+    # -- chat prompts
+    def encode_chat(self, messages: list[dict[str, Any]], render: Render) -> list[int]:
+        """Token ids of ``render(messages)``; special-token text in contents stays text."""
+        if not any(self.has_special_text(m["content"]) for m in messages):
+            return self.encode(render(messages), add_special_tokens=False)
+        assert self._special_re is not None
+        nonce = f"{secrets.randbelow(10**16):016d}"
+        start, end = f"\ue000{nonce}\ue001", f"\ue001{nonce}\ue000"
+        wrap = lambda m: start + m.group(0) + end  # noqa: E731
+        marked = [{**m, "content": self._special_re.sub(wrap, m["content"])} for m in messages]
+        text = render(marked)
+        markers = re.compile(f"{re.escape(start)}({self._special_re.pattern}){re.escape(end)}"
+                             f"|{re.escape(start)}|{re.escape(end)}")
+        parts: list[str] = []
+        forged: list[tuple[int, int]] = []  # spans of the contents' special-token texts
+        cuts: list[int] = []  # where a lone marker was (a template string op split a pair)
+        pos = last = 0
+        for match in markers.finditer(text):
+            kept = text[last:match.start()]
+            parts.append(kept)
+            pos += len(kept)
+            inner = match.group(1)
+            if inner is None:
+                cuts.append(pos)
+            else:
+                forged.append((pos, pos + len(inner)))
+                parts.append(inner)
+                pos += len(inner)
+            last = match.end()
+        parts.append(text[last:])
+        return self._encode_guarded("".join(parts), forged, cuts)
+
+    def _encode_guarded(self, text: str, forged: list[tuple[int, int]],
+                        cuts: list[int]) -> list[int]:
+        # Both lists are in text order: a token [s, e) is forged if it overlaps a span of
+        # the contents' special-token text or straddles a cut (found by bisection, so a
+        # content full of special-token text costs no more than its length).
+        forged_starts, forged_ends = [fs for fs, _ in forged], [fe for _, fe in forged]
+
+        def is_forged(s: int, e: int) -> bool:
+            i = bisect.bisect_right(forged_ends, s)
+            if i < len(forged) and forged_starts[i] < e:
+                return True
+            j = bisect.bisect_right(cuts, s)
+            return j < len(cuts) and cuts[j] < e
+
+        if self._plain is None:
+            pieces = self._find_specials(text)
+        else:
+            encoding = self._plain.encode_batch([text], add_special_tokens=False)[0]
+            pieces = list(zip(encoding.ids, encoding.offsets))
+        out: list[int] = []
+        section: list[int] = []
+        section_start, section_forged = 0, False
+
+        def flush(section_end: int) -> None:
+            if section_forged:  # encode the stretch again, its special-token text as text
+                out.extend(self._encode_stretch(text[section_start:section_end],
+                                                mid=section_start > 0))
+            else:
+                out.extend(section)
+
+        for token_id, (s, e) in pieces:
+            if token_id in self.special_ids:
+                if is_forged(s, e):
+                    section_forged = True
+                else:  # the template's own control token: a hard boundary
+                    flush(s)
+                    out.append(token_id)
+                    section, section_start, section_forged = [], e, False
+                    continue
+            section.append(token_id)
+        flush(len(text))
+        return out
+
+    def _encode_stretch(self, text: str, mid: bool) -> list[int]:
+        if not text:
+            return []
+        if mid and self._mid_needs_anchor:
+            ids = self.encode_as_text(_ANCHOR + text)
+            if ids[:len(self._anchor_ids)] == self._anchor_ids:
+                return ids[len(self._anchor_ids):]
+        return self.encode_as_text(text)
+
+    def _find_specials(self, text: str) -> list[tuple[int, tuple[int, int]]]:
+        """Without a backend (no offsets): the tokens of the text between special tokens,
+        each with that stretch's span, and every special token with its own span."""
+        assert self._special_re is not None
+        vocab = self.tokenizer.get_vocab()
+        pieces: list[tuple[int, tuple[int, int]]] = []
+        last = 0
+        for match in self._special_re.finditer(text):
+            if match.start() > last:
+                pieces.extend((t, (last, match.start()))
+                              for t in self.encode(text[last:match.start()], False))
+            pieces.append((vocab[match.group(0)], match.span()))
+            last = match.end()
+        if last < len(text):
+            pieces.extend((t, (last, len(text))) for t in self.encode(text[last:], False))
+        return pieces
+
+
+def _prepends_first(spec: dict | None) -> bool:
+    """A Metaspace pre-tokenizer that writes its prefix only at the start of the text."""
+    if not spec:
+        return False
+    if spec.get("type") == "Sequence":
+        return any(_prepends_first(inner) for inner in spec.get("pretokenizers") or ())
+    return spec.get("type") == "Metaspace" and spec.get("prepend_scheme") == "first"
