@@ -100,7 +100,8 @@ class Engine(Protocol):
         """Stop the engine thread; every unfinished request ends with a shutting_down error."""
 
     def add_request(self, request: GenerationRequest, on_event: EventCallback) -> None:
-        """Queue a request (thread-safe). Raises ValueError for a request it can never serve."""
+        """Queue a request (thread-safe). Raises ValueError for a request it can never serve,
+        and ``EngineOpError`` with code ``capacity`` when the waiting queue is full."""
 
     def abort(self, request_id: str) -> None:
         """Cancel a request (thread-safe, idempotent, unknown ids ignored)."""
@@ -114,7 +115,14 @@ class Engine(Protocol):
     def call(self, name: str, owner: Any, done: CallDone, **kwargs: Any) -> None:
         """Queue an engine call (thread-safe): ``kv_save``, ``kv_load``, ``kv_delete``,
         ``kv_list``, ``forward``, ``decode_next``, ``embed``. ``owner`` (the connection)
-        owns the host-held sequences it creates. Raises RuntimeError when shutting down."""
+        owns the host-held sequences it creates. Raises RuntimeError when shutting down, and
+        ``EngineOpError`` with code ``capacity`` when a new sequence would overfill the
+        waiting queue."""
+
+    def cancel_call(self, done: CallDone) -> None:
+        """Cancel the call answered by ``done`` (thread-safe, idempotent): a queued call is
+        answered ``cancelled``, a stepped one (embed) stops between steps, a held sequence's
+        pending forward/decode_next frees the sequence."""
 
     def release_owner(self, owner: Any) -> None:
         """Free every host-held sequence of ``owner`` (its connection closed)."""
