@@ -56,6 +56,9 @@ def serves_again(daemon, timeout: float = 60.0) -> dict:
 
 
 def test_status_json_and_table(daemon):
+    # The first station health answer is published one probe period after start.
+    daemon.wait(lambda s: s["children"]["station"]["health"].get("status") == "ok", 30,
+                "the station's first health answer published")
     result = cli("status", "--json", runtime_dir=daemon.runtime_dir)
     assert result.returncode == 0, result.stderr
     status = json.loads(result.stdout)
