@@ -180,6 +180,11 @@ class FrameDecoder:
                     raise self._too_big() from None
                 raise ProtocolError(ErrorCode.BAD_REQUEST, f"undecodable frame: {exc}",
                                     fatal=True) from None
+            except Exception as exc:  # noqa: BLE001 - no byte sequence may escape as a crash
+                # e.g. a map keyed by an array or a map: msgpack builds the key, and the
+                # dict refuses it with TypeError (unhashable). The stream cannot be resynced.
+                raise ProtocolError(ErrorCode.BAD_REQUEST, f"undecodable frame: "
+                                    f"{type(exc).__name__}: {exc}", fatal=True) from None
             end = self._unpacker.tell()
             size, self._frame_start = end - self._frame_start, end
             if size > self.max_frame_bytes:

@@ -42,6 +42,15 @@ def test_undecodable_bytes_are_fatal():
     assert info.value.fatal
 
 
+@pytest.mark.parametrize("data", [b"\x81\x91\x01\x01", b"\x81\x81\x01\x01\x01"],
+                         ids=["array-key", "map-key"])
+def test_a_map_key_that_cannot_be_hashed_is_fatal_not_a_crash(data):
+    decoder = FrameDecoder(1024)
+    with pytest.raises(ProtocolError) as info:
+        list(decoder.feed(data))
+    assert info.value.fatal and "unhashable" in info.value.message
+
+
 @pytest.mark.parametrize(
     ("message", "needle", "request_id"),
     [

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import stat
 
@@ -193,6 +194,30 @@ async def test_cancel_mid_generation(station):
                 await trio.sleep(0.02)
 
 
+async def test_a_generate_ended_by_its_connection_closing_is_not_logged_internal(station):
+    # A host that dies mid-answer closes its connection; the station's canonical line for
+    # each aborted request must say so, not look like a burst of internal errors.
+    async with open_station_client(station.socket) as conn:
+        async with conn.open_stream("generate", {"tokens": [3, 4], "max_tokens": 2000,
+                                                 "temperature": 0, "ignore_eos": True,
+                                                 "tenant": "closing"}, rid="req-closing") as s:
+            async for event in s:
+                if event["type"] == "tokens":
+                    break
+            await conn.aclose()  # the whole connection goes, as when the host is killed
+
+    def line() -> dict | None:
+        for raw in station.log().splitlines():
+            if '"req-closing"' in raw and '"generate"' in raw:
+                return json.loads(raw)
+        return None
+
+    with trio.fail_after(10):
+        while line() is None:
+            await trio.sleep(0.05)
+    assert line()["finish_reason"] == "connection_closed"
+
+
 BAD_FRAMES = [
     ([1, 2, 3], None, "bad_request"),  # not a map
     ({"v": 1, "op": "hello"}, None, "bad_request"),  # missing id
@@ -237,7 +262,11 @@ async def test_bad_frames_get_error_frames_and_connection_survives(station):
     # smaller than the buffer: 1000 ints of 5 bytes each.
     (msgpack.packb({"v": 1, "id": 1, "op": "generate", "args": {"tokens": [70_000] * 1000}}),
      f"{MAX_FRAME}-byte limit"),
-], ids=["undecodable", "oversized", "oversized-array"])
+    # A map keyed by an array (or a map): the key cannot be hashed. This killed the station.
+    (b"\x81\x91\x01\x01", "unhashable"),
+    (b"\x84" + b"".join(msgpack.packb(x) for x in ("v", 1, "id", 1, "op", "hello", "args"))
+     + b"\x81\x80\x01", "unhashable"),
+], ids=["undecodable", "oversized", "oversized-array", "array-key", "map-key-in-args"])
 async def test_fatal_frame_closes_only_that_connection(station, payload, needle):
     async with open_station_client(station.socket) as other:
         raw = await open_raw(station.socket)
