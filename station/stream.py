@@ -76,13 +76,21 @@ class GenerateStream:
 
     async def pump(self, send: Send, engine: Engine) -> None:
         """Send this request's frames until its final frame; log one canonical line."""
-        outcome = "internal"
+        # Until the engine says otherwise, an end without a final frame is the connection's
+        # doing: it closed (the host went away) and the request was aborted with it.
+        outcome = "connection_closed"
         try:
             async with self._receive:
                 async for event in self._receive:
                     outcome = await self._handle(event, send, engine) or outcome
                     if self.done:
                         return
+        except trio.Cancelled:
+            outcome = "connection_closed"
+            raise
+        except Exception:
+            outcome = "internal"
+            raise
         finally:
             self.done = True
             self.close()
