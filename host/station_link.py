@@ -1,7 +1,7 @@
 """The host's one long-lived connection to the station.
 
 ``StationLink.run`` connects to the station socket, says ``hello``, calls ``on_connect``
-(issue 4 probes capabilities there), publishes the connection, and waits until it is lost;
+(liquid memory negotiates capabilities there), publishes the connection, and waits until it is lost;
 then it reconnects with a doubling backoff, forever. Every (re)connect re-reads ``hello``,
 so a restarted station's new pid, model and capabilities are picked up with no host restart.
 

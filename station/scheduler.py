@@ -12,7 +12,7 @@ finds none preempts the newest running sequence: its blocks are freed (its full 
 in the prefix cache, so the recompute usually hits them) and it goes back to the head of
 the waiting queue. Nothing here raises on exhaustion.
 
-Hooks the engine sets (KV sessions, issue 4): ``reuse(seq, cache_hits)`` picks the blocks
+Hooks the engine sets (KV sessions): ``reuse(seq, cache_hits)`` picks the blocks
 an admitted sequence starts from (a loaded session's blocks beside the prefix-cache hits);
 ``reclaim(num_blocks, seq)`` expires LRU sessions when allocation fails, before anything
 waits or is preempted. Host-held sequences (``forward``/``decode_next``) are ``park``ed

@@ -1,4 +1,4 @@
-"""A host SIGKILLed under 8 streaming requests (issue 5).
+"""A host SIGKILLed under 8 streaming requests.
 
 Every client gets a clean error (its stream ends early; nothing hangs), the supervisor has
 the host back, and the station's KV sessions survived: the next request is a liquid hit.
