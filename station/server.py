@@ -1,7 +1,6 @@
 """The station process: load the model, start the engine, serve the Unix socket.
 
-Resource handling: the runtime directory is forced to mode 0700 and the socket is bound
-under umask 0o177 (so it is 0600 from birth, no window where others could connect). Each
+Resource handling: the socket file is private from birth (``station.socket_file``). Each
 connection owns a nursery with one task per streaming request; when the connection ends
 (EOF, error, undecodable frame) every request it still has is aborted in the engine.
 
@@ -9,7 +8,7 @@ Threads: the trio thread only decodes frames, checks arguments (in time bounded 
 frame) and moves answers; tokenizer and chat-template work (``tokenize``, ``detokenize``,
 a text or chat prompt, ``embed`` texts) runs on worker threads (``_text_work``, at most
 ``TEXT_THREADS`` at once), and the model runs on the engine thread. A request whose
-arguments are being tokenized is in ``_Connection.preparing`` and can be cancelled there.
+arguments are being tokenized is in ``Connection.preparing`` and can be cancelled there.
 
 Error handling: a frame that decodes but breaks the protocol gets an error frame and the
 connection keeps working; a frame that cannot be decoded (or is too big) gets an error
@@ -25,8 +24,6 @@ import itertools
 import os
 import queue
 import signal
-import socket
-import stat
 import sys
 import threading
 import time
@@ -51,11 +48,13 @@ from gnosis_daemon.protocol import (
 )
 from gnosis_daemon.settings import Settings
 from station import engine_ops, ops
+from station.connection import Connection, Preparing
 from station.engine_api import Engine, EngineEvent, EngineOpError, EventKind, GenerationRequest
 from station.model_loader import LoadedModel, ModelLoadError, load_model
 from station.ops import OpError
 from station.paged_engine import PagedEngine
 from station.persist import TierReport, restore_sessions, save_sessions
+from station.socket_file import bind_socket, remove_socket
 from station.stream import GenerateStream
 
 log = get_logger(__name__)
@@ -67,45 +66,6 @@ _SHUTDOWN_GRACE_S = 5.0  # time for final frames to reach clients after SIGTERM
 TEXT_THREADS = 2
 
 
-class _Preparing:
-    """A request whose arguments are being tokenized on a worker thread."""
-
-    def __init__(self) -> None:
-        self.scope = trio.CancelScope()
-        self.error: tuple[ErrorCode, str] | None = None  # why it was stopped
-
-    def cancel(self, code: ErrorCode, message: str) -> bool:
-        if self.error is not None:
-            return False
-        self.error = (code, message)
-        self.scope.cancel()
-        return True
-
-
-class _Connection:
-    def __init__(self, number: int, stream: trio.SocketStream) -> None:
-        self.number = number
-        self.stream = stream
-        self.send_lock = trio.Lock()
-        self.generates: dict[Any, GenerateStream] = {}
-        self.calls: dict[Any, engine_ops.EngineCall] = {}  # in-flight engine calls by frame id
-        self.preparing: dict[Any, _Preparing] = {}  # generate/tokenize/detokenize on a worker
-        self.closed = False
-
-    def in_flight(self, request_id: Any) -> bool:
-        return (request_id in self.generates or request_id in self.calls
-                or request_id in self.preparing)
-
-    async def send(self, payload: bytes) -> None:
-        if self.closed:
-            return
-        try:
-            async with self.send_lock:
-                await self.stream.send_all(payload)
-        except (trio.BrokenResourceError, trio.ClosedResourceError):
-            self.closed = True  # the reader sees EOF and tears the connection down
-
-
 class StationServer:
     def __init__(self, settings: Settings, loaded: LoadedModel, engine: Engine) -> None:
         self.settings = settings
@@ -113,7 +73,7 @@ class StationServer:
         self.engine = engine
         self.started = time.monotonic()
         self.capabilities = self._capabilities()
-        self._connections: set[_Connection] = set()
+        self._connections: set[Connection] = set()
         self._numbers = itertools.count(1)
         self.shutting_down = False
         self._handlers = {"hello": self._hello, "health": self._health, "stats": self._stats}
@@ -182,7 +142,7 @@ class StationServer:
 
     # -- connections
     async def _handle_connection(self, stream: trio.SocketStream) -> None:
-        conn = _Connection(next(self._numbers), stream)
+        conn = Connection(next(self._numbers), stream)
         self._connections.add(conn)
         try:
             async with trio.open_nursery() as nursery:
@@ -201,7 +161,7 @@ class StationServer:
             with trio.CancelScope(shield=True):
                 await stream.aclose()
 
-    async def _read_loop(self, conn: _Connection, nursery: trio.Nursery) -> None:
+    async def _read_loop(self, conn: Connection, nursery: trio.Nursery) -> None:
         decoder = FrameDecoder(self.settings.max_frame_bytes)
         while True:
             try:
@@ -220,7 +180,7 @@ class StationServer:
                 await conn.send(error_frame(None, exc.code, exc.message))
                 return
 
-    async def _dispatch(self, conn: _Connection, message: Any, nursery: trio.Nursery) -> None:
+    async def _dispatch(self, conn: Connection, message: Any, nursery: trio.Nursery) -> None:
         try:
             req = parse_request(message)
         except ProtocolError as exc:
@@ -290,7 +250,7 @@ class StationServer:
     def _stats(self, req: Request) -> dict[str, Any]:
         return {**self.engine.stats(), "connections": len(self._connections)}
 
-    def _cancel(self, conn: _Connection, req: Request) -> dict[str, Any]:
+    def _cancel(self, conn: Connection, req: Request) -> dict[str, Any]:
         target = req.args.get("target")
         if not isinstance(target, (int, str)) or isinstance(target, bool):
             raise ops.bad("argument 'target' must be the id of a request on this connection")
@@ -306,7 +266,7 @@ class StationServer:
         self.engine.abort(gen.engine_id)
         return {"cancelled": True}
 
-    def _check_new_id(self, conn: _Connection, req: Request) -> None:
+    def _check_new_id(self, conn: Connection, req: Request) -> None:
         if conn.in_flight(req.id):
             raise ops.bad(f"request id {req.id!r} is already in flight on this connection")
 
@@ -316,7 +276,7 @@ class StationServer:
         return await trio.to_thread.run_sync(work, limiter=self._text_limiter,
                                              abandon_on_cancel=True)
 
-    async def _run_prepared(self, conn: _Connection, req: Request, prep: _Preparing,
+    async def _run_prepared(self, conn: Connection, req: Request, prep: Preparing,
                             work: Any, then: Any) -> None:
         """The task of a request in ``conn.preparing``: ``work()`` on a worker thread, then
         ``then(result)`` on trio, whose return value is the result frame (None: ``then``
@@ -344,15 +304,15 @@ class StationServer:
             if reply is not None:
                 await conn.send(result_frame(req.id, reply))
 
-    def _start_text_op(self, conn: _Connection, req: Request, nursery: trio.Nursery) -> None:
+    def _start_text_op(self, conn: Connection, req: Request, nursery: trio.Nursery) -> None:
         """tokenize / detokenize: cheap checks here, the tokenizer on a worker thread."""
         self._check_new_id(conn, req)
         plan = ops.plan_tokenize if req.op == "tokenize" else ops.plan_detokenize
         work = plan(self.loaded, req.args)
-        prep = conn.preparing[req.id] = _Preparing()
+        prep = conn.preparing[req.id] = Preparing()
         nursery.start_soon(self._run_prepared, conn, req, prep, work, lambda result: result)
 
-    def _start_generate(self, conn: _Connection, req: Request, nursery: trio.Nursery) -> None:
+    def _start_generate(self, conn: Connection, req: Request, nursery: trio.Nursery) -> None:
         self._check_new_id(conn, req)
         plan = ops.plan_generate(self.loaded, self.settings, req.args)
         if ((plan.load_session or plan.save_session or plan.save_final_session)
@@ -367,11 +327,11 @@ class StationServer:
         def submit(prompt_ids: list[int]) -> None:
             self._submit_generate(conn, req, nursery, plan.finish(self.loaded, prompt_ids))
 
-        prep = conn.preparing[req.id] = _Preparing()
+        prep = conn.preparing[req.id] = Preparing()
         nursery.start_soon(self._run_prepared, conn, req, prep,
                            functools.partial(plan.encode, self.loaded), submit)
 
-    def _submit_generate(self, conn: _Connection, req: Request, nursery: trio.Nursery,
+    def _submit_generate(self, conn: Connection, req: Request, nursery: trio.Nursery,
                          gen_args: ops.GenerateArgs) -> None:
         engine_id = f"{req.rid or 'gen'}:{conn.number}:{req.id}"
         gen = GenerateStream(req.id, engine_id, gen_args, self.loaded.tokenizer,
@@ -391,7 +351,7 @@ class StationServer:
         conn.generates[req.id] = gen
         nursery.start_soon(self._run_generate, conn, req, gen)
 
-    async def _run_generate(self, conn: _Connection, req: Request, gen: GenerateStream) -> None:
+    async def _run_generate(self, conn: Connection, req: Request, gen: GenerateStream) -> None:
         with bind_request(req.rid):
             try:
                 await gen.pump(conn.send, self.engine)
@@ -399,7 +359,7 @@ class StationServer:
                 if conn.generates.get(req.id) is gen:
                     del conn.generates[req.id]
 
-    def _start_engine_call(self, conn: _Connection, req: Request, nursery: trio.Nursery) -> None:
+    def _start_engine_call(self, conn: Connection, req: Request, nursery: trio.Nursery) -> None:
         """Ops served on the engine thread: one task each, so calls of one connection
         (many host-held sequences' decode_next) reach the same engine step together.
         ``embed`` of texts is handed to the engine by its task, once tokenized."""
@@ -412,7 +372,7 @@ class StationServer:
         conn.calls[req.id] = call
         nursery.start_soon(self._run_engine_call, conn, req, call, texts)
 
-    def _submit_call(self, conn: _Connection, req: Request, call: engine_ops.EngineCall,
+    def _submit_call(self, conn: Connection, req: Request, call: engine_ops.EngineCall,
                      kwargs: dict[str, Any]) -> None:
         try:
             self.engine.call(engine_ops.ENGINE_OPS[req.op], conn.number, call.done, **kwargs)
@@ -422,7 +382,7 @@ class StationServer:
             raise OpError(ErrorCode(exc.code), exc.message) from None
         call.submitted = True
 
-    async def _run_engine_call(self, conn: _Connection, req: Request,
+    async def _run_engine_call(self, conn: Connection, req: Request,
                                call: engine_ops.EngineCall, texts: list[str] | None) -> None:
         with bind_request(req.rid):
             try:
@@ -447,51 +407,6 @@ class StationServer:
             finally:
                 if conn.calls.get(req.id) is call:
                     del conn.calls[req.id]
-
-
-# -- socket file handling
-def prepare_runtime_dir(path: Path) -> None:
-    """Create the runtime dir as 0700 (and force 0700 on one we own that already exists)."""
-    path.mkdir(mode=0o700, parents=True, exist_ok=True)
-    info = path.stat()
-    if info.st_uid != os.getuid():
-        raise PermissionError(f"runtime dir {path} belongs to uid {info.st_uid}, not us")
-    if stat.S_IMODE(info.st_mode) != 0o700:
-        path.chmod(0o700)
-
-
-def bind_socket(path: Path) -> socket.socket:
-    """Bind a listening Unix socket at ``path`` as 0600 (a stale file is removed first)."""
-    prepare_runtime_dir(path.parent)
-    try:
-        if stat.S_ISSOCK(path.lstat().st_mode):
-            path.unlink()
-        else:
-            raise FileExistsError(f"{path} exists and is not a socket; refusing to replace it")
-    except FileNotFoundError:
-        pass
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    old_umask = os.umask(0o177)  # the socket is born 0600: no window for other users
-    try:
-        sock.bind(os.fspath(path))
-    except BaseException:
-        sock.close()
-        raise
-    finally:
-        os.umask(old_umask)
-    os.chmod(path, 0o600)
-    sock.listen(128)
-    sock.setblocking(False)
-    return sock
-
-
-def remove_socket(path: Path, inode: int) -> None:
-    """Remove our socket file, unless a newer station already replaced it."""
-    try:
-        if path.stat().st_ino == inode:
-            path.unlink()
-    except FileNotFoundError:
-        pass
 
 
 def create_engine(loaded: LoadedModel, settings: Settings) -> PagedEngine:
