@@ -55,7 +55,9 @@ class Capability(enum.StrEnum):
     KV_PERSISTENCE = "kv_persistence"
 
 
-# Ops that belong to a capability: a station without it answers unknown_op.
+# Ops that belong to a capability: a station without it answers unknown_op. The station
+# serves what its op registry (station/op_registry.py) holds; this is the same mapping for
+# the host and supervisor, which import no station code, and a test keeps the two equal.
 OP_CAPABILITY: dict[str, Capability] = {
     "generate": Capability.GENERATE,
     "forward": Capability.FORWARD,

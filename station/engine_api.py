@@ -56,7 +56,7 @@ class GenerationRequest:
 
 
 class EngineOpError(Exception):
-    """An engine call (kv_session.*, forward, decode_next, embed) cannot be served.
+    """An engine call (the handler of an engine op) cannot be served.
 
     ``code`` is a protocol ``ErrorCode`` value; the engine never imports the server.
     """
@@ -69,6 +69,9 @@ class EngineOpError(Exception):
 
 # done(result, error): exactly one is None; invoked on the engine thread, must be cheap.
 CallDone = Callable[[dict[str, Any] | None, EngineOpError | None], None]
+# handler(calls, owner, done, **kwargs): the engine-thread handler of an op, as the op
+# registry (station.op_registry) names it; the engine runs it between steps.
+EngineCallHandler = Callable[..., Any]
 
 
 class EventKind(enum.StrEnum):
@@ -110,14 +113,15 @@ class Engine(Protocol):
         """Figures for the ``stats`` op and ``hello``'s kv_pool (thread-safe snapshot)."""
 
     def capabilities(self) -> dict[str, bool]:
-        """Engine capability flags (paged_kv, prefix_cache, continuous_batching, ...)."""
+        """Engine feature flags (paged_kv, prefix_cache, continuous_batching,
+        kv_persistence): properties, not ops. The flags of ops come from the op registry."""
 
-    def call(self, name: str, owner: Any, done: CallDone, **kwargs: Any) -> None:
-        """Queue an engine call (thread-safe): ``kv_save``, ``kv_load``, ``kv_delete``,
-        ``kv_list``, ``forward``, ``decode_next``, ``embed``. ``owner`` (the connection)
-        owns the host-held sequences it creates. Raises RuntimeError when shutting down, and
-        ``EngineOpError`` with code ``capacity`` when a new sequence would overfill the
-        waiting queue."""
+    def call(self, handler: EngineCallHandler, owner: Any, done: CallDone, **kwargs: Any) -> None:
+        """Queue an engine call (thread-safe): ``handler`` is the handler of an engine op in
+        ``station.op_registry`` (a ``HostCalls`` method), run on the engine thread with
+        ``kwargs``. ``owner`` (the connection) owns the host-held sequences it creates.
+        Raises RuntimeError when shutting down, and ``EngineOpError`` with code ``capacity``
+        when a new sequence would overfill the waiting queue."""
 
     def cancel_call(self, done: CallDone) -> None:
         """Cancel the call answered by ``done`` (thread-safe, idempotent): a queued call is

@@ -2,19 +2,21 @@
 
 ``kv_session.save|load|delete|list``, ``forward``, ``decode_next`` and ``embed`` change or
 read engine state (sessions, blocks, the model), so they run on the engine thread between
-steps (``PagedEngine.call``). Here their arguments are checked, so a bad one is a
-``bad_request`` frame before the engine sees anything, and ``EngineCall`` carries the
+steps (``PagedEngine.call``, by the ``HostCalls`` method the op registry names). Here their
+arguments are checked (the ``parse_*`` parsers of ``station.op_registry``), so a bad one is
+a ``bad_request`` frame before the engine sees anything, and ``EngineCall`` carries the
 engine's answer back to the trio task that waits for it: one request frame in, one final
 frame out.
 
-``embed`` of texts tokenizes them first, on a worker thread (``encode_embed_texts``); its
-texts are only measured here (the size bound of ``station.ops``). A call can be cancelled
-at any stage (``EngineCall.cancel``): before the engine has it, its tokenizing is abandoned;
-after, the engine drops it at its next step boundary and frees what it held.
+``embed`` of texts tokenizes them first, on a worker thread (its parser returns a
+``Tokenizing``); its texts are only measured here (the size bound of ``station.ops``).
+Cancelling a call (``EngineCall.cancel``) makes the engine drop it at its next step boundary
+and free what it held.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import trio
@@ -22,25 +24,10 @@ import trio
 from gnosis_daemon.protocol import ErrorCode
 from station.engine_api import Engine, EngineOpError, SamplingParams
 from station.model_loader import LoadedModel
-from station.ops import (OpError, arg, bad, check_text_size, codec, number, seed_arg,
-                         token_list)
+from station.ops import (OpContext, OpError, Tokenizing, arg, bad, check_text_size, codec,
+                         number, seed_arg, token_list)
 
-# op -> engine call name
-ENGINE_OPS = {
-    "kv_session.save": "kv_save",
-    "kv_session.load": "kv_load",
-    "kv_session.delete": "kv_delete",
-    "kv_session.list": "kv_list",
-    "forward": "forward",
-    "decode_next": "decode_next",
-    "embed": "embed",
-}
 MAX_EMBED_INPUTS = 256
-
-
-def parse(loaded: LoadedModel, op: str, args: dict[str, Any]) -> dict[str, Any]:
-    """Checked keyword arguments of the engine call for ``op`` (raises ``OpError``)."""
-    return _PARSERS[op](loaded, args)
 
 
 def _session_id(args: dict[str, Any]) -> str:
@@ -54,7 +41,7 @@ def _tokens(loaded: LoadedModel, args: dict[str, Any], name: str = "tokens") -> 
     return token_list(loaded, args, name, [])
 
 
-def _kv_save(loaded: LoadedModel, args: dict[str, Any]) -> dict[str, Any]:
+def parse_kv_save(ctx: OpContext, args: dict[str, Any]) -> dict[str, Any]:
     prefix_len = arg(args, "prefix_len", int)
     if prefix_len < 0:
         raise bad("argument 'prefix_len' must be >= 0")
@@ -66,26 +53,27 @@ def _kv_save(loaded: LoadedModel, args: dict[str, Any]) -> dict[str, Any]:
     if seq_id is not None:
         kwargs["seq_id"] = seq_id
     else:
-        kwargs["tokens"] = _tokens(loaded, args)  # none at all: only prefix_len 0 (the probe)
+        kwargs["tokens"] = _tokens(ctx.loaded, args)  # none at all: only prefix_len 0 (the probe)
     return kwargs
 
 
-def _kv_load(loaded: LoadedModel, args: dict[str, Any]) -> dict[str, Any]:
+def parse_session_id(ctx: OpContext, args: dict[str, Any]) -> dict[str, Any]:
     return {"session_id": _session_id(args)}
 
 
-def _kv_list(loaded: LoadedModel, args: dict[str, Any]) -> dict[str, Any]:
+def parse_kv_list(ctx: OpContext, args: dict[str, Any]) -> dict[str, Any]:
     return {"include_tokens": arg(args, "include_tokens", bool, False)}
 
 
-def _forward(loaded: LoadedModel, args: dict[str, Any]) -> dict[str, Any]:
-    return {"tokens": _tokens(loaded, args), "seq_id": arg(args, "seq_id", str, None, nullable=True),
+def parse_forward(ctx: OpContext, args: dict[str, Any]) -> dict[str, Any]:
+    return {"tokens": _tokens(ctx.loaded, args),
+            "seq_id": arg(args, "seq_id", str, None, nullable=True),
             "tenant": arg(args, "tenant", str, ""),
             "load_session": arg(args, "load_session", str, None, nullable=True) or None,
             "release": arg(args, "release", bool, False)}
 
 
-def _decode_next(loaded: LoadedModel, args: dict[str, Any]) -> dict[str, Any]:
+def parse_decode_next(ctx: OpContext, args: dict[str, Any]) -> dict[str, Any]:
     kwargs = {"seq_id": arg(args, "seq_id", str),
               "temperature": number(args, "temperature", 1.0),
               "top_p": number(args, "top_p", 1.0),
@@ -98,8 +86,9 @@ def _decode_next(loaded: LoadedModel, args: dict[str, Any]) -> dict[str, Any]:
     return kwargs
 
 
-def _embed(loaded: LoadedModel, args: dict[str, Any]) -> dict[str, Any]:
-    """``{"texts": [...]}`` (to encode with ``encode_embed_texts``) or ``{"token_lists"}``."""
+def parse_embed(ctx: OpContext, args: dict[str, Any]) -> dict[str, Any] | Tokenizing:
+    """``{"token_lists": [...]}``, or the texts' encoding into it on a worker thread."""
+    loaded = ctx.loaded
     if ("texts" in args) == ("tokens" in args):
         raise bad("embed takes exactly one of 'texts' or 'tokens'")
     inputs = arg(args, "texts" if "texts" in args else "tokens", list)
@@ -110,7 +99,7 @@ def _embed(loaded: LoadedModel, args: dict[str, Any]) -> dict[str, Any]:
             raise bad("argument 'texts' must be a list of strings")
         for i, text in enumerate(inputs):
             check_text_size(loaded, len(text), f"input {i}")
-        return {"texts": list(inputs)}
+        return Tokenizing(functools.partial(encode_embed_texts, loaded, list(inputs)))
     token_lists = []
     for i, item in enumerate(inputs):
         if not isinstance(item, list):
@@ -134,20 +123,10 @@ def _checked_inputs(loaded: LoadedModel, token_lists: list[list[int]]) -> dict[s
     return {"token_lists": token_lists}
 
 
-_PARSERS = {
-    "kv_session.save": _kv_save, "kv_session.load": _kv_load,
-    "kv_session.delete": _kv_load, "kv_session.list": _kv_list,
-    "forward": _forward, "decode_next": _decode_next, "embed": _embed,
-}
-assert set(_PARSERS) == set(ENGINE_OPS)
-
-
 class EngineCall:
     """One in-flight engine call, seen from trio: the engine's answer or a server-made error.
 
-    ``scope`` is set while its arguments are tokenized on a worker thread; ``submitted``
-    once the engine has it (``done`` is the callback it was given, and the key
-    ``cancel_call`` knows it by).
+    ``done`` is the callback the engine was given, and the key ``cancel_call`` knows it by.
     """
 
     def __init__(self, token: trio.lowlevel.TrioToken, engine: Engine) -> None:
@@ -156,8 +135,6 @@ class EngineCall:
         self._event = trio.Event()
         self._result: dict[str, Any] | None = None
         self._error: EngineOpError | None = None
-        self.scope: trio.CancelScope | None = None
-        self.submitted = False
 
     @property
     def finished(self) -> bool:
@@ -181,10 +158,7 @@ class EngineCall:
         if self.finished:
             return False
         self.fail(code, message)
-        if self.scope is not None:
-            self.scope.cancel()
-        if self.submitted:
-            self._engine.cancel_call(self.done)
+        self._engine.cancel_call(self.done)
         return True
 
     def _set(self, result: dict[str, Any] | None, error: EngineOpError | None) -> None:

@@ -32,7 +32,7 @@ import torch
 from gnosis_daemon.logs import get_logger
 from gnosis_daemon.protocol import ErrorCode, pack_array
 from station.block_pool import block_hashes_for, prefix_extra_keys
-from station.engine_api import CallDone, EngineOpError, SamplingParams
+from station.engine_api import CallDone, EngineCallHandler, EngineOpError, SamplingParams
 from station.sampling import make_generator, sample
 from station.sequence import Sequence, SequenceStatus
 
@@ -67,8 +67,7 @@ class EmbedJob:
 
 
 class HostCalls:
-    NAMES = frozenset({"kv_save", "kv_load", "kv_delete", "kv_list", "forward", "decode_next",
-                       "embed"})
+    """Each public call method is an op's engine-thread handler (``station.op_registry``)."""
 
     def __init__(self, engine: PagedEngine) -> None:
         self.engine = engine
@@ -78,27 +77,28 @@ class HostCalls:
         self.embed_inputs_done = 0  # inputs embedded since start (stats)
 
     # -- dispatch
-    def run(self, name: str, owner: Any, done: CallDone | None, kwargs: dict[str, Any]) -> None:
-        if name == "release_owner":
+    def run(self, handler: EngineCallHandler, owner: Any, done: CallDone | None,
+            kwargs: dict[str, Any]) -> None:
+        if handler is HostCalls.release_owner:  # queued by the engine itself: no answer
             self.release_owner(owner)
             return
-        assert done is not None and name in self.NAMES
+        assert done is not None
         try:
-            result = getattr(self, "_" + name)(owner, done, **kwargs)
+            result = handler(self, owner, done, **kwargs)
         except EngineOpError as exc:
             answer(done, None, exc)
             return
         except Exception as exc:  # a bug in one call must not take the engine down
-            log.exception("engine_call_failed", call=name)
+            log.exception("engine_call_failed", call=handler.__name__)
             answer(done, None, _error(ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}"))
             return
         if result is not _PENDING:
             answer(done, result, None)
 
     # -- KV sessions
-    def _kv_save(self, owner: Any, done: CallDone, session_id: str, prefix_len: int,
-                 tenant: str = "", tokens: list[int] | None = None,
-                 seq_id: str | None = None) -> dict[str, Any]:
+    def kv_save(self, owner: Any, done: CallDone, session_id: str, prefix_len: int,
+                tenant: str = "", tokens: list[int] | None = None,
+                seq_id: str | None = None) -> dict[str, Any]:
         engine = self.engine
         if seq_id is not None:
             seq = self._owned(owner, seq_id)
@@ -124,7 +124,7 @@ class HostCalls:
         engine.sessions.save(session_id, tenant, tokens[:num_blocks * bs], blocks)
         return {"session_id": session_id, "num_tokens": num_blocks * bs}
 
-    def _kv_load(self, owner: Any, done: CallDone, session_id: str) -> dict[str, Any]:
+    def kv_load(self, owner: Any, done: CallDone, session_id: str) -> dict[str, Any]:
         engine = self.engine
         session = engine.sessions.get(session_id)
         if session is None:
@@ -138,10 +138,10 @@ class HostCalls:
         engine.sessions.use(session)
         return {"seq_id": seq.seq_id, "num_tokens": seq.num_tokens}
 
-    def _kv_delete(self, owner: Any, done: CallDone, session_id: str) -> dict[str, Any]:
+    def kv_delete(self, owner: Any, done: CallDone, session_id: str) -> dict[str, Any]:
         return {"deleted": self.engine.sessions.delete(session_id)}
 
-    def _kv_list(self, owner: Any, done: CallDone, include_tokens: bool = False) -> dict[str, Any]:
+    def kv_list(self, owner: Any, done: CallDone, include_tokens: bool = False) -> dict[str, Any]:
         sessions = self.engine.sessions
         listed = []
         for s in reversed(sessions.sessions()):  # most recently used first
@@ -153,9 +153,9 @@ class HostCalls:
         return {"sessions": listed, "budget": sessions.budget, "pinned_blocks": sessions.pinned_blocks}
 
     # -- host-held sequences
-    def _forward(self, owner: Any, done: CallDone, tokens: list[int], seq_id: str | None = None,
-                 tenant: str = "", load_session: str | None = None,
-                 release: bool = False) -> Any:
+    def forward(self, owner: Any, done: CallDone, tokens: list[int], seq_id: str | None = None,
+                tenant: str = "", load_session: str | None = None,
+                release: bool = False) -> Any:
         engine = self.engine
         if seq_id is None:
             if release:
@@ -185,8 +185,8 @@ class HostCalls:
         engine.scheduler.resume(seq)
         return _PENDING
 
-    def _decode_next(self, owner: Any, done: CallDone, seq_id: str, temperature: float = 1.0,
-                     top_p: float = 1.0, top_k: int = 0, seed: int | None = None) -> Any:
+    def decode_next(self, owner: Any, done: CallDone, seq_id: str, temperature: float = 1.0,
+                    top_p: float = 1.0, top_k: int = 0, seed: int | None = None) -> Any:
         seq = self._owned(owner, seq_id)
         state = seq.user.host
         self._check_idle(seq)
@@ -257,7 +257,7 @@ class HostCalls:
                    _error(ErrorCode.SHUTTING_DOWN, "the station is shutting down"))
 
     # -- embeddings
-    def _embed(self, owner: Any, done: CallDone, token_lists: list[list[int]]) -> Any:
+    def embed(self, owner: Any, done: CallDone, token_lists: list[list[int]]) -> Any:
         self.embeds.append(EmbedJob(owner, done, token_lists))
         return _PENDING
 

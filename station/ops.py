@@ -4,9 +4,11 @@ Every check raises ``OpError`` with the protocol error code, so the server turns
 argument into one error frame and the connection keeps working.
 
 Threads: the checks that cost no more than the frame's own decoding run on the trio thread
-(types, ranges, lengths, the size bound below). Everything that runs the tokenizer or the
-chat template (``tokenize``, ``detokenize``, ``GeneratePlan.encode``) takes time in
-proportion to its input, so the server calls it on a worker thread.
+(types, ranges, lengths, the size bound below): the ``parse_*`` functions, which the op
+registry (``station.op_registry``) names as parsers. Everything that runs the tokenizer or
+the chat template (``tokenize``, ``detokenize``, ``GeneratePlan.encode``) takes time in
+proportion to its input, so the server runs it on a worker thread: a parser that needs it
+returns a ``Tokenizing``.
 
 The size bound: ``LoadedModel.max_token_chars`` is the most characters one token can stand
 for, so a text longer than ``max_model_len * max_token_chars`` characters cannot fit the
@@ -19,9 +21,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
-from gnosis_daemon.protocol import ErrorCode
+from gnosis_daemon.protocol import Capability, ErrorCode
 from gnosis_daemon.settings import Settings
 from station.engine_api import SamplingParams
 from station.model_loader import LoadedModel
@@ -35,6 +37,22 @@ SEED_MIN, SEED_END = -(2**63), 2**64
 # with their number and with the square of their length: both are bounded.
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 512
+
+
+class OpContext(Protocol):
+    """What a parser may read: the station's model, settings and advertised flags."""
+
+    loaded: LoadedModel
+    settings: Settings
+    capabilities: dict[str, bool]
+
+
+@dataclass(frozen=True, slots=True)
+class Tokenizing:
+    """A parser's answer when the checked arguments need the tokenizer first: ``work()``
+    runs on a worker thread and returns them (raising ``OpError`` as a parser would)."""
+
+    work: Callable[[], Any]
 
 
 class OpError(Exception):
@@ -174,32 +192,31 @@ def render_chat(loaded: LoadedModel, messages: list[dict[str, str]],
     return text_codec.encode_chat(messages, render)
 
 
-def plan_tokenize(loaded: LoadedModel, args: dict[str, Any]) -> Callable[[], dict[str, Any]]:
-    """Check a ``tokenize`` (sizes included); the returned call does the tokenizing."""
+def parse_tokenize(ctx: OpContext, args: dict[str, Any]) -> dict[str, Any]:
+    """Check a ``tokenize`` (sizes included); ``tokenize`` does the work."""
     has_text, has_messages = "text" in args, "messages" in args
     if has_text == has_messages:
         raise bad("tokenize takes exactly one of 'text' or 'messages'")
     if has_messages:
         messages = check_messages(args["messages"])
         add_gen = arg(args, "add_generation_prompt", bool, True)
-        check_text_size(loaded, messages_chars(messages), "messages")
-        return lambda: {"tokens": render_chat(loaded, messages, add_gen)}
+        check_text_size(ctx.loaded, messages_chars(messages), "messages")
+        return {"messages": messages, "add_generation_prompt": add_gen}
     text = arg(args, "text", str)
     add_special = arg(args, "add_special_tokens", bool, False)
-    check_text_size(loaded, len(text), "text")
-    return lambda: {"tokens": codec(loaded).encode(text, add_special)}
+    check_text_size(ctx.loaded, len(text), "text")
+    return {"text": text, "add_special_tokens": add_special}
 
 
-def plan_detokenize(loaded: LoadedModel, args: dict[str, Any]) -> Callable[[], dict[str, Any]]:
-    """A ``detokenize``: its checks walk every token id, so they run with the decoding."""
-    return lambda: detokenize(loaded, args)
-
-
-def tokenize(loaded: LoadedModel, args: dict[str, Any]) -> dict[str, Any]:
-    return plan_tokenize(loaded, args)()
+def tokenize(loaded: LoadedModel, checked: dict[str, Any]) -> dict[str, Any]:
+    if "messages" in checked:
+        return {"tokens": render_chat(loaded, checked["messages"],
+                                      checked["add_generation_prompt"])}
+    return {"tokens": codec(loaded).encode(checked["text"], checked["add_special_tokens"])}
 
 
 def detokenize(loaded: LoadedModel, args: dict[str, Any]) -> dict[str, Any]:
+    """Its checks walk every token id, so they run here, with the decoding."""
     tokens = int_list(args, "tokens")
     check_token_range(loaded, tokens, "tokens")
     skip = arg(args, "skip_special_tokens", bool, True)
@@ -314,7 +331,15 @@ def plan_generate(loaded: LoadedModel, settings: Settings, args: dict[str, Any])
     )
 
 
-def parse_generate(loaded: LoadedModel, settings: Settings, args: dict[str, Any]) -> GenerateArgs:
-    """``plan_generate``, encoding and ``finish`` in one call (on the calling thread)."""
-    plan = plan_generate(loaded, settings, args)
-    return plan.finish(loaded, plan.encode(loaded))
+def parse_generate(ctx: OpContext, args: dict[str, Any]) -> GenerateArgs | Tokenizing:
+    """``plan_generate``; a prompt given as text is encoded on a worker thread."""
+    loaded = ctx.loaded
+    plan = plan_generate(loaded, ctx.settings, args)
+    if ((plan.load_session or plan.save_session or plan.save_final_session)
+            and Capability.KV_SESSION not in ctx.capabilities):
+        raise bad("KV session arguments need capability kv_session, which this station does "
+                  "not have")
+    if not plan.needs_encoding:
+        assert plan.prompt_ids is not None
+        return plan.finish(loaded, plan.prompt_ids)
+    return Tokenizing(lambda: plan.finish(loaded, plan.encode(loaded)))

@@ -40,8 +40,8 @@ import torch
 from gnosis_daemon.logs import get_logger
 from gnosis_daemon.protocol import ErrorCode
 from station.block_pool import BlockPool, KVBlock, prefix_extra_keys
-from station.engine_api import (CallDone, EngineEvent, EngineOpError, EventCallback, EventKind,
-                                GenerationRequest)
+from station.engine_api import (CallDone, EngineCallHandler, EngineEvent, EngineOpError,
+                                EventCallback, EventKind, GenerationRequest)
 from station.host_calls import HostCalls, HostState, answer
 from station.kv_cache import KVCache, KVCacheShape, num_blocks_for
 from station.model_runner import ModelRunner
@@ -101,8 +101,8 @@ class PagedEngine:
         self._cond = threading.Condition()
         self._inbox: collections.deque[Sequence] = collections.deque()
         self._aborts: dict[str, str] = {}  # request id -> finish reason (cancelled | stop)
-        self._calls: collections.deque[tuple[str, Any, CallDone | None, dict[str, Any]]] = (
-            collections.deque())
+        self._calls: collections.deque[
+            tuple[EngineCallHandler, Any, CallDone | None, dict[str, Any]]] = collections.deque()
         self._cancels: set[CallDone] = set()  # calls to drop at the next step boundary
         self._known: set[str] = set()  # queued or running ids (duplicate check)
         self._stopping = False
@@ -141,7 +141,7 @@ class PagedEngine:
             if seq in self.scheduler.running or seq in self.scheduler.waiting:
                 self.scheduler.finish(seq, "shutting_down")
             self._end(seq, ErrorCode.SHUTTING_DOWN, "the station is shutting down")
-        for _name, _owner, done, _kwargs in calls:
+        for _handler, _owner, done, _kwargs in calls:
             if done is not None:
                 done(None, EngineOpError(ErrorCode.SHUTTING_DOWN.value, "the station is shutting down"))
         self.host.shutdown()
@@ -196,16 +196,16 @@ class PagedEngine:
                 self._aborts[request_id] = "stop"
                 self._cond.notify_all()
 
-    def call(self, name: str, owner: Any, done: CallDone, **kwargs: Any) -> None:
-        """Queue an engine call. Raises ``EngineOpError`` (capacity) for a ``forward`` that
-        would make a new sequence wait past ``max_waiting_requests``."""
-        assert name in HostCalls.NAMES, name
+    def call(self, handler: EngineCallHandler, owner: Any, done: CallDone, **kwargs: Any) -> None:
+        """Queue an engine call (``handler``: a ``HostCalls`` method). Raises
+        ``EngineOpError`` (capacity) for a ``forward`` that would make a new sequence wait
+        past ``max_waiting_requests``."""
         with self._cond:
             if self._stopping:
                 raise RuntimeError("the engine is shutting down")
-            if _makes_sequence(name, kwargs):
+            if _makes_sequence(handler, kwargs):
                 self._check_queue()
-            self._calls.append((name, owner, done, kwargs))
+            self._calls.append((handler, owner, done, kwargs))
             self._cond.notify_all()
 
     def cancel_call(self, done: CallDone) -> None:
@@ -220,7 +220,7 @@ class PagedEngine:
     def _check_queue(self) -> None:
         """Refuse a new waiting sequence past ``max_waiting_requests`` (lock held)."""
         waiting = (len(self._inbox) + len(self.scheduler.waiting)
-                   + sum(_makes_sequence(name, kwargs) for name, _, _, kwargs in self._calls))
+                   + sum(_makes_sequence(handler, kwargs) for handler, _, _, kwargs in self._calls))
         limit = self.settings.max_waiting_requests
         if waiting >= limit:
             raise EngineOpError(ErrorCode.CAPACITY.value,
@@ -230,7 +230,7 @@ class PagedEngine:
     def release_owner(self, owner: Any) -> None:
         with self._cond:
             if not self._stopping:
-                self._calls.append(("release_owner", owner, None, {}))
+                self._calls.append((HostCalls.release_owner, owner, None, {}))
                 self._cond.notify_all()
 
     def stats(self) -> dict[str, Any]:
@@ -265,7 +265,6 @@ class PagedEngine:
 
     def capabilities(self) -> dict[str, bool]:
         return {"paged_kv": True, "prefix_cache": True, "continuous_batching": True,
-                "kv_session": True, "forward": True, "decode_next": True, "embed": True,
                 "kv_persistence": bool(self.settings.kv_persistence)}
 
     def make_client(self, **fields: Any) -> _Client:
@@ -296,13 +295,13 @@ class PagedEngine:
                         self._final_save(seq)
                     self.scheduler.finish(seq, reason)
                     self._finished(seq)
-            for name, owner, done, kwargs in calls:
+            for handler, owner, done, kwargs in calls:
                 if done is not None and done in cancels:
                     cancels.discard(done)
                     answer(done, None,
                            EngineOpError(ErrorCode.CANCELLED.value, "request cancelled"))
                     continue
-                self.host.run(name, owner, done, kwargs)
+                self.host.run(handler, owner, done, kwargs)
             if cancels:
                 self.host.cancel(cancels)
             if self.scheduler.has_unfinished():
@@ -461,6 +460,7 @@ class PagedEngine:
             log.exception("engine_event_callback_failed", request_id=seq.seq_id)
 
 
-def _makes_sequence(name: str, kwargs: dict[str, Any]) -> bool:
+def _makes_sequence(handler: EngineCallHandler, kwargs: dict[str, Any]) -> bool:
     """An engine call that adds a new sequence to the waiting queue."""
-    return name == "forward" and kwargs.get("seq_id") is None and not kwargs.get("release")
+    return (handler is HostCalls.forward and kwargs.get("seq_id") is None
+            and not kwargs.get("release"))

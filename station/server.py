@@ -1,15 +1,16 @@
 """The station process: load the model, start the engine, serve the Unix socket.
 
-Resource handling: the runtime directory is forced to mode 0700 and the socket is bound
-under umask 0o177 (so it is 0600 from birth, no window where others could connect). Each
-connection owns a nursery with one task per streaming request; when the connection ends
+Resource handling: the socket file is private from birth (``station.socket_file``). Each
+connection owns a nursery with one task per request it hands on; when the connection ends
 (EOF, error, undecodable frame) every request it still has is aborted in the engine.
 
-Threads: the trio thread only decodes frames, checks arguments (in time bounded by the
-frame) and moves answers; tokenizer and chat-template work (``tokenize``, ``detokenize``,
-a text or chat prompt, ``embed`` texts) runs on worker threads (``_text_work``, at most
-``TEXT_THREADS`` at once), and the model runs on the engine thread. A request whose
-arguments are being tokenized is in ``_Connection.preparing`` and can be cancelled there.
+Dispatch: each op's entry in the op registry (``station.op_registry``) gives its parser and
+handler and says where the handler runs. The trio thread only decodes frames, runs parsers
+(in time bounded by the frame), answers inline ops and moves answers; tokenizer and
+chat-template work (``tokenize``, ``detokenize``, a text or chat prompt, ``embed`` texts)
+runs on worker threads (``_text_work``, at most ``TEXT_THREADS`` at once), and the model runs
+on the engine thread. A request whose arguments are being tokenized is in
+``Connection.preparing`` and can be cancelled there.
 
 Error handling: a frame that decodes but breaks the protocol gets an error frame and the
 connection keeps working; a frame that cannot be decoded (or is too big) gets an error
@@ -19,28 +20,23 @@ in-flight requests with ``shutting_down``, remove the socket and exit 0.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import functools
 import itertools
 import os
 import queue
 import signal
-import socket
-import stat
 import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Awaitable, Callable, Iterator
 
 import trio
 
-import gnosis_daemon
 from gnosis_daemon.logs import bind_request, configure_logging, get_logger
 from gnosis_daemon.protocol import (
-    OP_CAPABILITY,
-    PROTOCOL_VERSION,
-    Capability,
     ErrorCode,
     FrameDecoder,
     ProtocolError,
@@ -51,11 +47,14 @@ from gnosis_daemon.protocol import (
 )
 from gnosis_daemon.settings import Settings
 from station import engine_ops, ops
-from station.engine_api import Engine, EngineEvent, EngineOpError, EventKind, GenerationRequest
+from station.connection import Connection, Preparing
+from station.engine_api import Engine, EngineEvent, EngineOpError, EventKind
 from station.model_loader import LoadedModel, ModelLoadError, load_model
-from station.ops import OpError
+from station.op_registry import STATION_OPS, OpRegistry, OpSpec, RunsOn
+from station.ops import OpError, Tokenizing
 from station.paged_engine import PagedEngine
 from station.persist import TierReport, restore_sessions, save_sessions
+from station.socket_file import bind_socket, remove_socket
 from station.stream import GenerateStream
 
 log = get_logger(__name__)
@@ -67,63 +66,30 @@ _SHUTDOWN_GRACE_S = 5.0  # time for final frames to reach clients after SIGTERM
 TEXT_THREADS = 2
 
 
-class _Preparing:
-    """A request whose arguments are being tokenized on a worker thread."""
-
-    def __init__(self) -> None:
-        self.scope = trio.CancelScope()
-        self.error: tuple[ErrorCode, str] | None = None  # why it was stopped
-
-    def cancel(self, code: ErrorCode, message: str) -> bool:
-        if self.error is not None:
-            return False
-        self.error = (code, message)
-        self.scope.cancel()
-        return True
-
-
-class _Connection:
-    def __init__(self, number: int, stream: trio.SocketStream) -> None:
-        self.number = number
-        self.stream = stream
-        self.send_lock = trio.Lock()
-        self.generates: dict[Any, GenerateStream] = {}
-        self.calls: dict[Any, engine_ops.EngineCall] = {}  # in-flight engine calls by frame id
-        self.preparing: dict[Any, _Preparing] = {}  # generate/tokenize/detokenize on a worker
-        self.closed = False
-
-    def in_flight(self, request_id: Any) -> bool:
-        return (request_id in self.generates or request_id in self.calls
-                or request_id in self.preparing)
-
-    async def send(self, payload: bytes) -> None:
-        if self.closed:
-            return
-        try:
-            async with self.send_lock:
-                await self.stream.send_all(payload)
-        except (trio.BrokenResourceError, trio.ClosedResourceError):
-            self.closed = True  # the reader sees EOF and tears the connection down
-
-
 class StationServer:
-    def __init__(self, settings: Settings, loaded: LoadedModel, engine: Engine) -> None:
+    """Serves the ops of ``registry`` (the station's own unless a test passes another)."""
+
+    def __init__(self, settings: Settings, loaded: LoadedModel, engine: Engine,
+                 registry: OpRegistry = STATION_OPS) -> None:
         self.settings = settings
         self.loaded = loaded
         self.engine = engine
+        self.registry = registry
         self.started = time.monotonic()
-        self.capabilities = self._capabilities()
-        self._connections: set[_Connection] = set()
+        self.capabilities = registry.advertised(engine.capabilities(),
+                                                settings.disabled_capabilities)
+        self._connections: set[Connection] = set()
         self._numbers = itertools.count(1)
         self.shutting_down = False
-        self._handlers = {"hello": self._hello, "health": self._health, "stats": self._stats}
         self._text_limiter = trio.CapacityLimiter(TEXT_THREADS)
 
-    def _capabilities(self) -> dict[str, bool]:
-        flags = {Capability.GENERATE.value: True}
-        flags.update({k: True for k, v in self.engine.capabilities().items() if v})
-        disabled = self.settings.disabled_capabilities
-        return {k: True for k in flags if k not in disabled}
+    # What the start found in the KV disk tier (``persist.TierReport.as_dict()``), set by
+    # ``serve``; hello and health publish it so a rejected or foreign tier is never silent.
+    kv_tier: dict[str, Any] | None = None
+
+    @property
+    def num_connections(self) -> int:
+        return len(self._connections)
 
     # -- lifecycle
     async def serve(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
@@ -182,7 +148,7 @@ class StationServer:
 
     # -- connections
     async def _handle_connection(self, stream: trio.SocketStream) -> None:
-        conn = _Connection(next(self._numbers), stream)
+        conn = Connection(next(self._numbers), stream)
         self._connections.add(conn)
         try:
             async with trio.open_nursery() as nursery:
@@ -201,7 +167,7 @@ class StationServer:
             with trio.CancelScope(shield=True):
                 await stream.aclose()
 
-    async def _read_loop(self, conn: _Connection, nursery: trio.Nursery) -> None:
+    async def _read_loop(self, conn: Connection, nursery: trio.Nursery) -> None:
         decoder = FrameDecoder(self.settings.max_frame_bytes)
         while True:
             try:
@@ -220,178 +186,120 @@ class StationServer:
                 await conn.send(error_frame(None, exc.code, exc.message))
                 return
 
-    async def _dispatch(self, conn: _Connection, message: Any, nursery: trio.Nursery) -> None:
+    # -- dispatch: the op's entry in the registry says how it is served
+    async def _dispatch(self, conn: Connection, message: Any, nursery: trio.Nursery) -> None:
         try:
             req = parse_request(message)
         except ProtocolError as exc:
             await conn.send(error_frame(exc.request_id, exc.code, exc.message))
             return
         with bind_request(req.rid):
-            try:
-                if req.op in OP_CAPABILITY and OP_CAPABILITY[req.op].value not in self.capabilities:
-                    raise OpError(ErrorCode.UNKNOWN_OP, f"op {req.op!r} is not available "
-                                  "on this station")
-                if self.shutting_down and req.op not in ("hello", "health"):
-                    raise OpError(ErrorCode.SHUTTING_DOWN, "the station is shutting down")
-                if req.op == "generate":
-                    self._start_generate(conn, req, nursery)
-                    return
-                if req.op in engine_ops.ENGINE_OPS:
-                    self._start_engine_call(conn, req, nursery)
-                    return
-                if req.op in ("tokenize", "detokenize"):
-                    self._start_text_op(conn, req, nursery)
-                    return
-                if req.op == "cancel":
-                    result = self._cancel(conn, req)
-                elif req.op in self._handlers:
-                    result = self._handlers[req.op](req)
-                else:
-                    raise OpError(ErrorCode.UNKNOWN_OP, f"unknown op {req.op!r}")
-            except OpError as exc:
-                await conn.send(error_frame(req.id, exc.code, exc.message))
-                return
-            except Exception as exc:  # a bug in one op must not end the connection
-                log.exception("op_failed", op=req.op)
-                await conn.send(error_frame(req.id, ErrorCode.INTERNAL,
-                                            f"{type(exc).__name__}: {exc}"))
-                return
+            await self._reply(conn, req, functools.partial(self._start, conn, req, nursery))
+
+    async def _reply(self, conn: Connection, req: Request,
+                     work: Callable[[], Awaitable[dict[str, Any] | None]]) -> None:
+        """Send the result frame of ``await work()`` (None: the request was handed on and
+        answers later), or the error frame of what it raised."""
+        try:
+            result = await work()
+        except OpError as exc:
+            await conn.send(error_frame(req.id, exc.code, exc.message))
+            return
+        except Exception as exc:  # a bug in one op must not end the connection
+            log.exception("op_failed", op=req.op)
+            await conn.send(error_frame(req.id, ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}"))
+            return
+        if result is not None:
             await conn.send(result_frame(req.id, result))
 
-    # -- ops
-    # What the start found in the KV disk tier (``persist.TierReport.as_dict()``), set by
-    # ``serve``; hello and health publish it so a rejected or foreign tier is never silent.
-    kv_tier: dict[str, Any] | None = None
+    def _spec(self, op: str) -> OpSpec:
+        """The op's entry, if this station serves it now; else the error that says why."""
+        spec = self.registry.get(op)
+        if spec is not None and spec.capability is not None \
+                and spec.capability not in self.capabilities:
+            raise OpError(ErrorCode.UNKNOWN_OP, f"op {op!r} is not available on this station")
+        if self.shutting_down and not (spec is not None and spec.while_stopping):
+            raise OpError(ErrorCode.SHUTTING_DOWN, "the station is shutting down")
+        if spec is None:
+            raise OpError(ErrorCode.UNKNOWN_OP, f"unknown op {op!r}")
+        return spec
 
-    def _hello(self, req: Request) -> dict[str, Any]:
-        loaded, stats = self.loaded, self.engine.stats()
-        return {
-            "protocol": PROTOCOL_VERSION, "pid": os.getpid(), "version": gnosis_daemon.__version__,
-            "model": {"id": loaded.served_id, "path": loaded.path,
-                      "fingerprint": loaded.fingerprint, "model_type": loaded.model_type,
-                      "max_model_len": loaded.max_model_len, "vocab_size": loaded.vocab_size,
-                      "eos_token_ids": list(loaded.eos_token_ids),
-                      "max_token_chars": loaded.max_token_chars,
-                      "device": str(loaded.device), "dtype": str(loaded.dtype).removeprefix("torch.")},
-            "capabilities": dict(self.capabilities),
-            "kv_pool": {"block_size": int(self.engine.block_size),
-                        "blocks_total": int(stats.get("blocks_total", 0)),
-                        "blocks_free": int(stats.get("blocks_free", 0))},
-            "kv_tier": self.kv_tier,
-        }
-
-    def _health(self, req: Request) -> dict[str, Any]:
-        stats = self.engine.stats()
-        return {"status": "shutting_down" if self.shutting_down else "ok", "pid": os.getpid(),
-                "uptime_s": round(time.monotonic() - self.started, 3),
-                "running": int(stats.get("running", 0)), "waiting": int(stats.get("waiting", 0)),
-                "kv_tier": self.kv_tier}
-
-    def _stats(self, req: Request) -> dict[str, Any]:
-        return {**self.engine.stats(), "connections": len(self._connections)}
-
-    def _cancel(self, conn: _Connection, req: Request) -> dict[str, Any]:
-        target = req.args.get("target")
-        if not isinstance(target, (int, str)) or isinstance(target, bool):
-            raise ops.bad("argument 'target' must be the id of a request on this connection")
-        prep = conn.preparing.get(target)
-        if prep is not None:
-            return {"cancelled": prep.cancel(ErrorCode.CANCELLED, "request cancelled")}
-        call = conn.calls.get(target)
-        if call is not None:
-            return {"cancelled": call.cancel()}
-        gen = conn.generates.get(target)
-        if gen is None or gen.done:
-            return {"cancelled": False}
-        self.engine.abort(gen.engine_id)
-        return {"cancelled": True}
-
-    def _check_new_id(self, conn: _Connection, req: Request) -> None:
+    async def _start(self, conn: Connection, req: Request,
+                     nursery: trio.Nursery) -> dict[str, Any] | None:
+        """Answer an inline op, or check the request and hand it to its thread."""
+        spec = self._spec(req.op)
+        if spec.runs_on is RunsOn.INLINE:
+            return spec.handler(self, conn, spec.parse(self, req.args))
         if conn.in_flight(req.id):
             raise ops.bad(f"request id {req.id!r} is already in flight on this connection")
+        args = spec.parse(self, req.args)
+        if spec.runs_on is RunsOn.WORKER:
+            assert not isinstance(args, Tokenizing), "a worker op tokenizes in its handler"
+            self._prepare(conn, req, nursery, functools.partial(spec.handler, self.loaded, args))
+        elif isinstance(args, Tokenizing):
+            self._prepare(conn, req, nursery, args.work,
+                          then=functools.partial(self._submit, spec, conn, req, nursery))
+        else:
+            self._submit(spec, conn, req, nursery, args)
+        return None
 
-    async def _text_work(self, work: Any) -> Any:
+    # -- worker threads (tokenizer work)
+    def _prepare(self, conn: Connection, req: Request, nursery: trio.Nursery,
+                 work: Callable[[], Any], then: Callable[[Any], None] | None = None) -> None:
+        """Run ``work()`` on a worker thread; its result is the reply, or goes on to
+        ``then``. Until then the request is in ``conn.preparing`` (cancellable there)."""
+        prep = conn.preparing[req.id] = Preparing()
+        nursery.start_soon(self._run_prepared, conn, req, prep, work, then)
+
+    async def _run_prepared(self, conn: Connection, req: Request, prep: Preparing,
+                            work: Callable[[], Any], then: Callable[[Any], None] | None) -> None:
+        async def prepared() -> dict[str, Any] | None:
+            with prep.scope:
+                result = await self._text_work(work)
+            if prep.error is not None:  # cancelled, or the station is stopping
+                raise OpError(*prep.error)
+            del conn.preparing[req.id]
+            if then is None:
+                return result
+            then(result)  # handed on: it answers itself
+            return None
+
+        with bind_request(req.rid):
+            try:
+                await self._reply(conn, req, prepared)
+            finally:
+                if conn.preparing.get(req.id) is prep:
+                    del conn.preparing[req.id]
+
+    async def _text_work(self, work: Callable[[], Any]) -> Any:
         """``work()`` on a worker thread. Cancelling abandons it: the thread finishes on its
         own (its limiter slot stays taken until then) and its result is dropped."""
         return await trio.to_thread.run_sync(work, limiter=self._text_limiter,
                                              abandon_on_cancel=True)
 
-    async def _run_prepared(self, conn: _Connection, req: Request, prep: _Preparing,
-                            work: Any, then: Any) -> None:
-        """The task of a request in ``conn.preparing``: ``work()`` on a worker thread, then
-        ``then(result)`` on trio, whose return value is the result frame (None: ``then``
-        has handed the request on and it answers itself)."""
-        reply = None
-        with bind_request(req.rid):
-            try:
-                with prep.scope:
-                    result = await self._text_work(work)
-                if prep.error is not None:  # cancelled, or the station is stopping
-                    raise OpError(*prep.error)
-                del conn.preparing[req.id]
-                reply = then(result)
-            except OpError as exc:
-                await conn.send(error_frame(req.id, exc.code, exc.message))
-                return
-            except Exception as exc:  # a bug in one op must not end the connection
-                log.exception("op_failed", op=req.op)
-                await conn.send(error_frame(req.id, ErrorCode.INTERNAL,
-                                            f"{type(exc).__name__}: {exc}"))
-                return
-            finally:
-                if conn.preparing.get(req.id) is prep:
-                    del conn.preparing[req.id]
-            if reply is not None:
-                await conn.send(result_frame(req.id, reply))
-
-    def _start_text_op(self, conn: _Connection, req: Request, nursery: trio.Nursery) -> None:
-        """tokenize / detokenize: cheap checks here, the tokenizer on a worker thread."""
-        self._check_new_id(conn, req)
-        plan = ops.plan_tokenize if req.op == "tokenize" else ops.plan_detokenize
-        work = plan(self.loaded, req.args)
-        prep = conn.preparing[req.id] = _Preparing()
-        nursery.start_soon(self._run_prepared, conn, req, prep, work, lambda result: result)
-
-    def _start_generate(self, conn: _Connection, req: Request, nursery: trio.Nursery) -> None:
-        self._check_new_id(conn, req)
-        plan = ops.plan_generate(self.loaded, self.settings, req.args)
-        if ((plan.load_session or plan.save_session or plan.save_final_session)
-                and Capability.KV_SESSION.value not in self.capabilities):
-            raise ops.bad("KV session arguments need capability kv_session, which this "
-                          "station does not have")
-        if not plan.needs_encoding:
-            assert plan.prompt_ids is not None
-            self._submit_generate(conn, req, nursery, plan.finish(self.loaded, plan.prompt_ids))
+    # -- the engine thread
+    def _submit(self, spec: OpSpec, conn: Connection, req: Request, nursery: trio.Nursery,
+                args: Any) -> None:
+        """Hand an engine op to the engine: a streaming op as a request it schedules, any
+        other as a call. One task each, so the calls of one connection (many host-held
+        sequences' decode_next) reach the same engine step together."""
+        token = trio.lowlevel.current_trio_token()
+        if spec.streaming:
+            engine_id = f"{req.rid or 'gen'}:{conn.number}:{req.id}"
+            gen = spec.handler(req.id, engine_id, args, self.loaded.tokenizer,
+                               self.loaded.eos_token_ids, token)
+            with _engine_refusals():
+                self.engine.add_request(gen.engine_request(), gen.on_event)
+            conn.generates[req.id] = gen
+            nursery.start_soon(self._run_generate, conn, req, gen)
             return
+        call = engine_ops.EngineCall(token, self.engine)
+        with _engine_refusals():
+            self.engine.call(spec.handler, conn.number, call.done, **args)
+        conn.calls[req.id] = call
+        nursery.start_soon(self._run_engine_call, conn, req, call)
 
-        def submit(prompt_ids: list[int]) -> None:
-            self._submit_generate(conn, req, nursery, plan.finish(self.loaded, prompt_ids))
-
-        prep = conn.preparing[req.id] = _Preparing()
-        nursery.start_soon(self._run_prepared, conn, req, prep,
-                           functools.partial(plan.encode, self.loaded), submit)
-
-    def _submit_generate(self, conn: _Connection, req: Request, nursery: trio.Nursery,
-                         gen_args: ops.GenerateArgs) -> None:
-        engine_id = f"{req.rid or 'gen'}:{conn.number}:{req.id}"
-        gen = GenerateStream(req.id, engine_id, gen_args, self.loaded.tokenizer,
-                             self.loaded.eos_token_ids, trio.lowlevel.current_trio_token())
-        request = GenerationRequest(engine_id, gen_args.prompt_ids, gen_args.params,
-                                    tenant=gen_args.tenant, load_session=gen_args.load_session,
-                                    save_session=gen_args.save_session,
-                                    save_final_session=gen_args.save_final_session)
-        try:
-            self.engine.add_request(request, gen.on_event)
-        except ValueError as exc:
-            raise ops.bad(str(exc)) from None
-        except RuntimeError as exc:
-            raise OpError(ErrorCode.SHUTTING_DOWN, str(exc)) from None
-        except EngineOpError as exc:  # capacity: the waiting queue is full
-            raise OpError(ErrorCode(exc.code), exc.message) from None
-        conn.generates[req.id] = gen
-        nursery.start_soon(self._run_generate, conn, req, gen)
-
-    async def _run_generate(self, conn: _Connection, req: Request, gen: GenerateStream) -> None:
+    async def _run_generate(self, conn: Connection, req: Request, gen: GenerateStream) -> None:
         with bind_request(req.rid):
             try:
                 await gen.pump(conn.send, self.engine)
@@ -399,99 +307,27 @@ class StationServer:
                 if conn.generates.get(req.id) is gen:
                     del conn.generates[req.id]
 
-    def _start_engine_call(self, conn: _Connection, req: Request, nursery: trio.Nursery) -> None:
-        """Ops served on the engine thread: one task each, so calls of one connection
-        (many host-held sequences' decode_next) reach the same engine step together.
-        ``embed`` of texts is handed to the engine by its task, once tokenized."""
-        self._check_new_id(conn, req)
-        kwargs = engine_ops.parse(self.loaded, req.op, req.args)
-        call = engine_ops.EngineCall(trio.lowlevel.current_trio_token(), self.engine)
-        texts = kwargs.pop("texts", None)
-        if texts is None:
-            self._submit_call(conn, req, call, kwargs)
-        conn.calls[req.id] = call
-        nursery.start_soon(self._run_engine_call, conn, req, call, texts)
-
-    def _submit_call(self, conn: _Connection, req: Request, call: engine_ops.EngineCall,
-                     kwargs: dict[str, Any]) -> None:
-        try:
-            self.engine.call(engine_ops.ENGINE_OPS[req.op], conn.number, call.done, **kwargs)
-        except RuntimeError as exc:
-            raise OpError(ErrorCode.SHUTTING_DOWN, str(exc)) from None
-        except EngineOpError as exc:  # capacity: the waiting queue is full
-            raise OpError(ErrorCode(exc.code), exc.message) from None
-        call.submitted = True
-
-    async def _run_engine_call(self, conn: _Connection, req: Request,
-                               call: engine_ops.EngineCall, texts: list[str] | None) -> None:
+    async def _run_engine_call(self, conn: Connection, req: Request,
+                               call: engine_ops.EngineCall) -> None:
         with bind_request(req.rid):
             try:
-                try:
-                    if texts is not None:
-                        with trio.CancelScope() as call.scope:
-                            kwargs = await self._text_work(functools.partial(
-                                engine_ops.encode_embed_texts, self.loaded, texts))
-                        call.scope = None
-                        if not call.finished:  # else cancelled meanwhile: wait() says so
-                            self._submit_call(conn, req, call, kwargs)
-                    result = await call.wait()
-                except OpError as exc:
-                    await conn.send(error_frame(req.id, exc.code, exc.message))
-                    return
-                except Exception as exc:  # a bug in one op must not end the connection
-                    log.exception("op_failed", op=req.op)
-                    await conn.send(error_frame(req.id, ErrorCode.INTERNAL,
-                                                f"{type(exc).__name__}: {exc}"))
-                    return
-                await conn.send(result_frame(req.id, result))
+                await self._reply(conn, req, call.wait)
             finally:
                 if conn.calls.get(req.id) is call:
                     del conn.calls[req.id]
 
 
-# -- socket file handling
-def prepare_runtime_dir(path: Path) -> None:
-    """Create the runtime dir as 0700 (and force 0700 on one we own that already exists)."""
-    path.mkdir(mode=0o700, parents=True, exist_ok=True)
-    info = path.stat()
-    if info.st_uid != os.getuid():
-        raise PermissionError(f"runtime dir {path} belongs to uid {info.st_uid}, not us")
-    if stat.S_IMODE(info.st_mode) != 0o700:
-        path.chmod(0o700)
-
-
-def bind_socket(path: Path) -> socket.socket:
-    """Bind a listening Unix socket at ``path`` as 0600 (a stale file is removed first)."""
-    prepare_runtime_dir(path.parent)
+@contextlib.contextmanager
+def _engine_refusals() -> Iterator[None]:
+    """What the engine raises when it refuses a request or call, as the op's error."""
     try:
-        if stat.S_ISSOCK(path.lstat().st_mode):
-            path.unlink()
-        else:
-            raise FileExistsError(f"{path} exists and is not a socket; refusing to replace it")
-    except FileNotFoundError:
-        pass
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    old_umask = os.umask(0o177)  # the socket is born 0600: no window for other users
-    try:
-        sock.bind(os.fspath(path))
-    except BaseException:
-        sock.close()
-        raise
-    finally:
-        os.umask(old_umask)
-    os.chmod(path, 0o600)
-    sock.listen(128)
-    sock.setblocking(False)
-    return sock
-
-
-def remove_socket(path: Path, inode: int) -> None:
-    """Remove our socket file, unless a newer station already replaced it."""
-    try:
-        if path.stat().st_ino == inode:
-            path.unlink()
-    except FileNotFoundError:
-        pass
+        yield
+    except ValueError as exc:  # a request it can never serve
+        raise ops.bad(str(exc)) from None
+    except RuntimeError as exc:  # the engine is shutting down
+        raise OpError(ErrorCode.SHUTTING_DOWN, str(exc)) from None
+    except EngineOpError as exc:  # capacity: the waiting queue is full
+        raise OpError(ErrorCode(exc.code), exc.message) from None
 
 
 def create_engine(loaded: LoadedModel, settings: Settings) -> PagedEngine:

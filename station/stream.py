@@ -22,7 +22,7 @@ import trio
 from gnosis_daemon.logs import get_logger
 from gnosis_daemon.protocol import ErrorCode, error_frame, event_frame, result_frame
 from station.detok import IncrementalDetokenizer
-from station.engine_api import Engine, EngineEvent, EventKind
+from station.engine_api import Engine, EngineEvent, EventKind, GenerationRequest
 from station.ops import GenerateArgs
 
 log = get_logger(__name__)
@@ -59,6 +59,13 @@ class GenerateStream:
         self.stopped = False  # a stop string ended it; waiting for the engine's final save
         self.final_saved = False
         self.final_save_error: str | None = None
+
+    def engine_request(self) -> GenerationRequest:
+        """What the engine schedules for this stream (``add_request`` with ``on_event``)."""
+        gen = self.gen
+        return GenerationRequest(self.engine_id, gen.prompt_ids, gen.params, tenant=gen.tenant,
+                                 load_session=gen.load_session, save_session=gen.save_session,
+                                 save_final_session=gen.save_final_session)
 
     def on_event(self, event: EngineEvent) -> None:
         """Engine thread: hand the event to trio (never blocks)."""

@@ -11,6 +11,7 @@ import pytest
 from gnosis_daemon.settings import Settings
 from station.block_pool import BlockPool
 from station.engine_api import EventKind, GenerationRequest, SamplingParams
+from station.host_calls import HostCalls
 from station.model_loader import load_model
 from station.paged_engine import PagedEngine
 from gnosis_daemon.tokens import common_prefix_len
@@ -126,14 +127,14 @@ class Engine:
             collector)
         return collector.wait()
 
-    def call(self, name: str, owner="c1", **kwargs) -> dict:
+    def call(self, handler, owner="c1", **kwargs) -> dict:
         box, done = {}, threading.Event()
 
         def on_done(result, error):
             box["r"] = (result, error)
             done.set()
 
-        self.engine.call(name, owner, on_done, **kwargs)
+        self.engine.call(handler, owner, on_done, **kwargs)
         assert done.wait(60)
         result, error = box["r"]
         if error is not None:
@@ -213,7 +214,7 @@ def test_pinned_blocks_survive_eviction_pressure_and_delete_frees(tiny):
         hit = e.generate(follow, 6, load_session="keep")
         assert hit.one(EventKind.PREFILL)["session_tokens"] == 20
         assert hit.tokens == reference(path, follow, 6)
-        assert e.call("kv_delete", session_id="keep") == {"deleted": True}
+        assert e.call(HostCalls.kv_delete, session_id="keep") == {"deleted": True}
         assert_pool_clean(e.engine)
 
 
@@ -222,14 +223,14 @@ def test_sessions_expire_before_running_work_is_refused(tiny):
     with Engine(loaded, num_blocks=16, kv_session_budget=2) as e:
         for i in range(3):
             e.generate(prompt_of(50 + i, 24), 1, save_session=f"s{i}")
-        listed = e.call("kv_list")
+        listed = e.call(HostCalls.kv_list)
         assert [s["session_id"] for s in listed["sessions"]] == ["s2", "s1"]  # budget 2: s0 expired
         assert listed["budget"] == 2 and listed["pinned_blocks"] == 12
         big = e.generate(prompt_of(60, 40), 10)  # needs 13 of 16 blocks: sessions must go
         assert big.one(EventKind.FINISHED)["finish_reason"] in {"stop", "length"}
         assert e.engine.stats()["kv_sessions_expired"] >= 2
-        e.call("kv_delete", session_id="s2")
-        e.call("kv_delete", session_id="s1")
+        e.call(HostCalls.kv_delete, session_id="s2")
+        e.call(HostCalls.kv_delete, session_id="s1")
         assert_pool_clean(e.engine)
 
 
@@ -237,7 +238,7 @@ def test_host_sequences_decode_in_one_step_per_token(tiny):
     path, loaded = tiny
     prompts = [prompt_of(70 + i, 9 + 3 * i) for i in range(4)]
     with Engine(loaded) as e:
-        seqs = [e.call("forward", tokens=p)["seq_id"] for p in prompts]
+        seqs = [e.call(HostCalls.forward, tokens=p)["seq_id"] for p in prompts]
         got = [[] for _ in prompts]
         for _ in range(6):
             steps = e.engine.num_steps
@@ -253,7 +254,8 @@ def test_host_sequences_decode_in_one_step_per_token(tiny):
 
             with e.engine._cond:  # queue every call before the engine thread looks
                 for i, seq_id in enumerate(seqs):
-                    e.engine.call("decode_next", "c1", answer(i), seq_id=seq_id, temperature=0.0)
+                    e.engine.call(HostCalls.decode_next, "c1", answer(i), seq_id=seq_id,
+                                  temperature=0.0)
             assert done.wait(60)
             assert e.engine.num_steps == steps + 1  # four tokens, one batched forward
             for i in range(len(seqs)):
@@ -261,10 +263,11 @@ def test_host_sequences_decode_in_one_step_per_token(tiny):
         for prompt, tokens in zip(prompts, got):
             expected = reference(path, prompt, 6)  # model.generate stops at eos; we do not
             assert tokens[:len(expected)] == expected
-        saved = e.call("kv_save", session_id="h", seq_id=seqs[0], prefix_len=len(prompts[0]) + 6)
+        saved = e.call(HostCalls.kv_save, session_id="h", seq_id=seqs[0],
+                       prefix_len=len(prompts[0]) + 6)
         assert saved["num_tokens"] == (len(prompts[0]) + 6) // BS * BS
         e.engine.release_owner("c1")
-        e.call("kv_delete", session_id="h")
+        e.call(HostCalls.kv_delete, session_id="h")
         assert_pool_clean(e.engine)
 
 

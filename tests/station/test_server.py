@@ -69,8 +69,8 @@ async def test_hello_fields(station, tiny_dir):
     assert (model["device"], model["dtype"]) == ("cpu", "float32")
     caps = hello["capabilities"]
     assert caps["generate"] is True and set(caps.values()) == {True}  # absent, never false
-    assert {"forward", "decode_next", "embed", "kv_session", "paged_kv", "prefix_cache",
-            "continuous_batching"} <= set(caps)
+    assert set(caps) == {"generate", "forward", "decode_next", "embed", "kv_session", "paged_kv",
+                         "prefix_cache", "continuous_batching", "kv_persistence"}
     assert hello["kv_pool"]["blocks_total"] > 0
     assert hello["kv_pool"]["block_size"] == 16
 

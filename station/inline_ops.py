@@ -1,0 +1,73 @@
+"""The ops answered on the trio thread from the server's own state: hello, health, stats,
+cancel (``RunsOn.INLINE`` in ``station.op_registry``).
+
+Each handler is ``handler(server, conn, args)``: it reads figures the engine keeps as a
+thread-safe snapshot, or the connection's own requests, and never waits.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import TYPE_CHECKING, Any
+
+import gnosis_daemon
+from gnosis_daemon.protocol import PROTOCOL_VERSION, ErrorCode
+from station.connection import Connection
+from station.ops import OpContext, bad
+
+if TYPE_CHECKING:
+    from station.server import StationServer
+
+
+def hello(server: StationServer, conn: Connection, args: None) -> dict[str, Any]:
+    loaded, stats = server.loaded, server.engine.stats()
+    return {
+        "protocol": PROTOCOL_VERSION, "pid": os.getpid(), "version": gnosis_daemon.__version__,
+        "model": {"id": loaded.served_id, "path": loaded.path,
+                  "fingerprint": loaded.fingerprint, "model_type": loaded.model_type,
+                  "max_model_len": loaded.max_model_len, "vocab_size": loaded.vocab_size,
+                  "eos_token_ids": list(loaded.eos_token_ids),
+                  "max_token_chars": loaded.max_token_chars,
+                  "device": str(loaded.device), "dtype": str(loaded.dtype).removeprefix("torch.")},
+        "capabilities": dict(server.capabilities),
+        "kv_pool": {"block_size": int(server.engine.block_size),
+                    "blocks_total": int(stats.get("blocks_total", 0)),
+                    "blocks_free": int(stats.get("blocks_free", 0))},
+        "kv_tier": server.kv_tier,
+    }
+
+
+def health(server: StationServer, conn: Connection, args: None) -> dict[str, Any]:
+    stats = server.engine.stats()
+    return {"status": "shutting_down" if server.shutting_down else "ok", "pid": os.getpid(),
+            "uptime_s": round(time.monotonic() - server.started, 3),
+            "running": int(stats.get("running", 0)), "waiting": int(stats.get("waiting", 0)),
+            "kv_tier": server.kv_tier}
+
+
+def stats(server: StationServer, conn: Connection, args: None) -> dict[str, Any]:
+    return {**server.engine.stats(), "connections": server.num_connections}
+
+
+def parse_cancel(ctx: OpContext, args: dict[str, Any]) -> int | str:
+    target = args.get("target")
+    if not isinstance(target, (int, str)) or isinstance(target, bool):
+        raise bad("argument 'target' must be the id of a request on this connection")
+    return target
+
+
+def cancel(server: StationServer, conn: Connection, target: int | str) -> dict[str, Any]:
+    """Stop a request of this connection wherever it is: tokenizing, in an engine call, or
+    generating (the engine ends it ``cancelled`` at its next step boundary)."""
+    prep = conn.preparing.get(target)
+    if prep is not None:
+        return {"cancelled": prep.cancel(ErrorCode.CANCELLED, "request cancelled")}
+    call = conn.calls.get(target)
+    if call is not None:
+        return {"cancelled": call.cancel()}
+    gen = conn.generates.get(target)
+    if gen is None or gen.done:
+        return {"cancelled": False}
+    server.engine.abort(gen.engine_id)
+    return {"cancelled": True}
