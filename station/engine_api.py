@@ -48,7 +48,7 @@ class GenerationRequest:
     prompt_ids: list[int]
     params: SamplingParams
     tenant: str = ""
-    # Liquid memory (issue 4): start from a saved KV session / save the prompt's KV.
+    # Liquid memory: start from a saved KV session / save the prompt's KV.
     load_session: str | None = None
     save_session: str | None = None
     save_final_session: str | None = None  # pin prompt+completion KV when it ends

@@ -12,7 +12,7 @@ boundary (never mid-forward); an aborted or finished sequence frees its blocks a
 Error handling: a forward that raises ends the sequences of that step with an ``internal``
 error and frees their blocks; the engine keeps serving everyone else.
 
-Liquid memory (issue 4): a ``SessionRegistry`` pins blocks under session ids. A request
+Liquid memory: a ``SessionRegistry`` pins blocks under session ids. A request
 with ``load_session`` starts from the session's blocks for the prefix it shares with the
 prompt (``_reuse_session``, at admission); ``save_session`` pins the prompt's full blocks
 when its prefill ends, ``save_final_session`` pins prompt+completion when it finishes.
