@@ -1,6 +1,6 @@
 """The station process: load the model, start the engine, serve the Unix socket.
 
-Resource handling: the socket file is private from birth (``station.socket_file``). Each
+Resource handling: the socket file is private from birth (``gnosis_daemon.unix_sockets``). Each
 connection owns a nursery with one task per request it hands on; when the connection ends
 (EOF, error, undecodable frame) every request it still has is aborted in the engine.
 
@@ -46,6 +46,7 @@ from gnosis_daemon.protocol import (
     result_frame,
 )
 from gnosis_daemon.settings import Settings
+from gnosis_daemon.unix_sockets import bind_socket, remove_socket
 from station import engine_ops, ops
 from station.connection import Connection, Preparing
 from station.engine_api import Engine, EngineEvent, EngineOpError, EventKind
@@ -54,7 +55,6 @@ from station.op_registry import STATION_OPS, OpRegistry, OpSpec, RunsOn
 from station.ops import OpError, Tokenizing
 from station.paged_engine import PagedEngine
 from station.persist import TierReport, restore_sessions, save_sessions
-from station.socket_file import bind_socket, remove_socket
 from station.stream import GenerateStream
 
 log = get_logger(__name__)

@@ -25,6 +25,8 @@ from typing import Any, Awaitable, Callable
 
 import trio
 
+from gnosis_daemon.unix_sockets import listen_private
+
 MAX_LINE = 64 * 1024
 CHILDREN = ("station", "host")
 
@@ -36,7 +38,7 @@ class ControlError(Exception):
 
 
 def bind_unix_listener(path: Path) -> trio.SocketListener:
-    """A listening socket at ``path`` with mode 0600 from the start (umask during bind)."""
+    """A listening socket at ``path``, 0600 from the start; a dead supervisor's file is replaced."""
     if path.exists():
         probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
@@ -49,18 +51,7 @@ def bind_unix_listener(path: Path) -> trio.SocketListener:
                                f"use another --runtime-dir or stop that one first")
         finally:
             probe.close()
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
-    old_umask = os.umask(0o177)  # no window in which the socket exists with looser mode
-    try:
-        sock.bind(os.fspath(path))
-        os.chmod(path, 0o600)
-        sock.listen(16)
-        sock.setblocking(False)
-    except BaseException:
-        sock.close()
-        raise
-    finally:
-        os.umask(old_umask)
+    sock = listen_private(path, 16)
     return trio.SocketListener(trio.socket.from_stdlib_socket(sock))
 
 

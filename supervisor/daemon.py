@@ -27,6 +27,7 @@ import trio
 from gnosis_daemon.api_keys import KeyFileError
 from gnosis_daemon.logs import configure_logging, get_logger
 from gnosis_daemon.settings import Settings
+from gnosis_daemon.unix_sockets import prepare_runtime_dir
 from supervisor.child import Child, ChildSpec
 from supervisor.control import ControlError, serve_control
 from supervisor.notify import Notifier
@@ -191,8 +192,7 @@ class Supervisor:
     # -- tasks
     async def run(self) -> int:
         runtime = Path(self.settings.runtime_dir)
-        runtime.mkdir(mode=0o700, parents=True, exist_ok=True)
-        os.chmod(runtime, 0o700)  # it holds the station's socket: nobody else may connect
+        prepare_runtime_dir(runtime)  # it holds the station's socket: nobody else may connect
         self.log.info("supervisor_start", pid=os.getpid(), runtime_dir=str(runtime),
                       notify=self.notifier.enabled, watchdog_usec=self.settings.watchdog_usec)
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
