@@ -51,9 +51,7 @@ _CLOSED = object()
 class StationStream:
     """Frames of one streaming request. Iterate for events; ``result`` holds the final data."""
 
-    def __init__(self, conn: StationConnection, request_id: int,
-                 receive: trio.MemoryReceiveChannel) -> None:
-        self._conn = conn
+    def __init__(self, request_id: int, receive: trio.MemoryReceiveChannel) -> None:
         self.request_id = request_id
         self._receive = receive
         self.result: dict[str, Any] | None = None
@@ -79,10 +77,6 @@ class StationStream:
         err = frame.get("error") or {}
         raise StationError(err.get("code", "internal"), err.get("message", ""),
                            bool(err.get("retryable")))
-
-    async def cancel(self) -> None:
-        if not self.done:
-            await self._conn.send_cancel(self.request_id)
 
 
 class StationConnection:
@@ -140,10 +134,6 @@ class StationConnection:
         """Return once the connection is closed (the station went away, or ``aclose``)."""
         await self._closed_event.wait()
 
-    async def send_raw(self, payload: bytes) -> None:
-        """Send bytes as they are (tests use it to send malformed frames)."""
-        await self._send(payload)
-
     async def _start(self, op: str, args: dict[str, Any] | None,
                      rid: str | None) -> tuple[int, trio.MemoryReceiveChannel]:
         request_id = next(self._ids)
@@ -169,7 +159,7 @@ class StationConnection:
     async def open_stream(self, op: str, args: dict[str, Any] | None = None, *,
                           rid: str | None = None) -> AsyncIterator[StationStream]:
         request_id, receive = await self._start(op, args, rid)
-        stream = StationStream(self, request_id, receive)
+        stream = StationStream(request_id, receive)
         try:
             yield stream
         finally:

@@ -14,12 +14,8 @@ from typing import Iterator
 
 import structlog
 
-_configured: str | None = None
-
-
 def configure_logging(component: str, level: str = "info", fmt: str = "auto") -> None:
     """Configure structlog and stdlib logging for this process (idempotent per component)."""
-    global _configured
     use_json = fmt == "json" or (fmt == "auto" and not sys.stderr.isatty())
 
     def add_component(_logger, _method, event_dict):
@@ -47,7 +43,6 @@ def configure_logging(component: str, level: str = "info", fmt: str = "auto") ->
     # Libraries that use stdlib logging (hypercorn, transformers) go to stderr at WARNING+.
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr, force=True,
                         format=f"%(asctime)s {component} %(name)s %(levelname)s %(message)s")
-    _configured = component
 
 
 def get_logger(name: str | None = None) -> structlog.stdlib.BoundLogger:

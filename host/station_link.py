@@ -54,7 +54,6 @@ class StationLink:
         self.last_error: str | None = None
         self.connected_at: int = 0  # unix time of the last connect (/v1/models "created")
         self._conn: StationConnection | None = None
-        self._changed = trio.Event()  # set and replaced on every connect/disconnect
 
     # -- what request handlers use
     @property
@@ -75,18 +74,6 @@ class StationLink:
         if conn is None or conn.closed:
             raise StationUnavailable(self.last_error or "not connected to the station yet")
         return conn
-
-    async def wait_connected(self, timeout: float) -> bool:
-        """True once connected, False if ``timeout`` seconds pass first."""
-        with trio.move_on_after(timeout):
-            while not self.connected:
-                await self._changed.wait()
-            return True
-        return False
-
-    def _notify(self) -> None:
-        self._changed.set()
-        self._changed = trio.Event()
 
     # -- the task
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -111,7 +98,6 @@ class StationLink:
                 self._conn = None
                 if was_connected:
                     log.warning("station_disconnected", reason=self.last_error)
-                    self._notify()
             await trio.sleep(delay)
             delay = min(delay * 2, self.backoff_max_s)
 
@@ -126,4 +112,3 @@ class StationLink:
         self._conn = conn
         log.info("station_connected", station_pid=hello.get("pid"), model=self.model_id,
                  capabilities=sorted(self.capabilities), reconnects=self.reconnects)
-        self._notify()

@@ -13,7 +13,7 @@ Every request ends with exactly one ``finished`` or ``error`` event.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Protocol
 
 
@@ -52,7 +52,6 @@ class GenerationRequest:
     load_session: str | None = None
     save_session: str | None = None
     save_final_session: str | None = None  # pin prompt+completion KV when it ends
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 class EngineOpError(Exception):
@@ -96,9 +95,6 @@ class Engine(Protocol):
 
     block_size: int
 
-    def start(self) -> None:
-        """Start the engine thread."""
-
     def shutdown(self) -> None:
         """Stop the engine thread; every unfinished request ends with a shutting_down error."""
 
@@ -108,6 +104,10 @@ class Engine(Protocol):
 
     def abort(self, request_id: str) -> None:
         """Cancel a request (thread-safe, idempotent, unknown ids ignored)."""
+
+    def finish_early(self, request_id: str) -> None:
+        """End a request as ``stop`` (thread-safe, idempotent, unknown ids ignored); unlike
+        ``abort``, its ``save_final_session`` still applies."""
 
     def stats(self) -> dict[str, Any]:
         """Figures for the ``stats`` op and ``hello``'s kv_pool (thread-safe snapshot)."""

@@ -51,10 +51,6 @@ class Sequence:
         return len(self.token_ids) - self.num_prompt_tokens
 
     @property
-    def completion_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens:]
-
-    @property
     def num_uncomputed_tokens(self) -> int:
         return len(self.token_ids) - self.num_computed_tokens
 
@@ -62,10 +58,6 @@ class Sequence:
     def is_prefilling(self) -> bool:
         """More than the one newest token still needs a forward (prompt or recompute)."""
         return len(self.token_ids) - self.num_computed_tokens > 1
-
-    @property
-    def block_table(self) -> list[int]:
-        return [b.block_id for b in self.blocks]
 
     @property
     def finished(self) -> bool:
