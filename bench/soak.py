@@ -706,7 +706,7 @@ class Drill:
 
     # -- after the load
     async def _idle_stats(self) -> tuple[dict[str, Any], int | None]:
-        """The station's stats once nothing runs, waits or is host-held (twice in a row)."""
+        """The station's stats once no sequence runs, waits or is held between calls (twice in a row)."""
         previous = None
         for _ in range(120):
             try:

@@ -118,8 +118,8 @@ class Engine(Protocol):
 
     def call(self, handler: EngineCallHandler, owner: Any, done: CallDone, **kwargs: Any) -> None:
         """Queue an engine call (thread-safe): ``handler`` is the handler of an engine op in
-        ``station.op_registry`` (a ``HostCalls`` method), run on the engine thread with
-        ``kwargs``. ``owner`` (the connection) owns the host-held sequences it creates.
+        ``station.op_registry`` (an ``EngineCalls`` method), run on the engine thread with
+        ``kwargs``. ``owner`` (the connection) owns the held sequences it creates.
         Raises RuntimeError when shutting down, and ``EngineOpError`` with code ``capacity``
         when a new sequence would overfill the waiting queue."""
 
@@ -129,4 +129,4 @@ class Engine(Protocol):
         pending forward/decode_next frees the sequence."""
 
     def release_owner(self, owner: Any) -> None:
-        """Free every host-held sequence of ``owner`` (its connection closed)."""
+        """Free every held sequence of ``owner`` (its connection closed)."""

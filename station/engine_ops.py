@@ -2,7 +2,7 @@
 
 ``kv_session.save|load|delete|list``, ``forward``, ``decode_next`` and ``embed`` change or
 read engine state (sessions, blocks, the model), so they run on the engine thread between
-steps (``PagedEngine.call``, by the ``HostCalls`` method the op registry names). Here their
+steps (``PagedEngine.call``, by the ``EngineCalls`` method the op registry names). Here their
 arguments are checked (the ``parse_*`` parsers of ``station.op_registry``), so a bad one is
 a ``bad_request`` frame before the engine sees anything, and ``EngineCall`` carries the
 engine's answer back to the trio task that waits for it: one request frame in, one final

@@ -20,7 +20,7 @@ Where the handler runs (``RunsOn``):
 - ``INLINE``: the trio thread, at once: ``handler(server, conn, args) -> result``.
 - ``WORKER``: a worker thread, cancellable while it runs: ``handler(loaded, args) -> result``.
 - ``ENGINE``: the engine thread. A call answered once (``streaming`` false) is a
-  ``HostCalls`` method that ``PagedEngine.call`` runs between steps,
+  ``EngineCalls`` method that ``PagedEngine.call`` runs between steps,
   ``handler(calls, owner, done, **args)``. A streaming op is a request the engine schedules:
   ``handler(frame_id, engine_id, args, tokenizer, eos_ids, trio_token)`` makes the
   ``GenerateStream`` that turns its engine events into ``event`` frames.
@@ -34,7 +34,7 @@ from typing import Any, Callable, Iterable, Iterator
 
 from gnosis_daemon.protocol import Capability
 from station import engine_ops, inline_ops, ops
-from station.host_calls import HostCalls
+from station.engine_calls import EngineCalls
 from station.ops import OpContext
 from station.stream import GenerateStream
 
@@ -127,14 +127,16 @@ STATION_OPS = OpRegistry([
     OpSpec("detokenize", None, _checked_by_handler, ops.detokenize, RunsOn.WORKER),
     OpSpec("generate", Capability.GENERATE, ops.parse_generate, GenerateStream, RunsOn.ENGINE,
            streaming=True),
-    _engine("kv_session.save", Capability.KV_SESSION, engine_ops.parse_kv_save, HostCalls.kv_save),
+    _engine("kv_session.save", Capability.KV_SESSION, engine_ops.parse_kv_save,
+            EngineCalls.kv_save),
     _engine("kv_session.load", Capability.KV_SESSION, engine_ops.parse_session_id,
-            HostCalls.kv_load),
+            EngineCalls.kv_load),
     _engine("kv_session.delete", Capability.KV_SESSION, engine_ops.parse_session_id,
-            HostCalls.kv_delete),
-    _engine("kv_session.list", Capability.KV_SESSION, engine_ops.parse_kv_list, HostCalls.kv_list),
-    _engine("forward", Capability.FORWARD, engine_ops.parse_forward, HostCalls.forward),
+            EngineCalls.kv_delete),
+    _engine("kv_session.list", Capability.KV_SESSION, engine_ops.parse_kv_list,
+            EngineCalls.kv_list),
+    _engine("forward", Capability.FORWARD, engine_ops.parse_forward, EngineCalls.forward),
     _engine("decode_next", Capability.DECODE_NEXT, engine_ops.parse_decode_next,
-            HostCalls.decode_next),
-    _engine("embed", Capability.EMBED, engine_ops.parse_embed, HostCalls.embed),
+            EngineCalls.decode_next),
+    _engine("embed", Capability.EMBED, engine_ops.parse_embed, EngineCalls.embed),
 ])

@@ -17,7 +17,7 @@ with ``load_session`` starts from the session's blocks for the prefix it shares 
 prompt (``_reuse_session``, at admission); ``save_session`` pins the prompt's full blocks
 when its prefill ends, ``save_final_session`` pins prompt+completion when it finishes.
 Socket ops other than ``generate`` arrive through ``call`` and run on this thread at a
-step boundary (``station.host_calls``); host-held sequences decode in the same batched
+step boundary (``station.engine_calls``); held sequences decode in the same batched
 forward as every generate. ``embed`` is stepped: each loop iteration embeds a bounded share
 of one call's inputs after the batched step, so it never holds up decoding for long.
 ``cancel_call`` drops a call (queued, in progress, or waiting for its sequence's step).
@@ -42,7 +42,7 @@ from gnosis_daemon.protocol import ErrorCode
 from station.block_pool import BlockPool, KVBlock, prefix_extra_keys
 from station.engine_api import (CallDone, EngineCallHandler, EngineEvent, EngineOpError,
                                 EventCallback, EventKind, GenerationRequest)
-from station.host_calls import HostCalls, HostState, answer
+from station.engine_calls import EngineCalls, HeldState, answer
 from station.kv_cache import KVCache, KVCacheShape, num_blocks_for
 from station.model_runner import ModelRunner
 from station.sampling import make_generator, sample
@@ -58,7 +58,7 @@ log = get_logger(__name__)
 class _Client:
     """Per-request bookkeeping the scheduler never looks at."""
 
-    on_event: EventCallback | None  # None for a host-held sequence
+    on_event: EventCallback | None  # None for a held sequence
     stop_ids: frozenset[int]
     tenant: str = ""
     load_session: str | None = None
@@ -69,7 +69,7 @@ class _Client:
     session_error: str | None = None  # not_found | tenant_mismatch | no_common_prefix
     final_saved: bool = False
     final_save_error: str | None = None
-    host: HostState | None = None  # set for host-held sequences (forward/decode_next)
+    held: HeldState | None = None  # set for held sequences (forward/decode_next)
     arrival: float = field(default_factory=time.perf_counter)
 
 
@@ -94,14 +94,14 @@ class PagedEngine:
                                         tenant_share=settings.kv_session_tenant_share)
         self.scheduler.reuse = self._reuse_session
         self.scheduler.reclaim = self._reclaim
-        self.host = HostCalls(self)
+        self.calls = EngineCalls(self)
         self.runner = ModelRunner(loaded.model, self.kv_cache, device,
                                   pack_linears=settings.cpu_packed_linears)
         self.device = device
         self._cond = threading.Condition()
         self._inbox: collections.deque[Sequence] = collections.deque()
         self._aborts: dict[str, str] = {}  # request id -> finish reason (cancelled | stop)
-        self._calls: collections.deque[
+        self._call_queue: collections.deque[
             tuple[EngineCallHandler, Any, CallDone | None, dict[str, Any]]] = collections.deque()
         self._cancels: set[CallDone] = set()  # calls to drop at the next step boundary
         self._known: set[str] = set()  # queued or running ids (duplicate check)
@@ -133,9 +133,9 @@ class PagedEngine:
             self._thread.join()
         with self._cond:
             leftovers = [*self._inbox, *self.scheduler.running, *self.scheduler.waiting]
-            calls = list(self._calls)
+            calls = list(self._call_queue)
             self._inbox.clear()
-            self._calls.clear()
+            self._call_queue.clear()
             self._known.clear()
         for seq in leftovers:
             if seq in self.scheduler.running or seq in self.scheduler.waiting:
@@ -144,7 +144,7 @@ class PagedEngine:
         for _handler, _owner, done, _kwargs in calls:
             if done is not None:
                 done(None, EngineOpError(ErrorCode.SHUTTING_DOWN.value, "the station is shutting down"))
-        self.host.shutdown()
+        self.calls.shutdown()
 
     def add_request(self, request: GenerationRequest, on_event: EventCallback) -> None:
         prompt = list(request.prompt_ids)
@@ -197,7 +197,7 @@ class PagedEngine:
                 self._cond.notify_all()
 
     def call(self, handler: EngineCallHandler, owner: Any, done: CallDone, **kwargs: Any) -> None:
-        """Queue an engine call (``handler``: a ``HostCalls`` method). Raises
+        """Queue an engine call (``handler``: an ``EngineCalls`` method). Raises
         ``EngineOpError`` (capacity) for a ``forward`` that would make a new sequence wait
         past ``max_waiting_requests``."""
         with self._cond:
@@ -205,13 +205,13 @@ class PagedEngine:
                 raise RuntimeError("the engine is shutting down")
             if _makes_sequence(handler, kwargs):
                 self._check_queue()
-            self._calls.append((handler, owner, done, kwargs))
+            self._call_queue.append((handler, owner, done, kwargs))
             self._cond.notify_all()
 
     def cancel_call(self, done: CallDone) -> None:
         """Drop the call queued with ``done`` at the next step boundary (thread-safe,
         idempotent): it is answered ``cancelled`` and frees what it held (an embed's work,
-        a host-held sequence whose ``forward``/``decode_next`` was in flight)."""
+        a held sequence whose ``forward``/``decode_next`` was in flight)."""
         with self._cond:
             if not self._stopping:
                 self._cancels.add(done)
@@ -220,7 +220,8 @@ class PagedEngine:
     def _check_queue(self) -> None:
         """Refuse a new waiting sequence past ``max_waiting_requests`` (lock held)."""
         waiting = (len(self._inbox) + len(self.scheduler.waiting)
-                   + sum(_makes_sequence(handler, kwargs) for handler, _, _, kwargs in self._calls))
+                   + sum(_makes_sequence(handler, kwargs)
+                         for handler, _, _, kwargs in self._call_queue))
         limit = self.settings.max_waiting_requests
         if waiting >= limit:
             raise EngineOpError(ErrorCode.CAPACITY.value,
@@ -230,7 +231,7 @@ class PagedEngine:
     def release_owner(self, owner: Any) -> None:
         with self._cond:
             if not self._stopping:
-                self._calls.append((HostCalls.release_owner, owner, None, {}))
+                self._call_queue.append((EngineCalls.release_owner, owner, None, {}))
                 self._cond.notify_all()
 
     def stats(self) -> dict[str, Any]:
@@ -258,9 +259,9 @@ class PagedEngine:
             "kv_session_tenant_max_sessions": self.sessions.tenant_max_sessions,
             "kv_session_tenant_max_blocks": self.sessions.tenant_max_blocks,
             "kv_sessions_expired_over_share": self.sessions.num_expired_over_share,
-            "host_sequences": len(self.host.seqs),
-            "embed_calls": len(self.host.embeds),
-            "embed_inputs": self.host.embed_inputs_done,
+            "host_sequences": len(self.calls.seqs),
+            "embed_calls": len(self.calls.embeds),
+            "embed_inputs": self.calls.embed_inputs_done,
         }
 
     def capabilities(self) -> dict[str, bool]:
@@ -268,23 +269,23 @@ class PagedEngine:
                 "kv_persistence": bool(self.settings.kv_persistence)}
 
     def make_client(self, **fields: Any) -> _Client:
-        """Bookkeeping for a host-held sequence (``station.host_calls``)."""
+        """Bookkeeping for a held sequence (``station.engine_calls``)."""
         return _Client(None, frozenset(), **fields)
 
     # -- engine thread
     def _run(self) -> None:
         while True:
             with self._cond:
-                while not (self._stopping or self._inbox or self._aborts or self._calls
+                while not (self._stopping or self._inbox or self._aborts or self._call_queue
                            or self._cancels or self.scheduler.has_unfinished()
-                           or self.host.embeds):
+                           or self.calls.embeds):
                     self._cond.wait()
                 if self._stopping:
                     return
-                new, aborts, calls = list(self._inbox), self._aborts, list(self._calls)
+                new, aborts, calls = list(self._inbox), self._aborts, list(self._call_queue)
                 cancels, self._cancels = self._cancels, set()
                 self._inbox.clear()
-                self._calls.clear()
+                self._call_queue.clear()
                 self._aborts = {}
             for seq in new:
                 self.scheduler.add(seq)
@@ -301,13 +302,13 @@ class PagedEngine:
                     answer(done, None,
                            EngineOpError(ErrorCode.CANCELLED.value, "request cancelled"))
                     continue
-                self.host.run(handler, owner, done, kwargs)
+                self.calls.run(handler, owner, done, kwargs)
             if cancels:
-                self.host.cancel(cancels)
+                self.calls.cancel(cancels)
             if self.scheduler.has_unfinished():
                 self.step()
-            if self.host.embeds:
-                self.host.embed_step(self.settings.prefill_chunk_tokens)
+            if self.calls.embeds:
+                self.calls.embed_step(self.settings.prefill_chunk_tokens)
 
     def step(self) -> None:
         """schedule -> run -> postprocess (engine thread only)."""
@@ -326,7 +327,7 @@ class PagedEngine:
         try:
             logits, sampled = self.runner.run(out)
             sched.on_step_done(out)
-            rows = [i for i, s in enumerate(sampled) if s.user.host is None]
+            rows = [i for i, s in enumerate(sampled) if s.user.held is None]
             gens = [sampled[i] for i in rows]
             tokens = (sample(logits[rows], [s.params for s in gens], [s.generator for s in gens]).tolist()
                       if gens else [])
@@ -337,8 +338,8 @@ class PagedEngine:
                 self._end(seq, ErrorCode.INTERNAL, f"model step failed: {type(exc).__name__}: {exc}")
             return
         for i, seq in enumerate(sampled):
-            if seq.user.host is not None:
-                self.host.on_logits(seq, logits[i])
+            if seq.user.held is not None:
+                self.calls.on_logits(seq, logits[i])
         for seq, token in zip(gens, tokens):
             self._postprocess(seq, token)
 
@@ -398,7 +399,7 @@ class PagedEngine:
 
     def _final_save(self, seq: Sequence) -> None:
         client: _Client = seq.user
-        if client.save_final_session and client.host is None and not seq.finished:
+        if client.save_final_session and client.held is None and not seq.finished:
             saved, error = self._save_named(client.save_final_session, seq, seq.num_tokens)
             client.final_saved, client.final_save_error = saved, error
 
@@ -427,8 +428,8 @@ class PagedEngine:
 
     def _finished(self, seq: Sequence) -> None:
         client: _Client = seq.user
-        if client.host is not None:
-            # Only the scheduler ends a host-held sequence this way: it outgrew the pool.
+        if client.held is not None:
+            # Only the scheduler ends a held sequence this way: it outgrew the pool.
             self._end(seq, ErrorCode.CAPACITY, "the sequence no longer fits the KV pool")
             return
         self._forget(seq)
@@ -442,8 +443,8 @@ class PagedEngine:
 
     def _end(self, seq: Sequence, code: ErrorCode, message: str) -> None:
         """End a sequence with an error (its blocks are already released)."""
-        if seq.user.host is not None:
-            self.host.fail(seq, EngineOpError(code.value, message))
+        if seq.user.held is not None:
+            self.calls.fail(seq, EngineOpError(code.value, message))
             return
         self._forget(seq)
         self._emit(seq, EventKind.ERROR, code=code.value, message=message)
@@ -462,5 +463,5 @@ class PagedEngine:
 
 def _makes_sequence(handler: EngineCallHandler, kwargs: dict[str, Any]) -> bool:
     """An engine call that adds a new sequence to the waiting queue."""
-    return (handler is HostCalls.forward and kwargs.get("seq_id") is None
+    return (handler is EngineCalls.forward and kwargs.get("seq_id") is None
             and not kwargs.get("release"))

@@ -15,7 +15,7 @@ the waiting queue. Nothing here raises on exhaustion.
 Hooks the engine sets (KV sessions): ``reuse(seq, cache_hits)`` picks the blocks
 an admitted sequence starts from (a loaded session's blocks beside the prefix-cache hits);
 ``reclaim(num_blocks, seq)`` expires LRU sessions when allocation fails, before anything
-waits or is preempted. Host-held sequences (``forward``/``decode_next``) are ``park``ed
+waits or is preempted. Held sequences (``forward``/``decode_next``) are ``park``ed
 between calls (they keep their blocks and are not scheduled) and ``resume``d with new
 tokens; a resumed sequence gets blocks for its new tokens like a decode does.
 
@@ -96,7 +96,7 @@ class Scheduler:
         seq.finish_reason = reason
 
     def park(self, seq: Sequence) -> None:
-        """A host-held sequence whose call is done: keep its blocks, stop scheduling it."""
+        """A held sequence whose call is done: keep its blocks, stop scheduling it."""
         assert seq.status is SequenceStatus.RUNNING and seq.num_uncomputed_tokens == 0
         self.running.remove(seq)
         seq.status = SequenceStatus.PARKED
@@ -116,7 +116,7 @@ class Scheduler:
         while remaining:
             seq = remaining.popleft()
             if seq.is_prefilling:
-                # Admission gave it blocks for its whole prompt; a resumed host-held
+                # Admission gave it blocks for its whole prompt; a resumed held
                 # sequence may need more for the tokens it was extended with.
                 if self._ensure_blocks(seq, seq.num_tokens, remaining, kept,
                                        deferred_prefills, out):

@@ -13,7 +13,7 @@ from station.engine_api import SamplingParams
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
-    PARKED = "parked"  # a host-held sequence between calls: holds blocks, not scheduled
+    PARKED = "parked"  # a held sequence between calls: holds blocks, not scheduled
     FINISHED = "finished"
 
 

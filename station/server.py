@@ -161,7 +161,7 @@ class StationServer:
                 gen.close()
             conn.generates.clear()
             conn.closed = True
-            # Its host-held sequences and their blocks, and its engine calls still in
+            # Its held sequences and their blocks, and its engine calls still in
             # progress (an embed stops at the engine's next step boundary).
             self.engine.release_owner(conn.number)
             with trio.CancelScope(shield=True):
@@ -281,7 +281,7 @@ class StationServer:
     def _submit(self, spec: OpSpec, conn: Connection, req: Request, nursery: trio.Nursery,
                 args: Any) -> None:
         """Hand an engine op to the engine: a streaming op as a request it schedules, any
-        other as a call. One task each, so the calls of one connection (many host-held
+        other as a call. One task each, so the calls of one connection (many held
         sequences' decode_next) reach the same engine step together."""
         token = trio.lowlevel.current_trio_token()
         if spec.streaming:

@@ -169,7 +169,7 @@ class FuzzDaemon:
         """KV blocks held by nobody once the station is idle: held minus session-pinned.
 
         A block is held when a sequence references it or a session pins it; with nothing
-        running, waiting or host-held, every held block must be a pinned one.
+        running, waiting or held between calls, every held block must be a pinned one.
         """
         stats = wait_for(lambda: (s := self.station("stats"))["running"] == 0
                          and s["waiting"] == 0 and s["host_sequences"] == 0 and s,

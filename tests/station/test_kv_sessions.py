@@ -1,6 +1,6 @@
 """KV sessions: the registry without a model, then the paged engine on a tiny real model
 (session hits with greedy parity, misses, tenants, budget, eviction pressure, reclaim,
-host-held sequences batched into one step per token)."""
+held sequences batched into one step per token)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 from gnosis_daemon.settings import Settings
 from station.block_pool import BlockPool
 from station.engine_api import EventKind, GenerationRequest, SamplingParams
-from station.host_calls import HostCalls
+from station.engine_calls import EngineCalls
 from station.model_loader import load_model
 from station.paged_engine import PagedEngine
 from gnosis_daemon.tokens import common_prefix_len
@@ -214,7 +214,7 @@ def test_pinned_blocks_survive_eviction_pressure_and_delete_frees(tiny):
         hit = e.generate(follow, 6, load_session="keep")
         assert hit.one(EventKind.PREFILL)["session_tokens"] == 20
         assert hit.tokens == reference(path, follow, 6)
-        assert e.call(HostCalls.kv_delete, session_id="keep") == {"deleted": True}
+        assert e.call(EngineCalls.kv_delete, session_id="keep") == {"deleted": True}
         assert_pool_clean(e.engine)
 
 
@@ -223,22 +223,22 @@ def test_sessions_expire_before_running_work_is_refused(tiny):
     with Engine(loaded, num_blocks=16, kv_session_budget=2) as e:
         for i in range(3):
             e.generate(prompt_of(50 + i, 24), 1, save_session=f"s{i}")
-        listed = e.call(HostCalls.kv_list)
+        listed = e.call(EngineCalls.kv_list)
         assert [s["session_id"] for s in listed["sessions"]] == ["s2", "s1"]  # budget 2: s0 expired
         assert listed["budget"] == 2 and listed["pinned_blocks"] == 12
         big = e.generate(prompt_of(60, 40), 10)  # needs 13 of 16 blocks: sessions must go
         assert big.one(EventKind.FINISHED)["finish_reason"] in {"stop", "length"}
         assert e.engine.stats()["kv_sessions_expired"] >= 2
-        e.call(HostCalls.kv_delete, session_id="s2")
-        e.call(HostCalls.kv_delete, session_id="s1")
+        e.call(EngineCalls.kv_delete, session_id="s2")
+        e.call(EngineCalls.kv_delete, session_id="s1")
         assert_pool_clean(e.engine)
 
 
-def test_host_sequences_decode_in_one_step_per_token(tiny):
+def test_held_sequences_decode_in_one_step_per_token(tiny):
     path, loaded = tiny
     prompts = [prompt_of(70 + i, 9 + 3 * i) for i in range(4)]
     with Engine(loaded) as e:
-        seqs = [e.call(HostCalls.forward, tokens=p)["seq_id"] for p in prompts]
+        seqs = [e.call(EngineCalls.forward, tokens=p)["seq_id"] for p in prompts]
         got = [[] for _ in prompts]
         for _ in range(6):
             steps = e.engine.num_steps
@@ -254,7 +254,7 @@ def test_host_sequences_decode_in_one_step_per_token(tiny):
 
             with e.engine._cond:  # queue every call before the engine thread looks
                 for i, seq_id in enumerate(seqs):
-                    e.engine.call(HostCalls.decode_next, "c1", answer(i), seq_id=seq_id,
+                    e.engine.call(EngineCalls.decode_next, "c1", answer(i), seq_id=seq_id,
                                   temperature=0.0)
             assert done.wait(60)
             assert e.engine.num_steps == steps + 1  # four tokens, one batched forward
@@ -263,11 +263,11 @@ def test_host_sequences_decode_in_one_step_per_token(tiny):
         for prompt, tokens in zip(prompts, got):
             expected = reference(path, prompt, 6)  # model.generate stops at eos; we do not
             assert tokens[:len(expected)] == expected
-        saved = e.call(HostCalls.kv_save, session_id="h", seq_id=seqs[0],
+        saved = e.call(EngineCalls.kv_save, session_id="h", seq_id=seqs[0],
                        prefix_len=len(prompts[0]) + 6)
         assert saved["num_tokens"] == (len(prompts[0]) + 6) // BS * BS
         e.engine.release_owner("c1")
-        e.call(HostCalls.kv_delete, session_id="h")
+        e.call(EngineCalls.kv_delete, session_id="h")
         assert_pool_clean(e.engine)
 
 

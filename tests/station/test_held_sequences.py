@@ -1,5 +1,5 @@
 """Liquid memory over the real socket of a real station child: KV session ops, generate's
-session fields, host-held sequences (forward/decode_next), ownership and release, and a
+session fields, held sequences (forward/decode_next), ownership and release, and a
 station with kv_session/decode_next disabled."""
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ async def drop_all_sessions(conn) -> None:
 
 
 async def wait_clean(conn) -> dict:
-    """Stats once no host-held sequence and no block is held (release is asynchronous)."""
+    """Stats once no held sequence and no block is held (release is asynchronous)."""
     with trio.fail_after(10):
         while True:
             stats = await conn.request("stats")
@@ -193,7 +193,7 @@ async def test_unknown_or_foreign_sequence_is_not_found(station):
         assert err.value.code == "bad_request"
 
 
-async def test_connection_close_releases_host_sequences(station):
+async def test_connection_close_releases_held_sequences(station):
     async with open_station_client(station.socket) as conn:
         await drop_all_sessions(conn)
         for i in range(3):

@@ -1,9 +1,9 @@
-"""Engine calls other than ``generate``: KV session ops, host-held sequences, embeddings.
+"""Engine calls other than ``generate``: KV session ops, held sequences, embeddings.
 
 Everything here runs on the engine thread, at a step boundary (``PagedEngine.call`` queues
 it), so session and block bookkeeping is never touched concurrently with a step.
 
-Host-held sequences (``forward`` / ``decode_next`` / ``kv_session.load``) belong to the
+Held sequences (``forward`` / ``decode_next`` / ``kv_session.load``) belong to the
 connection (``owner``) that made them and are freed when it closes (``release_owner``).
 Between calls they are ``PARKED``: they keep their blocks and the logits of their last
 position and are not scheduled. A call appends tokens and resumes the sequence in the
@@ -49,7 +49,7 @@ def _error(code: ErrorCode, message: str) -> EngineOpError:
 
 
 @dataclass(slots=True, eq=False)
-class HostState:
+class HeldState:
     owner: Any
     pending: CallDone | None = None  # the call waiting for this sequence's next logits
     kind: str = ""  # "forward" | "decode_next"
@@ -66,7 +66,7 @@ class EmbedJob:
     vectors: list[torch.Tensor] = field(default_factory=list)  # one per input embedded so far
 
 
-class HostCalls:
+class EngineCalls:
     """Each public call method is an op's engine-thread handler (``station.op_registry``)."""
 
     def __init__(self, engine: PagedEngine) -> None:
@@ -79,7 +79,7 @@ class HostCalls:
     # -- dispatch
     def run(self, handler: EngineCallHandler, owner: Any, done: CallDone | None,
             kwargs: dict[str, Any]) -> None:
-        if handler is HostCalls.release_owner:  # queued by the engine itself: no answer
+        if handler is EngineCalls.release_owner:  # queued by the engine itself: no answer
             self.release_owner(owner)
             return
         assert done is not None
@@ -152,7 +152,7 @@ class HostCalls:
             listed.append(item)
         return {"sessions": listed, "budget": sessions.budget, "pinned_blocks": sessions.pinned_blocks}
 
-    # -- host-held sequences
+    # -- held sequences
     def forward(self, owner: Any, done: CallDone, tokens: list[int], seq_id: str | None = None,
                 tenant: str = "", load_session: str | None = None,
                 release: bool = False) -> Any:
@@ -164,12 +164,12 @@ class HostCalls:
                 raise _error(ErrorCode.BAD_REQUEST, "forward of a new sequence needs tokens")
             self._check_room(len(tokens))
             seq = self._new_seq(owner, list(tokens), tenant, load_session)
-            state = seq.user.host
+            state = seq.user.held
             state.pending, state.kind, state.new = done, "forward", True
             engine.scheduler.add(seq)
             return _PENDING
         seq = self._owned(owner, seq_id)
-        state = seq.user.host
+        state = seq.user.held
         if release:
             if tokens:
                 raise _error(ErrorCode.BAD_REQUEST, "release takes no tokens")
@@ -188,7 +188,7 @@ class HostCalls:
     def decode_next(self, owner: Any, done: CallDone, seq_id: str, temperature: float = 1.0,
                     top_p: float = 1.0, top_k: int = 0, seed: int | None = None) -> Any:
         seq = self._owned(owner, seq_id)
-        state = seq.user.host
+        state = seq.user.held
         self._check_idle(seq)
         if state.logits is None:
             raise _error(ErrorCode.BAD_REQUEST, "the sequence has no logits yet: forward at "
@@ -207,13 +207,13 @@ class HostCalls:
         return _PENDING
 
     def on_logits(self, seq: Sequence, logits: torch.Tensor) -> None:
-        """A step produced the last position's logits of a host-held sequence: answer its call."""
-        state: HostState = seq.user.host
+        """A step produced the last position's logits of a held sequence: answer its call."""
+        state: HeldState = seq.user.held
         assert seq.num_uncomputed_tokens == 0
         state.logits = logits.clone()  # a row of the step's [K, V]: do not keep the whole tensor
         self.engine.scheduler.park(seq)
         done, state.pending = state.pending, None
-        assert done is not None, "a host-held sequence ran without a call"
+        assert done is not None, "a held sequence ran without a call"
         if state.kind == "decode_next":
             answer(done, {"token_id": state.token_id, "num_tokens": seq.num_tokens}, None)
             return
@@ -227,14 +227,14 @@ class HostCalls:
     def fail(self, seq: Sequence, error: EngineOpError) -> None:
         """The sequence ended (its blocks are released): forget it, fail its pending call."""
         self.seqs.pop(seq.seq_id, None)
-        state: HostState = seq.user.host
+        state: HeldState = seq.user.held
         done, state.pending = state.pending, None
         if done is not None:
             answer(done, None, error)
 
     def release_owner(self, owner: Any) -> None:
         closed = _error(ErrorCode.CANCELLED, "the connection closed")
-        for seq in [s for s in self.seqs.values() if s.user.host.owner == owner]:
+        for seq in [s for s in self.seqs.values() if s.user.held.owner == owner]:
             self._free(seq, closed)
         for job in [j for j in self.embeds if j.owner == owner]:
             self.embeds.remove(job)
@@ -243,7 +243,7 @@ class HostCalls:
     def cancel(self, dones: set[CallDone]) -> None:
         """Drop the in-flight calls whose ``done`` is in ``dones``, freeing what they held."""
         cancelled = _error(ErrorCode.CANCELLED, "request cancelled")
-        for seq in [s for s in self.seqs.values() if s.user.host.pending in dones]:
+        for seq in [s for s in self.seqs.values() if s.user.held.pending in dones]:
             self._free(seq, cancelled)
         for job in [j for j in self.embeds if j.done in dones]:
             self.embeds.remove(job)
@@ -306,19 +306,19 @@ class HostCalls:
             extra_keys=prefix_extra_keys(engine.loaded.fingerprint, engine.settings.tenant_salt,
                                          tenant),
             user=engine.make_client(tenant=tenant, load_session=load_session,
-                                    host=HostState(owner)),
+                                    held=HeldState(owner)),
         )
         self.seqs[seq_id] = seq
         return seq
 
     def _owned(self, owner: Any, seq_id: str) -> Sequence:
         seq = self.seqs.get(seq_id)
-        if seq is None or seq.user.host.owner != owner:  # another connection's: not yours
-            raise _error(ErrorCode.NOT_FOUND, f"no host-held sequence {seq_id!r} on this connection")
+        if seq is None or seq.user.held.owner != owner:  # another connection's: not yours
+            raise _error(ErrorCode.NOT_FOUND, f"no held sequence {seq_id!r} on this connection")
         return seq
 
     def _check_idle(self, seq: Sequence) -> None:
-        if seq.user.host.pending is not None:
+        if seq.user.held.pending is not None:
             raise _error(ErrorCode.BAD_REQUEST, f"sequence {seq.seq_id!r} already has a call "
                          "in flight")
         assert seq.status is SequenceStatus.PARKED
