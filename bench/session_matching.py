@@ -110,8 +110,7 @@ async def part2(sock: Path, sessions: int, session_tokens: int, rounds: int) -> 
         listed = await conn.request("kv_session.list", {})
         for s in listed["sessions"]:  # part 1's sessions: start from an empty registry
             await conn.request("kv_session.delete", {"session_id": s["session_id"]})
-        vocab = int(((conn.hello or {}).get("model") or {}).get("vocab_size") or 49152) \
-            if hasattr(conn, "hello") else 49152
+        vocab = int(((conn.hello or {}).get("model") or {}).get("vocab_size") or 49152)
         tokens = make_prompt_ids(vocab, session_tokens + 1, seed=7)
         start = time.perf_counter()
         async with conn.open_stream("generate", {"tokens": tokens, "max_tokens": 1, "temperature": 0,
