@@ -20,12 +20,10 @@ with ``Retry-After`` at once instead of queueing in the host.
 from __future__ import annotations
 
 import os
-import re
 import resource
 import signal
 import sys
 import time
-import uuid
 from functools import partial
 from typing import Any
 
@@ -34,111 +32,24 @@ from hypercorn.config import Config as HypercornConfig
 from hypercorn.trio import serve as hypercorn_serve
 from quart import Response, g, request
 from quart_trio import QuartTrio
-from quart.asgi import ASGIHTTPConnection
-from quart_trio.asgi import TrioASGIHTTPConnection
 from werkzeug.exceptions import HTTPException
 
 from gnosis_daemon.api_keys import ANON, KeyFileError, Keyring, bearer, load_keyring
 from gnosis_daemon.client import StationError, is_unknown_op
-from gnosis_daemon.logs import bind_request, configure_logging, get_logger
+from gnosis_daemon.logs import configure_logging, get_logger
 from gnosis_daemon.settings import Settings
 from host import embeddings, errors, json_body, openai_api, sse
 from host.completions import complete, json_response
 from host.errors import ApiError
 from host.liquid_memory import LiquidMemory
-from host.metrics import Counters, RequestRecord, current_record, emit
+from host.request_scope import Admission, RequestConnection, current
+from host.metrics import Counters
 from host.station_link import StationLink
 
 log = get_logger("host")
 _DRAIN_POLL_S = 0.05
-_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 # Paths that never need a key unless health_requires_key is set.
 _HEALTH_PATHS = ("/health", "/metrics")
-
-
-class _HTTPConnection(TrioASGIHTTPConnection):
-    """Wraps each HTTP request's task: request id, cleanup and the canonical log line.
-
-    A streamed response holds a station stream between the view returning and the body
-    ending; the body may never even start (client gone before the headers went out). The
-    record's closers run here, shielded, however the task ends, so the station always
-    hears ``cancel`` for a generation nobody will read.
-
-    quart-trio cancels the request's task as soon as the ASGI server reports the client
-    gone, and hypercorn reports that from inside the response's last send when it closes
-    the connection (a response sent before the request body was read: 401, 413, 429). A
-    cancel there aborts hypercorn's close and leaves the socket open and unread, so once the
-    last body message is being sent the disconnect no longer cancels: the task ends by itself.
-    """
-
-    _response_sent = False
-
-    async def handle_messages(self, nursery: trio.Nursery, request: Any,  # type: ignore[override]
-                              receive: Any) -> None:
-        await ASGIHTTPConnection.handle_messages(self, request, receive)
-        if not self._response_sent:
-            nursery.cancel_scope.cancel()
-
-    async def handle_request(self, nursery: trio.Nursery, req: Any, send: Any) -> None:
-        async def send_tracked(message: dict[str, Any]) -> None:
-            if message.get("type") == "http.response.body" and not message.get("more_body"):
-                self._response_sent = True
-            await send(message)
-
-        await self._handle_request(nursery, req, send_tracked)
-
-    async def _handle_request(self, nursery: trio.Nursery, req: Any, send: Any) -> None:
-        given = req.headers.get("X-Request-Id", "")
-        request_id = given if _REQUEST_ID.match(given) else "req-" + uuid.uuid4().hex
-        record = RequestRecord(request_id, req.method, req.path)
-        token = current_record.set(record)
-        counters: Counters = self.app.gnosis_counters  # type: ignore[attr-defined]
-        counters.inflight += 1
-        try:
-            with bind_request(request_id):
-                try:
-                    await super().handle_request(nursery, req, send)
-                except trio.Cancelled:
-                    record.outcome = record.outcome or "client_disconnected"
-                    raise
-                finally:
-                    with trio.CancelScope(shield=True):
-                        for closer in reversed(record.closers):
-                            await closer()
-                    if record.outcome is None:
-                        record.outcome = "ok" if (record.status or 500) < 400 else "error"
-                    emit(record, counters)
-        finally:
-            counters.inflight -= 1
-            current_record.reset(token)
-
-
-def _record() -> RequestRecord:
-    record = current_record.get()
-    assert record is not None, "request handled outside _HTTPConnection"
-    return record
-
-
-class _Admission:
-    """Completions and embeddings in flight in this host, bounded by ``limit``."""
-
-    def __init__(self, limit: int) -> None:
-        assert limit >= 1
-        self.limit = limit
-        self.inflight = 0
-
-    def admit(self, record: RequestRecord) -> None:
-        """Count the request in until its task ends (streams included), or raise 429."""
-        if self.inflight >= self.limit:
-            raise ApiError(429, f"The server is at its limit of {self.limit} requests in "
-                           f"flight; retry shortly.", "requests", None, "rate_limit_exceeded",
-                           {"Retry-After": str(errors.RETRY_AFTER_S)})
-        self.inflight += 1
-
-        async def release() -> None:
-            self.inflight -= 1
-
-        record.closers.append(release)
 
 
 def create_app(settings: Settings, link: StationLink,
@@ -146,10 +57,10 @@ def create_app(settings: Settings, link: StationLink,
     """The app; ``keyring`` defaults to the settings' keys (``KeyFileError`` on a bad file)."""
     keyring = load_keyring(settings) if keyring is None else keyring
     app = QuartTrio("gnosis_host")
-    app.asgi_http_class = _HTTPConnection  # type: ignore[assignment]
+    app.asgi_http_class = RequestConnection  # type: ignore[assignment]
     app.config["MAX_CONTENT_LENGTH"] = settings.max_request_bytes
     app.gnosis_counters = Counters()  # type: ignore[attr-defined]
-    admission = _Admission(settings.max_inflight_requests)
+    admission = Admission(settings.max_inflight_requests)
     app.gnosis_admission = admission  # type: ignore[attr-defined]
     memory = LiquidMemory(settings.liquid_memory, settings.kv_session_budget,
                           negotiate_timeout_s=max(settings.health_timeout_s, 5.0))
@@ -187,7 +98,7 @@ def create_app(settings: Settings, link: StationLink,
 
     @app.after_request
     async def _finish(response: Response) -> Response:
-        record = _record()
+        record = current()
         record.status = response.status_code
         record.route = request.url_rule.rule if request.url_rule is not None else None
         if not record.stream or response.status_code >= 400:
@@ -202,7 +113,7 @@ def create_app(settings: Settings, link: StationLink,
 
     @app.errorhandler(ApiError)
     async def _api_error(exc: ApiError) -> Response:
-        record = _record()
+        record = current()
         record.outcome = record.outcome or f"error:{exc.code or exc.type}"
         exc = errors.for_client(exc, record.request_id)
         return Response(sse.encode_json(exc.body()), exc.status, exc.headers,
@@ -273,19 +184,19 @@ def create_app(settings: Settings, link: StationLink,
 
     @app.post("/v1/chat/completions")
     async def chat_completions() -> Response:
-        admission.admit(_record())
+        admission.admit(current())
         return await complete(settings, link, memory, openai_api.parse_chat(await _body()),
-                              _record(), g.tenant)
+                              current(), g.tenant)
 
     @app.post("/v1/completions")
     async def completions() -> Response:
-        admission.admit(_record())
+        admission.admit(current())
         return await complete(settings, link, memory,
-                              openai_api.parse_completion(await _body()), _record(), g.tenant)
+                              openai_api.parse_completion(await _body()), current(), g.tenant)
 
     @app.post("/v1/embeddings")
     async def create_embeddings() -> Response:
-        admission.admit(_record())
+        admission.admit(current())
         req = embeddings.parse(await _body())
         try:
             conn = link.current()
@@ -300,7 +211,7 @@ def create_app(settings: Settings, link: StationLink,
         embeddings.check_fits(req, (link.hello or {}).get("model") or {}, link.max_frame_bytes)
         try:
             with trio.fail_after(settings.request_timeout_s):
-                result = await conn.request("embed", req.station_args, rid=_record().request_id)
+                result = await conn.request("embed", req.station_args, rid=current().request_id)
         except StationError as exc:
             if is_unknown_op(exc):
                 raise embeddings.not_supported(exc.message) from None

@@ -23,7 +23,7 @@ from quart import Response
 
 from gnosis_daemon.client import StationConnection, StationError, StationStream
 from gnosis_daemon.settings import Settings
-from host import errors, liquid, openai_api, sse
+from host import errors, formatting, liquid, openai_api, sse
 from host.errors import ApiError
 from host.liquid import LiquidOutcome
 from host.liquid_memory import LiquidMemory, Prepared
@@ -50,7 +50,7 @@ async def complete(settings: Settings, link: StationLink, memory: LiquidMemory,
         raise errors.model_not_found(req.model)
     check_prompt_fits(req, (link.hello or {}).get("model") or {}, link.max_frame_bytes)
     record.model = model_id
-    fmt = openai_api.Formatter(req.kind, model_id, req.include_usage)
+    fmt = formatting.Formatter(req.kind, model_id, req.include_usage)
     if not req.stream:
         try:
             with trio.fail_after(settings.request_timeout_s):
@@ -63,7 +63,7 @@ async def complete(settings: Settings, link: StationLink, memory: LiquidMemory,
                            "timeout") from None
         memory.on_result(prepared, result)
         _note_result(record, result)
-        usage = openai_api.usage(result["prompt_tokens"], result["completion_tokens"],
+        usage = formatting.usage(result["prompt_tokens"], result["completion_tokens"],
                                  result.get("cached_tokens", 0))
         return json_response(fmt.completion(result.get("text", ""), result["finish_reason"],
                                             usage, _gnosis(outcome, result)),
@@ -170,7 +170,7 @@ async def _run(conn: StationConnection, memory: LiquidMemory,
 
 
 async def _stream_body(stream: StationStream, first: dict[str, Any] | None,
-                       fmt: openai_api.Formatter, memory: LiquidMemory, prepared: Prepared,
+                       fmt: formatting.Formatter, memory: LiquidMemory, prepared: Prepared,
                        outcome: LiquidOutcome, record: RequestRecord,
                        prompt_param: str) -> AsyncIterator[bytes]:
     role = fmt.role_chunk()
@@ -200,7 +200,7 @@ async def _stream_body(stream: StationStream, first: dict[str, Any] | None,
     yield sse.event(fmt.finish_chunk(result["finish_reason"],
                                      None if fmt.include_usage else gnosis))
     if fmt.include_usage:
-        usage = openai_api.usage(result["prompt_tokens"], result["completion_tokens"],
+        usage = formatting.usage(result["prompt_tokens"], result["completion_tokens"],
                                  result.get("cached_tokens", 0))
         yield sse.event(fmt.usage_chunk(usage, gnosis))
     record.outcome = "ok"

@@ -21,8 +21,8 @@ from host.openai_api import (
     MAX_TOKEN_ID,
     check_token_ids,
     frame_estimate,
-    unrecognized,
 )
+from host.fields import unrecognized
 
 MAX_INPUTS = 2048  # OpenAI's limit on inputs per request
 FIELDS = frozenset({"input", "model", "encoding_format", "dimensions", "user"})

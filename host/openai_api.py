@@ -1,9 +1,8 @@
-"""OpenAI request validation and response/chunk formatting (pure: no I/O, no station).
+"""OpenAI request validation (pure: no I/O, no station).
 
 ``parse_chat`` / ``parse_completion`` turn a decoded JSON body into a ``CompletionRequest``
 whose ``station_args`` are the station's ``generate`` arguments, or raise ``ApiError`` with
-OpenAI's error body. ``Formatter`` shapes the results: ``chat.completion`` /
-``chat.completion.chunk`` and ``text_completion`` objects.
+OpenAI's error body. The answers are shaped by ``host.formatting``.
 
 Field policy (docs/api.md lists every field):
 
@@ -21,12 +20,27 @@ Field policy (docs/api.md lists every field):
 
 from __future__ import annotations
 
-import time
-import uuid
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable
+from typing import Any
 
 from host import errors
+from host.fields import (
+    as_object,
+    bounded_int,
+    check_known,
+    default_only,
+    is_bool,
+    is_dict,
+    is_int,
+    is_list,
+    is_number,
+    is_str,
+    is_str_dict,
+    is_str_or_dict,
+    number,
+    present,
+    typed,
+)
 
 CHAT = "chat"
 TEXT = "text"
@@ -57,7 +71,6 @@ MESSAGE_FIELDS = frozenset({"role", "content", "name", "tool_calls", "tool_call_
                             "function_call", "refusal", "audio"})
 PART_FIELDS = frozenset({"type", "text"})
 STREAM_OPTION_FIELDS = frozenset({"include_usage", "include_obfuscation"})
-_ECHO_MAX = 64  # characters of a refused field's name quoted back
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,8 +93,8 @@ class CompletionRequest:
 
 
 def parse_chat(body: Any) -> CompletionRequest:
-    body = _object(body)
-    _known(body, CHAT_FIELDS)
+    body = as_object(body)
+    check_known(body, CHAT_FIELDS)
     messages = body.get("messages")
     if messages is None:
         raise errors.missing("messages")
@@ -91,52 +104,52 @@ def parse_chat(body: Any) -> CompletionRequest:
         raise errors.invalid_value("messages", "empty array. Expected an array with minimum "
                                    "length 1, but got an empty array instead.")
     args = {"messages": [_message(m, f"messages[{i}]") for i, m in enumerate(messages)]}
-    if _present(body, "logprobs"):
+    if present(body, "logprobs"):
         if not isinstance(body["logprobs"], bool):
             raise errors.invalid_type("logprobs", "a boolean", body["logprobs"])
         if body["logprobs"]:
             raise errors.unsupported("logprobs", "is not supported by this server.")
-    _default_only(body, "top_logprobs", _is_int, "an integer", lambda v: v == 0)
-    _default_only(body, "tools", _is_list, "an array", lambda v: not v)
-    _default_only(body, "functions", _is_list, "an array", lambda v: not v)
+    default_only(body, "top_logprobs", is_int, "an integer", lambda v: v == 0)
+    default_only(body, "tools", is_list, "an array", lambda v: not v)
+    default_only(body, "functions", is_list, "an array", lambda v: not v)
     # Without tools (the only way here) "none" and "auto" both mean: answer in text.
-    _default_only(body, "tool_choice", _is_str_or_dict, "a string or an object",
+    default_only(body, "tool_choice", is_str_or_dict, "a string or an object",
                   lambda v: v in ("none", "auto"))
-    _default_only(body, "function_call", _is_str_or_dict, "a string or an object",
+    default_only(body, "function_call", is_str_or_dict, "a string or an object",
                   lambda v: v in ("none", "auto"))
-    _default_only(body, "response_format", _is_dict, "an object",
+    default_only(body, "response_format", is_dict, "an object",
                   lambda v: v == {"type": "text"})
-    _default_only(body, "modalities", _is_list, "an array", lambda v: v == ["text"])
+    default_only(body, "modalities", is_list, "an array", lambda v: v == ["text"])
     for key in ("prediction", "audio", "web_search_options", "reasoning_effort", "verbosity"):
-        if _present(body, key):
+        if present(body, key):
             raise errors.unsupported(key, "is not supported by this server.")
     # OpenAI fields that do not change the answer: checked, then without effect here.
-    _typed(body, "metadata", _is_str_dict, "an object of strings")
-    _typed(body, "store", _is_bool, "a boolean")
-    _typed(body, "parallel_tool_calls", _is_bool, "a boolean")
-    _typed(body, "service_tier", _is_str, "a string")
-    _typed(body, "safety_identifier", _is_str, "a string")
-    max_tokens = _bounded_int(body, "max_completion_tokens", 1, MAX_INT32)
+    typed(body, "metadata", is_str_dict, "an object of strings")
+    typed(body, "store", is_bool, "a boolean")
+    typed(body, "parallel_tool_calls", is_bool, "a boolean")
+    typed(body, "service_tier", is_str, "a string")
+    typed(body, "safety_identifier", is_str, "a string")
+    max_tokens = bounded_int(body, "max_completion_tokens", 1, MAX_INT32)
     if max_tokens is None:
-        max_tokens = _bounded_int(body, "max_tokens", 1, MAX_INT32)
+        max_tokens = bounded_int(body, "max_tokens", 1, MAX_INT32)
     chars = sum(len(m["content"]) for m in args["messages"])
     return _finish(CHAT, body, args, max_tokens, "messages", chars)
 
 
 def parse_completion(body: Any) -> CompletionRequest:
-    body = _object(body)
-    _known(body, TEXT_FIELDS)
-    if not _present(body, "prompt"):
+    body = as_object(body)
+    check_known(body, TEXT_FIELDS)
+    if not present(body, "prompt"):
         raise errors.missing("prompt")
     args = _prompt(body["prompt"])
-    if _present(body, "logprobs"):
+    if present(body, "logprobs"):
         raise errors.unsupported("logprobs", "is not supported by this server.")
-    _default_only(body, "echo", _is_bool, "a boolean", lambda v: v is False)
-    if _present(body, "suffix"):
+    default_only(body, "echo", is_bool, "a boolean", lambda v: v is False)
+    if present(body, "suffix"):
         raise errors.unsupported("suffix", "is not supported by this server.")
-    _default_only(body, "best_of", _is_int, "an integer", lambda v: v == 1)
+    default_only(body, "best_of", is_int, "an integer", lambda v: v == 1)
     chars = len(args.get("prompt", ""))
-    return _finish(TEXT, body, args, _bounded_int(body, "max_tokens", 1, MAX_INT32), "prompt",
+    return _finish(TEXT, body, args, bounded_int(body, "max_tokens", 1, MAX_INT32), "prompt",
                    chars)
 
 
@@ -148,26 +161,26 @@ def _finish(kind: str, body: dict[str, Any], args: dict[str, Any], max_tokens: i
     if max_tokens is not None:
         args["max_tokens"] = max_tokens
     # OpenAI's default temperature is 1.0, so an unset temperature samples; 0 is greedy.
-    args["temperature"] = _number(body, "temperature", 0.0, 2.0, low_open=False, default=1.0)
-    args["top_p"] = _number(body, "top_p", 0.0, 1.0, low_open=True, default=1.0)
+    args["temperature"] = number(body, "temperature", 0.0, 2.0, low_open=False, default=1.0)
+    args["top_p"] = number(body, "top_p", 0.0, 1.0, low_open=True, default=1.0)
     # vLLM's extension: -1 (vLLM's default) and 0 mean off.
-    top_k = _bounded_int(body, "top_k", -1, MAX_INT32)
+    top_k = bounded_int(body, "top_k", -1, MAX_INT32)
     if top_k is not None and top_k > 0:
         args["top_k"] = top_k
     for key in ("presence_penalty", "frequency_penalty", "min_p"):
-        _default_only(body, key, _is_number, "a decimal", lambda v: v == 0)
-    _default_only(body, "repetition_penalty", _is_number, "a decimal", lambda v: v == 1)
-    _default_only(body, "logit_bias", _is_dict, "an object", lambda v: not v)
+        default_only(body, key, is_number, "a decimal", lambda v: v == 0)
+    default_only(body, "repetition_penalty", is_number, "a decimal", lambda v: v == 1)
+    default_only(body, "logit_bias", is_dict, "an object", lambda v: not v)
     n = body.get("n")
     if n is not None:
-        if not _is_int(n):
+        if not is_int(n):
             raise errors.invalid_type("n", "an integer", n)
         if n != 1:
             raise errors.unsupported("n", f"must be 1 on this server, but got {n}.")
     stop = body.get("stop")
     if stop is not None:
         args["stop"] = _stop(stop)
-    seed = _bounded_int(body, "seed", SEED_MIN, SEED_MAX)
+    seed = bounded_int(body, "seed", SEED_MIN, SEED_MAX)
     if seed is not None:
         args["seed"] = seed
     # vLLM's extension: keep decoding past EOS (benchmarks, load drills).
@@ -195,99 +208,22 @@ def _finish(kind: str, body: dict[str, Any], args: dict[str, Any], max_tokens: i
         if not stream:
             raise errors.invalid("The 'stream_options' parameter is only allowed when 'stream' "
                                  "is enabled.", "stream_options", "invalid_value")
-        _known(options, STREAM_OPTION_FIELDS, "stream_options.")
+        check_known(options, STREAM_OPTION_FIELDS, "stream_options.")
         include_usage = options.get("include_usage")
         if include_usage is None:
             include_usage = False
         if not isinstance(include_usage, bool):
             raise errors.invalid_type("stream_options.include_usage", "a boolean", include_usage)
         # OpenAI's padding against length side channels: no effect on the answer.
-        _typed(options, "include_obfuscation", _is_bool, "a boolean", "stream_options.")
+        typed(options, "include_obfuscation", is_bool, "a boolean", "stream_options.")
     return CompletionRequest(kind, model, stream, include_usage, args, prompt_param, session_name,
                              prompt_chars)
-
-
-def _object(body: Any) -> dict[str, Any]:
-    if not isinstance(body, dict):
-        raise errors.invalid(f"The request body must be a JSON object, but got "
-                             f"{errors._json_type(body)} instead.")
-    return body
-
-
-def _known(obj: dict[str, Any], allowed: Iterable[str], prefix: str = "") -> None:
-    """Refuse the first field that is not in ``allowed``, the way OpenAI does."""
-    allowed = frozenset(allowed)
-    for key in obj:
-        if key not in allowed:
-            raise unrecognized(prefix + key)
-
-
-def unrecognized(name: str) -> errors.ApiError:
-    shown = name if len(name) <= _ECHO_MAX else name[:_ECHO_MAX] + "..."
-    return errors.invalid(f"Unrecognized request argument supplied: {shown}", shown,
-                          "unknown_parameter")
-
-
-def _default_only(body: dict[str, Any], key: str, type_ok: Callable[[Any], bool],
-                  expected: str, is_default: Callable[[Any], bool], prefix: str = "") -> None:
-    """A field this server does not implement: accepted only when null or its default."""
-    value = body.get(key)
-    if value is None:
-        return
-    if not type_ok(value):
-        raise errors.invalid_type(prefix + key, expected, value)
-    if not is_default(value):
-        raise errors.unsupported(prefix + key, "is not supported by this server (only its "
-                                 "default value is accepted).")
-
-
-def _typed(body: dict[str, Any], key: str, type_ok: Callable[[Any], bool], expected: str,
-           prefix: str = "") -> None:
-    value = body.get(key)
-    if value is not None and not type_ok(value):
-        raise errors.invalid_type(prefix + key, expected, value)
-
-
-def _present(body: dict[str, Any], key: str) -> bool:
-    return body.get(key) is not None
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def _is_bool(value: Any) -> bool:
-    return isinstance(value, bool)
-
-
-def _is_str(value: Any) -> bool:
-    return isinstance(value, str)
-
-
-def _is_list(value: Any) -> bool:
-    return isinstance(value, list)
-
-
-def _is_dict(value: Any) -> bool:
-    return isinstance(value, dict)
-
-
-def _is_str_or_dict(value: Any) -> bool:
-    return isinstance(value, (str, dict))
-
-
-def _is_str_dict(value: Any) -> bool:
-    return isinstance(value, dict) and all(isinstance(v, str) for v in value.values())
 
 
 def _message(message: Any, where: str) -> dict[str, str]:
     if not isinstance(message, dict):
         raise errors.invalid_type(where, "an object", message)
-    _known(message, MESSAGE_FIELDS, f"{where}.")
+    check_known(message, MESSAGE_FIELDS, f"{where}.")
     role = message.get("role")
     if role is None:
         raise errors.missing(f"{where}.role")
@@ -297,10 +233,10 @@ def _message(message: Any, where: str) -> dict[str, str]:
     # Each of these would change what the model reads; the chat template here gets only
     # role and content, so they are refused rather than dropped.
     for key in ("name", "function_call", "refusal", "audio"):
-        if _present(message, key):
+        if present(message, key):
             raise errors.unsupported(f"{where}.{key}", "is not supported by this server.")
-    _default_only(message, "tool_calls", _is_list, "an array", lambda v: not v, f"{where}.")
-    _typed(message, "tool_call_id", _is_str, "a string", f"{where}.")
+    default_only(message, "tool_calls", is_list, "an array", lambda v: not v, f"{where}.")
+    typed(message, "tool_call_id", is_str, "a string", f"{where}.")
     content = message.get("content")
     if content is None and role == "assistant":
         content = ""  # an assistant turn without content (OpenAI allows null there)
@@ -322,7 +258,7 @@ def _text_part(part: Any, where: str) -> str:
     if part.get("type") != "text":
         raise errors.invalid_value(f"{where}.type", f"only 'text' content parts are supported, "
                                    f"but got {part.get('type')!r}.")
-    _known(part, PART_FIELDS, f"{where}.")
+    check_known(part, PART_FIELDS, f"{where}.")
     text = part.get("text")
     if not isinstance(text, str):
         raise errors.invalid_type(f"{where}.text", "a string", text)
@@ -330,7 +266,7 @@ def _text_part(part: Any, where: str) -> str:
 
 
 def _token_ids(value: Any) -> bool:
-    return isinstance(value, list) and bool(value) and all(_is_int(t) for t in value)
+    return isinstance(value, list) and bool(value) and all(is_int(t) for t in value)
 
 
 def _prompt(prompt: Any) -> dict[str, Any]:
@@ -378,38 +314,6 @@ def frame_estimate(texts: list[str], items: int, max_frame_bytes: int) -> int:
     return size + ITEM_OVERHEAD * items
 
 
-def _bounded_int(body: dict[str, Any], key: str, low: int, high: int) -> int | None:
-    value = body.get(key)
-    if value is None:
-        return None
-    if not _is_int(value):
-        raise errors.invalid_type(key, "an integer", value)
-    if value < low:
-        raise errors.invalid_value(key, f"integer below minimum value. Expected a value >= "
-                                   f"{low}, but got {value} instead.")
-    if value > high:
-        raise errors.invalid_value(key, f"integer above maximum value. Expected a value <= "
-                                   f"{high}, but got {value} instead.")
-    return value
-
-
-def _number(body: dict[str, Any], key: str, low: float, high: float, *, low_open: bool,
-            default: float) -> float:
-    value = body.get(key)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise errors.invalid_type(key, "a decimal", value)
-    if value < low or (low_open and value == low):
-        bound = ">" if low_open else ">="
-        raise errors.invalid_value(key, f"decimal below minimum value. Expected a value "
-                                   f"{bound} {low:g}, but got {value} instead.")
-    if value > high:
-        raise errors.invalid_value(key, f"decimal above maximum value. Expected a value <= "
-                                   f"{high:g}, but got {value} instead.")
-    return float(value)
-
-
 def _stop(stop: Any) -> list[str]:
     if isinstance(stop, str):
         return [stop] if stop else []
@@ -420,74 +324,3 @@ def _stop(stop: Any) -> list[str]:
                                    f"length {MAX_STOP}, but got an array with length "
                                    f"{len(stop)} instead.")
     return [s for s in stop if s]
-
-
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
-    # cached_tokens is always present, 0 included: dashboards read it unconditionally.
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
-
-
-class Formatter:
-    """Shapes one completion's JSON objects (one id and ``created`` for all its chunks)."""
-
-    def __init__(self, kind: str, model: str, include_usage: bool = False) -> None:
-        assert kind in (CHAT, TEXT), kind
-        self.kind = kind
-        self.model = model
-        self.include_usage = include_usage
-        prefix = "chatcmpl-" if kind == CHAT else "cmpl-"
-        self.id = prefix + uuid.uuid4().hex
-        self.created = int(time.time())
-
-    def _envelope(self, obj: str) -> dict[str, Any]:
-        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
-
-    def completion(self, text: str, finish_reason: str, usage_: dict[str, Any],
-                   gnosis: dict[str, Any]) -> dict[str, Any]:
-        if self.kind == CHAT:
-            out = self._envelope("chat.completion")
-            choice = {"index": 0, "message": {"role": "assistant", "content": text},
-                      "logprobs": None, "finish_reason": finish_reason}
-        else:
-            out = self._envelope("text_completion")
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
-        out["choices"] = [choice]
-        out["usage"] = usage_
-        out["_gnosis"] = gnosis
-        return out
-
-    def _chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
-        out = self._envelope("chat.completion.chunk" if self.kind == CHAT else "text_completion")
-        out["choices"] = choices
-        if self.include_usage:
-            out["usage"] = None  # OpenAI sends null usage on every chunk but the last
-        return out
-
-    def _choice(self, text: str, finish_reason: str | None, *, role: bool = False) -> dict[str, Any]:
-        if self.kind == TEXT:
-            return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
-        delta: dict[str, Any] = {"role": "assistant", "content": text} if role else \
-            ({"content": text} if finish_reason is None else {})
-        return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
-
-    def role_chunk(self) -> dict[str, Any] | None:
-        """The first chat chunk announces the role; text completions have none."""
-        return self._chunk([self._choice("", None, role=True)]) if self.kind == CHAT else None
-
-    def delta_chunk(self, text: str) -> dict[str, Any]:
-        return self._chunk([self._choice(text, None)])
-
-    def finish_chunk(self, finish_reason: str, gnosis: dict[str, Any] | None) -> dict[str, Any]:
-        out = self._chunk([self._choice("", finish_reason)])
-        if gnosis is not None:
-            out["_gnosis"] = gnosis
-        return out
-
-    def usage_chunk(self, usage_: dict[str, Any], gnosis: dict[str, Any]) -> dict[str, Any]:
-        assert self.include_usage
-        out = self._chunk([])
-        out["usage"] = usage_
-        out["_gnosis"] = gnosis
-        return out

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from host import errors, openai_api, sse
+from host import errors, formatting, sse
 from host.errors import ApiError
 from host.openai_api import parse_chat, parse_completion
 
@@ -161,9 +161,9 @@ def test_completion_bad_fields(body, param, code):
 
 
 def test_chat_formatting():
-    fmt = openai_api.Formatter("chat", "tiny", include_usage=True)
+    fmt = formatting.Formatter("chat", "tiny", include_usage=True)
     assert fmt.id.startswith("chatcmpl-")
-    usage = openai_api.usage(5, 3, 0)
+    usage = formatting.usage(5, 3, 0)
     assert usage == {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8,
                      "prompt_tokens_details": {"cached_tokens": 0}}
     full = fmt.completion("hey", "stop", usage, {"g": 1})
@@ -184,7 +184,7 @@ def test_chat_formatting():
 
 
 def test_text_formatting_without_usage():
-    fmt = openai_api.Formatter("text", "tiny")
+    fmt = formatting.Formatter("text", "tiny")
     assert fmt.id.startswith("cmpl-") and fmt.role_chunk() is None
     env = {"id": fmt.id, "object": "text_completion", "created": fmt.created, "model": "tiny"}
     assert fmt.delta_chunk("a") == {**env, "choices": [{"index": 0, "text": "a", "logprobs": None,
