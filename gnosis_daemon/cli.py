@@ -61,7 +61,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return serve(settings)
     if args.command == "station":
-        from station.server import serve
+        from station.main import serve
 
         return serve(settings)
     if args.command == "host":

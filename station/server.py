@@ -1,4 +1,4 @@
-"""The station process: load the model, start the engine, serve the Unix socket.
+"""The station's socket server: connections, dispatch through the op registry, draining.
 
 Resource handling: the socket file is private from birth (``gnosis_daemon.unix_sockets``). Each
 connection owns a nursery with one task per request it hands on; when the connection ends
@@ -25,17 +25,13 @@ import errno
 import functools
 import itertools
 import os
-import queue
 import signal
-import sys
-import threading
 import time
-from pathlib import Path
 from typing import Any, Awaitable, Callable, Iterator
 
 import trio
 
-from gnosis_daemon.logs import bind_request, configure_logging, get_logger
+from gnosis_daemon.logs import bind_request, get_logger
 from gnosis_daemon.protocol import (
     ErrorCode,
     FrameDecoder,
@@ -50,11 +46,9 @@ from gnosis_daemon.unix_sockets import bind_socket, remove_socket
 from station import engine_ops, ops
 from station.connection import Connection, Preparing
 from station.engine_api import Engine, EngineEvent, EngineOpError, EventKind
-from station.model_loader import LoadedModel, ModelLoadError, load_model
+from station.model_loader import LoadedModel
 from station.op_registry import STATION_OPS, OpRegistry, OpSpec, RunsOn
 from station.ops import OpError, Tokenizing
-from station.paged_engine import PagedEngine
-from station.persist import TierReport, restore_sessions, save_sessions
 from station.stream import GenerateStream
 
 log = get_logger(__name__)
@@ -328,103 +322,3 @@ def _engine_refusals() -> Iterator[None]:
         raise OpError(ErrorCode.SHUTTING_DOWN, str(exc)) from None
     except EngineOpError as exc:  # capacity: the waiting queue is full
         raise OpError(ErrorCode(exc.code), exc.message) from None
-
-
-def create_engine(loaded: LoadedModel, settings: Settings) -> PagedEngine:
-    return PagedEngine(loaded, settings)
-
-
-class _StopRequested(BaseException):
-    """SIGTERM/SIGINT arrived before the socket server took over signals."""
-
-
-def _exit_cleanly(signum: int, frame: Any) -> None:
-    raise _StopRequested(signum)
-
-
-class _TorchThread:
-    """The one thread of the station process that runs torch: it loads the model, builds
-    the engine, restores the disk tier, then runs the engine loop until shutdown.
-
-    Why one thread: libgomp keeps an OpenMP thread pool per thread that ever ran a parallel
-    region. With two such threads (say, the main thread loading the model and an engine
-    thread decoding) it manages more threads than there are CPUs and throttles its
-    spin-waits, so every parallel op pays a futex wake-up: on a 2-core host the batched
-    decode step measured 30-40% slower than the same step on the process's only torch
-    thread. The trio thread never runs a parallel torch op.
-    """
-
-    def __init__(self, settings: Settings, tier: Path) -> None:
-        self.settings = settings
-        self.tier = tier
-        # Set before the boot result is handed over; read by the main thread after it.
-        self.tier_report = TierReport(str(tier), enabled=settings.kv_persistence)
-        self._booted: queue.Queue[tuple[LoadedModel, PagedEngine] | BaseException] = queue.Queue()
-        self.thread = threading.Thread(target=self._main, name="station-torch", daemon=True)
-
-    def boot(self) -> tuple[LoadedModel, PagedEngine]:
-        """Start the thread and wait for the model and engine (its errors re-raised here)."""
-        self.thread.start()
-        booted = self._booted.get()  # interruptible: SIGTERM raises _StopRequested here
-        if isinstance(booted, BaseException):
-            raise booted
-        return booted
-
-    def _main(self) -> None:
-        try:
-            loaded = load_model(self.settings)
-            log.info("model_loaded", model=loaded.served_id, path=loaded.path,
-                     loaded_from=loaded.loaded_from, device=str(loaded.device),
-                     dtype=str(loaded.dtype), fingerprint=loaded.fingerprint[:16])
-            engine = create_engine(loaded, self.settings)
-            if self.settings.kv_persistence:
-                # Never raises for what is on disk: a bad tier is moved aside and reported.
-                self.tier_report = restore_sessions(engine, self.tier)
-        except BaseException as exc:  # noqa: BLE001 - handed to the main thread
-            self._booted.put(exc)
-            return
-        self._booted.put((loaded, engine))
-        engine.run_here()
-
-
-def serve(settings: Settings) -> int:
-    """Entry point of ``gnosis-daemon station``: returns the process exit status."""
-    configure_logging("station", settings.log_level, settings.log_format)
-    tier = settings.effective_state_dir / "kv-sessions"
-    torch_thread = _TorchThread(settings, tier)
-    # A stop request while the model loads (minutes for a 7B model) is a clean exit too;
-    # trio's signal receiver takes over once the socket is up.
-    previous = {sig: signal.signal(sig, _exit_cleanly) for sig in (signal.SIGTERM, signal.SIGINT)}
-    try:
-        loaded, engine = torch_thread.boot()
-    except ModelLoadError as exc:
-        log.error("model_load_failed", error=str(exc))
-        return 1
-    except _StopRequested:
-        log.info("station_stopped_while_loading")
-        if torch_thread.thread.is_alive():
-            # Nothing is served or saved yet; do not let interpreter teardown race a load
-            # that is still running torch code on the other thread.
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(0)
-        return 0
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-    try:
-        server = StationServer(settings, loaded, engine)
-        server.kv_tier = torch_thread.tier_report.as_dict()
-        trio.run(server.serve)
-    finally:
-        engine.shutdown()  # ends the engine loop: the torch thread returns
-        # shutdown joins the loop's thread only once run_here has registered it; a stop
-        # that comes right after boot can beat that, so join the torch thread here.
-        torch_thread.thread.join()
-        if settings.kv_persistence:
-            try:
-                save_sessions(engine, tier)
-            except Exception:  # a full or read-only disk: the previous tier stays whole
-                log.exception("kv_sessions_save_failed", path=str(tier))
-    log.info("station_stopped")
-    return 0

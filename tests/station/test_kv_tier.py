@@ -22,7 +22,7 @@ from gnosis_daemon.settings import Settings
 from station import persist
 from station.engine_api import EventKind, GenerationRequest, SamplingParams
 from station.persist import save_sessions
-from station.server import _TorchThread
+from station.main import _TorchThread
 from tests.station.test_paged_engine import Collector, prompt_of, reference
 
 BS = 4
