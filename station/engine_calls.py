@@ -31,10 +31,10 @@ import torch
 
 from gnosis_daemon.logs import get_logger
 from gnosis_daemon.protocol import ErrorCode, pack_array
-from station.block_pool import block_hashes_for, prefix_extra_keys
+from station.core.block_pool import block_hashes_for, prefix_extra_keys
 from station.engine_api import CallDone, EngineCallHandler, EngineOpError, SamplingParams
 from station.sampling import make_generator, sample
-from station.sequence import Sequence, SequenceStatus
+from station.core.sequence import Sequence, SequenceStatus
 
 if TYPE_CHECKING:
     from station.paged_engine import PagedEngine

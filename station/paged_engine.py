@@ -39,17 +39,17 @@ import torch
 
 from gnosis_daemon.logs import get_logger
 from gnosis_daemon.protocol import ErrorCode
-from station.block_pool import BlockPool, KVBlock, prefix_extra_keys
+from station.core.block_pool import BlockPool, KVBlock, prefix_extra_keys
 from station.engine_api import (CallDone, EngineCallHandler, EngineEvent, EngineOpError,
                                 EventCallback, EventKind, GenerationRequest)
 from station.engine_calls import EngineCalls, HeldState, answer
 from station.kv_cache import KVCache, KVCacheShape, num_blocks_for
 from station.model_runner import ModelRunner
 from station.sampling import make_generator, sample
-from station.scheduler import Scheduler
-from station.sequence import Sequence
+from station.core.scheduler import Scheduler
+from station.core.sequence import Sequence
 from gnosis_daemon.tokens import common_prefix_len
-from station.sessions import SessionRegistry
+from station.core.sessions import SessionRegistry
 
 log = get_logger(__name__)
 

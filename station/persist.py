@@ -54,7 +54,7 @@ from typing import Any, BinaryIO
 import torch
 
 from gnosis_daemon.logs import get_logger
-from station.block_pool import block_hashes_for, prefix_extra_keys
+from station.core.block_pool import block_hashes_for, prefix_extra_keys
 
 log = get_logger()
 

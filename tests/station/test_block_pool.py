@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from station import block_pool
-from station.block_pool import BlockPool, block_hashes_for, hash_block, prefix_extra_keys
+from station.core import block_pool
+from station.core.block_pool import BlockPool, block_hashes_for, hash_block, prefix_extra_keys
 
 BS = 4
 KEYS = prefix_extra_keys("model-fp", "salt", "")

@@ -9,13 +9,13 @@ import threading
 import pytest
 
 from gnosis_daemon.settings import Settings
-from station.block_pool import BlockPool
+from station.core.block_pool import BlockPool
 from station.engine_api import EventKind, GenerationRequest, SamplingParams
 from station.engine_calls import EngineCalls
 from station.model_loader import load_model
 from station.paged_engine import PagedEngine
 from gnosis_daemon.tokens import common_prefix_len
-from station.sessions import SessionRegistry
+from station.core.sessions import SessionRegistry
 from tests.station.test_paged_engine import (Collector, assert_pool_clean, prompt_of, reference)
 from tests.support.tiny_models import build_tiny_model
 

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from station.block_pool import BlockPool, prefix_extra_keys
+from station.core.block_pool import BlockPool, prefix_extra_keys
 from station.engine_api import SamplingParams
-from station.scheduler import Scheduler
-from station.sequence import Sequence, SequenceStatus
+from station.core.scheduler import Scheduler
+from station.core.sequence import Sequence, SequenceStatus
 
 BS = 4
 KEYS = prefix_extra_keys("fp", "", "")

@@ -28,8 +28,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
-from station.block_pool import BlockPool, KVBlock, block_hashes_for
-from station.sequence import Sequence, SequenceStatus
+from station.core.block_pool import BlockPool, KVBlock, block_hashes_for
+from station.core.sequence import Sequence, SequenceStatus
 
 
 @dataclass(slots=True)

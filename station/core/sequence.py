@@ -6,7 +6,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
-from station.block_pool import BlockHash, ExtraKeys, KVBlock
+from station.core.block_pool import BlockHash, ExtraKeys, KVBlock
 from station.engine_api import SamplingParams
 
 

@@ -32,7 +32,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Sequence
 
-from station.block_pool import BlockPool, KVBlock
+from station.core.block_pool import BlockPool, KVBlock
 
 
 @dataclass(slots=True, eq=False)
