@@ -31,10 +31,10 @@ import torch
 
 from gnosis_daemon.logs import get_logger
 from gnosis_daemon.protocol import ErrorCode, pack_array
-from station.block_pool import block_hashes_for, prefix_extra_keys
 from station.engine_api import CallDone, EngineCallHandler, EngineOpError, SamplingParams
 from station.sampling import make_generator, sample
-from station.sequence import Sequence, SequenceStatus
+from station.core.kv_manager import SessionOutcome
+from station.core.sequence import Sequence, SequenceStatus
 
 if TYPE_CHECKING:
     from station.paged_engine import PagedEngine
@@ -105,7 +105,7 @@ class EngineCalls:
             if prefix_len > seq.num_tokens:
                 raise _error(ErrorCode.BAD_REQUEST, f"prefix_len {prefix_len} exceeds the "
                              f"sequence's {seq.num_tokens} tokens")
-            num = engine.save_session(session_id, seq.user.tenant, seq, prefix_len)
+            num = engine.kv.pin_sequence(session_id, seq, prefix_len)
             return {"session_id": session_id, "num_tokens": num}
         tokens = list(tokens or [])
         if prefix_len > len(tokens):
@@ -113,36 +113,27 @@ class EngineCalls:
                          f"{len(tokens)} tokens given")
         bs = engine.block_size
         num_blocks = prefix_len // bs
-        keys = prefix_extra_keys(engine.loaded.fingerprint, engine.settings.tenant_salt, tenant)
-        blocks = []
-        for i, block_hash in enumerate(block_hashes_for(tokens[:num_blocks * bs], bs, keys)):
-            block = engine.pool.cached_block_hash_to_block.get(block_hash)
-            if block is None or block.token_ids != tuple(tokens[i * bs:(i + 1) * bs]):
-                raise _error(ErrorCode.NOT_FOUND, f"the KV of the first {num_blocks * bs} tokens "
-                             f"is not resident (block {i} missing)")
-            blocks.append(block)
-        engine.sessions.save(session_id, tenant, tokens[:num_blocks * bs], blocks)
+        blocks = engine.kv.resident_blocks(tokens[:num_blocks * bs], tenant)
+        if len(blocks) < num_blocks:
+            raise _error(ErrorCode.NOT_FOUND, f"the KV of the first {num_blocks * bs} tokens "
+                         f"is not resident (block {len(blocks)} missing)")
+        engine.kv.pin(session_id, tenant, tokens[:num_blocks * bs], blocks)
         return {"session_id": session_id, "num_tokens": num_blocks * bs}
 
     def kv_load(self, owner: Any, done: CallDone, session_id: str) -> dict[str, Any]:
         engine = self.engine
-        session = engine.sessions.get(session_id)
+        session = engine.kv.get_session(session_id)
         if session is None:
             raise _error(ErrorCode.NOT_FOUND, f"no KV session {session_id!r}")
         seq = self._new_seq(owner, list(session.token_ids), session.tenant, None)
-        engine.pool.touch(session.blocks)  # shared, not copied: sessions hold full blocks only
-        seq.blocks = list(session.blocks)
-        seq.num_computed_tokens = session.num_tokens
-        seq.num_registered_blocks = len(session.blocks)
-        seq.status = SequenceStatus.PARKED
-        engine.sessions.use(session)
+        engine.scheduler.park_loaded(seq, session)
         return {"seq_id": seq.seq_id, "num_tokens": seq.num_tokens}
 
     def kv_delete(self, owner: Any, done: CallDone, session_id: str) -> dict[str, Any]:
-        return {"deleted": self.engine.sessions.delete(session_id)}
+        return {"deleted": self.engine.kv.unpin(session_id)}
 
     def kv_list(self, owner: Any, done: CallDone, include_tokens: bool = False) -> dict[str, Any]:
-        sessions = self.engine.sessions
+        sessions = self.engine.kv.sessions
         listed = []
         for s in reversed(sessions.sessions()):  # most recently used first
             item: dict[str, Any] = {"session_id": s.session_id, "tenant": s.tenant,
@@ -217,12 +208,9 @@ class EngineCalls:
         if state.kind == "decode_next":
             answer(done, {"token_id": state.token_id, "num_tokens": seq.num_tokens}, None)
             return
-        client = seq.user
         answer(done, {"seq_id": seq.seq_id, "num_tokens": seq.num_tokens,
                       "cached_tokens": seq.num_admitted_cached_tokens if state.new else 0,
-                      "session_loaded": client.session_loaded,
-                      "session_tokens": client.session_tokens,
-                      "session_error": client.session_error}, None)
+                      **session_fields(seq)}, None)
 
     def fail(self, seq: Sequence, error: EngineOpError) -> None:
         """The sequence ended (its blocks are released): forget it, fail its pending call."""
@@ -303,10 +291,8 @@ class EngineCalls:
         seq_id = f"h{next(self._ids)}"
         seq = Sequence(
             seq_id, tokens, SamplingParams(max_tokens=1),
-            extra_keys=prefix_extra_keys(engine.loaded.fingerprint, engine.settings.tenant_salt,
-                                         tenant),
-            user=engine.make_client(tenant=tenant, load_session=load_session,
-                                    held=HeldState(owner)),
+            extra_keys=engine.kv.extra_keys(tenant), tenant=tenant, load_session=load_session,
+            user=engine.make_client(held=HeldState(owner)),
         )
         self.seqs[seq_id] = seq
         return seq
@@ -328,12 +314,20 @@ class EngineCalls:
         if num_tokens > engine.max_model_len:
             raise _error(ErrorCode.CONTEXT_OVERFLOW, f"{num_tokens} tokens exceed max_model_len "
                          f"{engine.max_model_len}")
-        if -(-(num_tokens + 1) // engine.block_size) > engine.pool.num_blocks:
+        if engine.kv.num_blocks_for(num_tokens + 1) > engine.kv.num_blocks:
             raise _error(ErrorCode.BAD_REQUEST, f"{num_tokens} tokens do not fit the KV pool")
 
     def _free(self, seq: Sequence, error: EngineOpError) -> None:
         self.engine.scheduler.finish(seq, "cancelled")  # releases its blocks, whatever its state
         self.fail(seq, error)
+
+
+def session_fields(seq: Sequence) -> dict[str, Any]:
+    """What became of a sequence's ``load_session``, as the prefill event and ``forward`` report it."""
+    loaded = seq.session_outcome == SessionOutcome.LOADED
+    return {"session_loaded": loaded, "session_tokens": seq.num_session_tokens if loaded else 0,
+            "session_error": None if loaded or seq.session_outcome is None
+            else str(seq.session_outcome)}
 
 
 def answer(done: CallDone, result: dict[str, Any] | None, error: EngineOpError | None) -> None:

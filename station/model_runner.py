@@ -28,8 +28,8 @@ import torch.nn.functional as F
 
 from station.kv_cache import KVCache
 from station.linear_kernels import VocabHead, pack_decoder_linears
-from station.scheduler import SchedulerOutput
-from station.sequence import Sequence
+from station.core.scheduler import SchedulerOutput
+from station.core.sequence import Sequence
 
 ATTN_IMPLEMENTATION = "gnosis_paged"
 

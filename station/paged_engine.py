@@ -12,9 +12,10 @@ boundary (never mid-forward); an aborted or finished sequence frees its blocks a
 Error handling: a forward that raises ends the sequences of that step with an ``internal``
 error and frees their blocks; the engine keeps serving everyone else.
 
-Liquid memory: a ``SessionRegistry`` pins blocks under session ids. A request
-with ``load_session`` starts from the session's blocks for the prefix it shares with the
-prompt (``_reuse_session``, at admission); ``save_session`` pins the prompt's full blocks
+Liquid memory: the KV cache manager (``station.core.kv_manager``) pins blocks under
+session ids. A request with ``load_session`` starts from the session's blocks for the
+prefix it shares with the prompt (the manager finds them at admission, the scheduler
+records the outcome on the sequence); ``save_session`` pins the prompt's full blocks
 when its prefill ends, ``save_final_session`` pins prompt+completion when it finishes.
 Socket ops other than ``generate`` arrive through ``call`` and run on this thread at a
 step boundary (``station.engine_calls``); held sequences decode in the same batched
@@ -39,17 +40,15 @@ import torch
 
 from gnosis_daemon.logs import get_logger
 from gnosis_daemon.protocol import ErrorCode
-from station.block_pool import BlockPool, KVBlock, prefix_extra_keys
 from station.engine_api import (CallDone, EngineCallHandler, EngineEvent, EngineOpError,
                                 EventCallback, EventKind, GenerationRequest)
-from station.engine_calls import EngineCalls, HeldState, answer
+from station.engine_calls import EngineCalls, HeldState, answer, session_fields
 from station.kv_cache import KVCache, KVCacheShape, num_blocks_for
 from station.model_runner import ModelRunner
 from station.sampling import make_generator, sample
-from station.scheduler import Scheduler
-from station.sequence import Sequence
-from gnosis_daemon.tokens import common_prefix_len
-from station.sessions import SessionRegistry
+from station.core.kv_manager import KVCacheManager
+from station.core.scheduler import Scheduler
+from station.core.sequence import Sequence
 
 log = get_logger(__name__)
 
@@ -60,13 +59,8 @@ class _Client:
 
     on_event: EventCallback | None  # None for a held sequence
     stop_ids: frozenset[int]
-    tenant: str = ""
-    load_session: str | None = None
     save_session: str | None = None
     save_final_session: str | None = None
-    session_loaded: bool = False
-    session_tokens: int = 0  # prompt tokens served from the loaded session
-    session_error: str | None = None  # not_found | tenant_mismatch | no_common_prefix
     final_saved: bool = False
     final_save_error: str | None = None
     held: HeldState | None = None  # set for held sequences (forward/decode_next)
@@ -88,12 +82,11 @@ class PagedEngine:
         if num_blocks is None:
             num_blocks = num_blocks_for(shape, settings, device)
         self.kv_cache = KVCache(shape, num_blocks, device)
-        self.pool = BlockPool(num_blocks, self.block_size)
-        self.scheduler = Scheduler(self.pool, settings.max_batch_size, settings.prefill_chunk_tokens)
-        self.sessions = SessionRegistry(self.pool, settings.kv_session_budget,
-                                        tenant_share=settings.kv_session_tenant_share)
-        self.scheduler.reuse = self._reuse_session
-        self.scheduler.reclaim = self._reclaim
+        self.kv = KVCacheManager(num_blocks, self.block_size, settings.kv_session_budget,
+                                 tenant_share=settings.kv_session_tenant_share,
+                                 model_fingerprint=loaded.fingerprint,
+                                 tenant_salt=settings.tenant_salt)
+        self.scheduler = Scheduler(self.kv, settings.max_batch_size, settings.prefill_chunk_tokens)
         self.calls = EngineCalls(self)
         self.runner = ModelRunner(loaded.model, self.kv_cache, device,
                                   pack_linears=settings.cpu_packed_linears)
@@ -156,20 +149,19 @@ class PagedEngine:
         vocab = self.loaded.vocab_size
         if any(not 0 <= t < vocab for t in prompt):
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
-        if -(-(len(prompt) + 1) // self.block_size) > self.pool.num_blocks:
+        if self.kv.num_blocks_for(len(prompt) + 1) > self.kv.num_blocks:
             raise ValueError(f"prompt of {len(prompt)} tokens does not fit the KV pool of "
-                             f"{self.pool.num_blocks * self.block_size} tokens")
+                             f"{self.kv.num_blocks * self.block_size} tokens")
         params = request.params
         stop_ids = set(params.stop_token_ids)
         if not params.ignore_eos:
             stop_ids.update(self.loaded.eos_token_ids)
         seq = Sequence(
             request.request_id, prompt, params,
-            extra_keys=prefix_extra_keys(self.loaded.fingerprint, self.settings.tenant_salt,
-                                         request.tenant),
+            extra_keys=self.kv.extra_keys(request.tenant), tenant=request.tenant,
+            load_session=request.load_session,
             generator=make_generator(params.seed, self.device),
-            user=_Client(on_event, frozenset(stop_ids), tenant=request.tenant,
-                         load_session=request.load_session, save_session=request.save_session,
+            user=_Client(on_event, frozenset(stop_ids), save_session=request.save_session,
                          save_final_session=request.save_final_session),
         )
         with self._cond:
@@ -235,7 +227,7 @@ class PagedEngine:
                 self._cond.notify_all()
 
     def stats(self) -> dict[str, Any]:
-        pool, sched = self.pool, self.scheduler
+        pool, sessions, sched = self.kv.pool, self.kv.sessions, self.scheduler
         with self._cond:
             num_inbox = len(self._inbox)
         return {
@@ -251,14 +243,14 @@ class PagedEngine:
             "preemptions": sched.num_preemptions,
             "steps": self.num_steps,
             # Read without the engine lock: figures may be one step stale.
-            "kv_sessions": len(self.sessions),
-            "kv_session_budget": self.sessions.budget,
-            "kv_sessions_expired": self.sessions.num_expired,
-            "pinned_blocks": self.sessions.pinned_blocks,
-            "kv_session_tenants": self.sessions.num_tenants,
-            "kv_session_tenant_max_sessions": self.sessions.tenant_max_sessions,
-            "kv_session_tenant_max_blocks": self.sessions.tenant_max_blocks,
-            "kv_sessions_expired_over_share": self.sessions.num_expired_over_share,
+            "kv_sessions": len(sessions),
+            "kv_session_budget": sessions.budget,
+            "kv_sessions_expired": sessions.num_expired,
+            "pinned_blocks": sessions.pinned_blocks,
+            "kv_session_tenants": sessions.num_tenants,
+            "kv_session_tenant_max_sessions": sessions.tenant_max_sessions,
+            "kv_session_tenant_max_blocks": sessions.tenant_max_blocks,
+            "kv_sessions_expired_over_share": sessions.num_expired_over_share,
             "host_sequences": len(self.calls.seqs),
             "embed_calls": len(self.calls.embeds),
             "embed_inputs": self.calls.embed_inputs_done,
@@ -344,54 +336,11 @@ class PagedEngine:
             self._postprocess(seq, token)
 
     # -- KV sessions (engine thread)
-    def _reuse_session(self, seq: Sequence, hits: list[KVBlock]) -> list[KVBlock]:
-        """Admission hook: the blocks ``seq`` starts from (a loaded session's, then cache hits)."""
-        client: _Client = seq.user
-        if not client.load_session:
-            return hits
-        first = seq.num_preemptions == 0  # the prefill event reports the first admission
-        session = self.sessions.get(client.load_session)
-        error, blocks = None, hits
-        if session is None:
-            error = "not_found"
-        elif session.tenant != client.tenant:
-            error = "tenant_mismatch"
-        else:
-            # Full blocks only, and never the last prompt token (its logits are needed).
-            usable = min(common_prefix_len(session.token_ids, seq.token_ids), seq.num_tokens - 1)
-            n = usable // self.block_size
-            if n == 0:
-                error = "no_common_prefix"
-            else:
-                # Cache hits past the session hold the same prefix's KV: keep them too.
-                blocks = session.blocks[:n] + hits[n:]
-                self.sessions.use(session)
-                if first:
-                    client.session_tokens = n * self.block_size
-        if first:
-            client.session_loaded, client.session_error = error is None, error
-        return blocks
-
-    def _reclaim(self, num_blocks: int, seq: Sequence | None) -> int:
-        keep = seq.user.load_session if seq is not None else None
-        tenant = seq.user.tenant if seq is not None else None  # None: a decode's new block
-        expired = self.sessions.reclaim(num_blocks, keep, tenant)
-        if expired:
-            log.info("kv_sessions_expired_for_room", expired=expired, blocks_needed=num_blocks)
-        return expired
-
-    def save_session(self, session_id: str, tenant: str, seq: Sequence, num_tokens: int) -> int:
-        """Pin the full blocks of ``seq``'s first ``num_tokens`` computed tokens; -> tokens pinned."""
-        n = min(num_tokens, seq.num_computed_tokens, seq.num_tokens) // self.block_size
-        assert n <= len(seq.blocks)
-        self.sessions.save(session_id, tenant, seq.token_ids[:n * self.block_size], seq.blocks[:n])
-        return n * self.block_size
-
     def _save_named(self, session_id: str | None, seq: Sequence, num_tokens: int) -> tuple[bool, str | None]:
         if not session_id:
             return False, None
         try:
-            self.save_session(session_id, seq.user.tenant, seq, num_tokens)
+            self.kv.pin_sequence(session_id, seq, num_tokens)
         except Exception as exc:  # a failed save is reported, the request carries on
             log.exception("kv_session_save_failed", session_id=session_id)
             return False, f"{type(exc).__name__}: {exc}"
@@ -411,8 +360,7 @@ class PagedEngine:
             self._emit(seq, EventKind.PREFILL, prompt_tokens=seq.num_prompt_tokens,
                        cached_tokens=seq.num_cached_tokens,
                        prefill_ms=(time.perf_counter() - client.arrival) * 1000,
-                       session_loaded=client.session_loaded, session_tokens=client.session_tokens,
-                       session_error=client.session_error, saved=saved, save_error=save_error)
+                       **session_fields(seq), saved=saved, save_error=save_error)
         seq.token_ids.append(token)
         self._emit(seq, EventKind.TOKEN, token_id=token)
         if token in client.stop_ids:

@@ -54,7 +54,7 @@ from typing import Any, BinaryIO
 import torch
 
 from gnosis_daemon.logs import get_logger
-from station.block_pool import block_hashes_for, prefix_extra_keys
+from station.core.block_pool import block_hashes_for
 
 log = get_logger()
 
@@ -359,11 +359,11 @@ def _select(entries: list[_Entry], budget: int, free_blocks: int) -> list[_Entry
 
 def _install(engine: Any, tier: _Tier, entries: list[_Entry]) -> int:
     """Copy the entries' blocks into fresh pool blocks and pin them as sessions."""
-    pool = engine.pool
+    kv = engine.kv
     used = sorted({b for entry in entries for b in entry.blocks})
     if not used and not entries:
         return 0
-    blocks = pool.allocate(len(used))
+    blocks = kv.allocate_blocks(len(used))
     try:
         slot = {index: block for index, block in zip(used, blocks)}
         if used:
@@ -371,24 +371,16 @@ def _install(engine: Any, tier: _Tier, entries: list[_Entry]) -> int:
             dst = torch.tensor([b.block_id for b in blocks], dtype=torch.long,
                                device=engine.kv_cache.kv.device)
             engine.kv_cache.kv.index_copy_(2, dst, src.to(engine.kv_cache.kv.device))
-        bs = engine.block_size
         for entry in entries:
-            session_blocks = [slot[i] for i in entry.blocks]
-            keys = prefix_extra_keys(engine.loaded.fingerprint, engine.settings.tenant_salt,
-                                     entry.tenant)
-            tokens = entry.token_ids
-            # Re-key the blocks under this run's salt: the automatic prefix cache hits them too.
-            for i, (block, block_hash) in enumerate(zip(session_blocks,
-                                                        block_hashes_for(tokens, bs, keys))):
-                pool.cache_full_block(block, block_hash, tokens[i * bs:(i + 1) * bs])
-            engine.sessions.save(entry.session_id, entry.tenant, tokens, session_blocks)
+            kv.restore_session(entry.session_id, entry.tenant, entry.token_ids,
+                               [slot[i] for i in entry.blocks])
     except BaseException:
         # Leave the pool as it was at boot: no session, no cached hash, every block free.
-        engine.sessions.clear()
-        pool.free(blocks)
-        pool.reset_prefix_cache()
+        kv.sessions.clear()
+        kv.free_blocks(blocks)
+        kv.clear()
         raise
-    pool.free(blocks)  # drop the allocation's reference: the sessions' pins hold the blocks
+    kv.free_blocks(blocks)  # drop the allocation's reference: the sessions' pins hold the blocks
     return len(used)
 
 
@@ -414,8 +406,8 @@ def restore_sessions(engine: Any, directory: Path) -> TierReport:
     except Exception as exc:  # a bug or a device error must not stop the boot either
         log.exception("kv_tier_restore_failed", path=str(directory))
         # _install leaves the pool as it was when it fails; count what is really there.
-        report.restored_sessions = len(engine.sessions)
-        report.restored_blocks = engine.sessions.pinned_blocks
+        report.restored_sessions = len(engine.kv.sessions)
+        report.restored_blocks = engine.kv.sessions.pinned_blocks
         if os.path.lexists(directory):
             _reject(directory, f"restore failed: {type(exc).__name__}: {exc}", report)
     report.rejected_on_disk, report.foreign_on_disk = _count_aside(directory)
@@ -434,7 +426,7 @@ def _restore(engine: Any, directory: Path, report: TierReport) -> None:
     except _TierRejected as exc:
         _reject(directory, str(exc), report)
         return
-    chosen = _select(tier.entries, engine.sessions.budget, engine.pool.num_free_blocks)
+    chosen = _select(tier.entries, engine.kv.sessions.budget, engine.kv.pool.num_free_blocks)
     report.restored_blocks = _install(engine, tier, chosen)
     report.restored_sessions = len(chosen)
     report.skipped_sessions = len(tier.entries) - len(chosen)
@@ -490,7 +482,7 @@ def save_sessions(engine: Any, directory: Path) -> int:
     """Write every KV session to ``directory``; returns how many were written.
 
     Raises ``OSError`` when the tier cannot be written (the previous one stays whole)."""
-    sessions = engine.sessions.sessions()  # least recently used first: restored in order
+    sessions = engine.kv.sessions.sessions()  # least recently used first: restored in order
     kind, fingerprint = _existing_kind(engine, directory)
     if not sessions:
         if kind == "ours":  # its sessions expired or were deleted: they must not come back

@@ -4,24 +4,25 @@ from __future__ import annotations
 
 import pytest
 
-from station import block_pool
-from station.block_pool import BlockPool, block_hashes_for, hash_block, prefix_extra_keys
+from station.core import block_pool
+from station.core.block_pool import BlockPool, block_hashes_for, hash_block, prefix_extra_keys
+from station.core.kv_manager import KVCacheManager
+from station.core.sequence import Sequence
+from station.engine_api import SamplingParams
 
 BS = 4
 KEYS = prefix_extra_keys("model-fp", "salt", "")
 
 
-def run_sequence(pool: BlockPool, tokens: list[int], keys=KEYS):
-    """Admit a sequence like the scheduler does: prefix hit + fresh blocks, then cache its full blocks."""
-    hashes = block_hashes_for(tokens, BS, keys)
-    hits = pool.get_computed_blocks(tokens, hashes)
-    num_new = -(-len(tokens) // BS) - len(hits)
-    assert pool.can_allocate(num_new + pool.num_evictable_in(hits))
-    pool.touch(hits)
-    blocks = hits + pool.allocate(num_new)
-    for i, h in enumerate(hashes):
-        pool.cache_full_block(blocks[i], h, tokens[i * BS:(i + 1) * BS])
-    return blocks, len(hits) * BS
+def run_sequence(kv: KVCacheManager, tokens: list[int], keys=KEYS):
+    """Admit a sequence as the scheduler does (prefix hit + fresh blocks), compute it, and
+    cache its full blocks; -> its blocks (still referenced) and the tokens the hit covered."""
+    seq = Sequence("s", list(tokens), SamplingParams(max_tokens=1), extra_keys=keys)
+    computed = kv.find_computed_blocks(seq)
+    assert kv.allocate_slots(seq, seq.num_tokens - computed.num_cached_tokens, computed)
+    seq.num_computed_tokens = seq.num_tokens
+    kv.cache_full_blocks(seq)
+    return seq.blocks, computed.num_cached_tokens
 
 
 def ids(blocks):
@@ -46,16 +47,17 @@ def test_allocate_pops_head_in_id_order():
 
 
 def test_prefix_hit_exact_blocks_and_cap():
-    pool = BlockPool(10, BS)
+    kv = KVCacheManager(10, BS)
+    pool = kv.pool
     tokens = list(range(10))  # 2 full blocks + 2 tokens
-    blocks, hit = run_sequence(pool, tokens)
+    blocks, hit = run_sequence(kv, tokens)
     assert ids(blocks) == [0, 1, 2] and hit == 0
     assert pool.num_cached_blocks == 2
     pool.free(blocks)
     # Uncached block 2 goes to the head; cached ones to the tail, last block first.
     assert pool.free_queue_ids() == [2, 3, 4, 5, 6, 7, 8, 9, 1, 0]
 
-    blocks2, hit2 = run_sequence(pool, tokens)
+    blocks2, hit2 = run_sequence(kv, tokens)
     assert hit2 == 8 and ids(blocks2) == [0, 1, 2]
     assert [b.ref_cnt for b in blocks2] == [1, 1, 1]
     pool.free(blocks2)
@@ -70,8 +72,9 @@ def test_prefix_hit_exact_blocks_and_cap():
 
 
 def test_eviction_order_is_lru_with_last_blocks_first():
-    pool = BlockPool(4, BS)
-    a, _ = run_sequence(pool, [1] * 8)          # blocks 0,1 (chain differs so both cached)
+    kv = KVCacheManager(4, BS)
+    pool = kv.pool
+    a, _ = run_sequence(kv, [1] * 8)          # blocks 0,1 (chain differs so both cached)
     pool.free(a)
     assert pool.free_queue_ids() == [2, 3, 1, 0]
     b = pool.allocate(3)
@@ -82,10 +85,11 @@ def test_eviction_order_is_lru_with_last_blocks_first():
 
 
 def test_shared_prefix_ref_counting():
-    pool = BlockPool(8, BS)
+    kv = KVCacheManager(8, BS)
+    pool = kv.pool
     prefix = [7, 7, 7, 7, 8, 8, 8, 8]
-    a, _ = run_sequence(pool, prefix + [1, 2])
-    b, hit = run_sequence(pool, prefix + [3, 4])
+    a, _ = run_sequence(kv, prefix + [1, 2])
+    b, hit = run_sequence(kv, prefix + [3, 4])
     assert hit == 8 and ids(b)[:2] == ids(a)[:2]
     assert [blk.ref_cnt for blk in a] == [2, 2, 1]
     pool.free(a)
@@ -97,9 +101,10 @@ def test_shared_prefix_ref_counting():
 
 
 def test_hash_collision_never_serves_wrong_kv(monkeypatch):
-    pool = BlockPool(8, BS)
+    kv = KVCacheManager(8, BS)
+    pool = kv.pool
     monkeypatch.setattr(block_pool, "hash_block", lambda parent, toks, keys=(): b"same")
-    a, _ = run_sequence(pool, [1, 2, 3, 4, 5])
+    a, _ = run_sequence(kv, [1, 2, 3, 4, 5])
     pool.free(a)
     other = [9, 9, 9, 9, 5]
     hashes = block_pool.block_hashes_for(other, BS, KEYS)
@@ -109,11 +114,12 @@ def test_hash_collision_never_serves_wrong_kv(monkeypatch):
 
 
 def test_tenant_salt_isolation():
-    pool = BlockPool(8, BS)
+    kv = KVCacheManager(8, BS)
+    pool = kv.pool
     tokens = list(range(9))
     alice = prefix_extra_keys("fp", "salt", "alice")
     bob = prefix_extra_keys("fp", "salt", "bob")
-    a, _ = run_sequence(pool, tokens, alice)
+    a, _ = run_sequence(kv, tokens, alice)
     pool.free(a)
     assert pool.get_computed_blocks(tokens, block_hashes_for(tokens, BS, bob)) == []
     assert len(pool.get_computed_blocks(tokens, block_hashes_for(tokens, BS, alice))) == 2
@@ -123,8 +129,9 @@ def test_tenant_salt_isolation():
 
 
 def test_pinned_blocks_are_never_evicted():
-    pool = BlockPool(3, BS)
-    a, _ = run_sequence(pool, list(range(8)))
+    kv = KVCacheManager(3, BS)
+    pool = kv.pool
+    a, _ = run_sequence(kv, list(range(8)))
     pool.pin(a)
     pool.free(a)
     assert [b.ref_cnt for b in a] == [0, 0] and [b.pin_cnt for b in a] == [1, 1]
@@ -137,8 +144,9 @@ def test_pinned_blocks_are_never_evicted():
 
 
 def test_touching_a_cached_free_block_removes_it_from_the_queue():
-    pool = BlockPool(4, BS)
-    a, _ = run_sequence(pool, list(range(5)))
+    kv = KVCacheManager(4, BS)
+    pool = kv.pool
+    a, _ = run_sequence(kv, list(range(5)))
     pool.free(a)
     assert pool.num_evictable_in(a[:1]) == 1
     pool.touch(a[:1])

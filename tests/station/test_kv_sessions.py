@@ -9,13 +9,13 @@ import threading
 import pytest
 
 from gnosis_daemon.settings import Settings
-from station.block_pool import BlockPool
+from station.core.block_pool import BlockPool
 from station.engine_api import EventKind, GenerationRequest, SamplingParams
 from station.engine_calls import EngineCalls
 from station.model_loader import load_model
 from station.paged_engine import PagedEngine
 from gnosis_daemon.tokens import common_prefix_len
-from station.sessions import SessionRegistry
+from station.core.sessions import SessionRegistry
 from tests.station.test_paged_engine import (Collector, assert_pool_clean, prompt_of, reference)
 from tests.support.tiny_models import build_tiny_model
 
@@ -150,7 +150,7 @@ def test_save_then_load_hits_with_greedy_parity(tiny):
         first = e.generate(prompt, 6, save_session="s1")
         pre = first.one(EventKind.PREFILL)
         assert (pre["saved"], pre["save_error"], pre["session_loaded"]) == (True, None, False)
-        assert e.engine.sessions.get("s1").num_tokens == 28
+        assert e.engine.kv.sessions.get("s1").num_tokens == 28
         again = e.generate(prompt, 6, load_session="s1")
         pre = again.one(EventKind.PREFILL)
         assert pre["session_loaded"] is True and pre["session_error"] is None
@@ -171,8 +171,8 @@ def test_final_session_serves_the_next_turn(tiny):
         completion = turn1.tokens
         assert completion == reference(path, prompt, 10)
         kept = (len(prompt) + len(completion) - 1) // BS * BS  # the last token has no KV yet
-        assert e.engine.sessions.get("chat").num_tokens == kept
-        e.engine.pool.reset_prefix_cache()  # only the session can serve the next turn now
+        assert e.engine.kv.sessions.get("chat").num_tokens == kept
+        e.engine.kv.pool.reset_prefix_cache()  # only the session can serve the next turn now
         turn2_prompt = prompt + completion + prompt_of(22, 6)
         turn2 = e.generate(turn2_prompt, 8, load_session="chat")
         pre = turn2.one(EventKind.PREFILL)
@@ -204,11 +204,11 @@ def test_pinned_blocks_survive_eviction_pressure_and_delete_frees(tiny):
     prompt = prompt_of(41, 20)
     with Engine(loaded, num_blocks=24) as e:
         e.generate(prompt, 1, save_session="keep")
-        pinned = {b.block_id for b in e.engine.sessions.get("keep").blocks}
+        pinned = {b.block_id for b in e.engine.kv.sessions.get("keep").blocks}
         assert len(pinned) == 5
         for i in range(8):  # 12 blocks each: the rest of the pool churns several times
             e.generate(prompt_of(100 + i, 40), 8)
-            assert not pinned & set(e.engine.pool.free_queue_ids())
+            assert not pinned & set(e.engine.kv.pool.free_queue_ids())
         assert e.engine.stats()["kv_sessions_expired"] == 0
         follow = prompt + [7, 8, 9]
         hit = e.generate(follow, 6, load_session="keep")
@@ -381,7 +381,7 @@ def test_a_flooding_tenant_expires_its_own_sessions_and_the_other_still_hits(tin
                        save_final_session=f"b{i}-final")
         stats = e.engine.stats()
         assert stats["kv_sessions"] == 8 and stats["kv_session_tenants"] == 2
-        assert e.engine.sessions.tenant_sessions("bob") == 7
+        assert e.engine.kv.sessions.tenant_sessions("bob") == 7
         assert stats["kv_sessions_expired"] == stats["kv_sessions_expired_over_share"] == 24 - 7
         follow = prompt + [5, 6, 7]
         hit = e.generate(follow, 4, load_session="a-conv", tenant="alice")
@@ -399,7 +399,7 @@ def test_block_pressure_from_one_tenant_reclaims_its_own_sessions(tiny):
             e.generate(prompt_of(300 + i, 22), 2, tenant="bob", save_session=f"b{i}")
         # Each of bob's requests needs 6 blocks: once the pool is short, bob (over his
         # share) gives up his own oldest sessions; alice's, the oldest of all, stays.
-        assert [s.session_id for s in e.engine.sessions.sessions()] == [
+        assert [s.session_id for s in e.engine.kv.sessions.sessions()] == [
             "a-conv", "b5", "b6", "b7", "b8", "b9"]
         stats = e.engine.stats()
         assert stats["kv_sessions_expired"] == stats["kv_sessions_expired_over_share"] == 5

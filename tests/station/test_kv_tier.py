@@ -54,7 +54,7 @@ class Station:
         return collector.wait()
 
     def sessions(self) -> list[tuple[str, str, tuple[int, ...]]]:
-        return [(s.session_id, s.tenant, s.token_ids) for s in self.engine.sessions.sessions()]
+        return [(s.session_id, s.tenant, s.token_ids) for s in self.engine.kv.sessions.sessions()]
 
     def stop(self, save: bool = True) -> None:
         """A clean stop, as ``serve`` does it: end the loop, then write the tier."""
@@ -319,7 +319,7 @@ def test_our_tier_with_no_session_left_is_removed(model, state):
     station = Station(model, state)
     try:
         assert station.report["restored_sessions"] == 3
-        station.engine.sessions.clear()  # every session expired or was deleted
+        station.engine.kv.sessions.clear()  # every session expired or was deleted
     finally:
         station.stop()
     assert not (state / "kv-sessions").exists() and list(state.iterdir()) == []

@@ -98,7 +98,7 @@ def assert_pool_clean(engine) -> None:
     stats = engine.stats()
     assert stats["blocks_held"] == 0 and stats["running"] == 0 and stats["waiting"] == 0
     assert stats["blocks_free"] == stats["blocks_total"]
-    assert all(b.ref_cnt == 0 and b.pin_cnt == 0 for b in engine.pool.blocks)
+    assert all(b.ref_cnt == 0 and b.pin_cnt == 0 for b in engine.kv.pool.blocks)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -265,6 +265,6 @@ def test_shutdown_ends_unfinished_requests_with_shutting_down(tiny):
             max_tokens=100_000, temperature=0.0, ignore_eos=True)), on_event)
         assert started.wait(30)
     assert running.wait().one(EventKind.ERROR)["code"] == "shutting_down"
-    assert engine.pool.num_held_blocks == 0
+    assert engine.kv.pool.num_held_blocks == 0
     with pytest.raises(RuntimeError, match="shutting down"):
         submit(engine, "late", prompt_of(8, 5), 4)

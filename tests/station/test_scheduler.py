@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from station.block_pool import BlockPool, prefix_extra_keys
+from station.core.block_pool import prefix_extra_keys
+from station.core.kv_manager import KVCacheManager
 from station.engine_api import SamplingParams
-from station.scheduler import Scheduler
-from station.sequence import Sequence, SequenceStatus
+from station.core.scheduler import Scheduler
+from station.core.sequence import Sequence, SequenceStatus
 
 BS = 4
 KEYS = prefix_extra_keys("fp", "", "")
@@ -31,7 +32,7 @@ def summary(out):
 
 
 def test_chunked_prefill_interleaves_with_decode():
-    sched = Scheduler(BlockPool(16, BS), max_batch_size=8, prefill_chunk_tokens=4)
+    sched = Scheduler(KVCacheManager(16, BS), max_batch_size=8, prefill_chunk_tokens=4)
     sched.add(make_seq("a", range(3)))
     assert summary(step(sched)) == ([], [("a", 3)], [])
     sched.add(make_seq("b", range(100, 110)))
@@ -44,8 +45,8 @@ def test_chunked_prefill_interleaves_with_decode():
 
 
 def test_prefix_hit_skips_cached_tokens_and_counts():
-    pool = BlockPool(16, BS)
-    sched = Scheduler(pool, max_batch_size=8, prefill_chunk_tokens=64)
+    sched = Scheduler(KVCacheManager(16, BS), max_batch_size=8, prefill_chunk_tokens=64)
+    pool = sched.kv.pool
     prompt = list(range(10))
     a = make_seq("a", prompt)
     sched.add(a)
@@ -61,8 +62,7 @@ def test_prefix_hit_skips_cached_tokens_and_counts():
 
 
 def test_requests_wait_when_blocks_run_out_and_run_later():
-    pool = BlockPool(4, BS)
-    sched = Scheduler(pool, max_batch_size=8, prefill_chunk_tokens=64)
+    sched = Scheduler(KVCacheManager(4, BS), max_batch_size=8, prefill_chunk_tokens=64)
     sched.add(make_seq("a", range(12)))      # 3 blocks
     sched.add(make_seq("b", range(50, 58)))  # 2 blocks: does not fit next to a
     assert summary(step(sched)) == ([], [("a", 12)], [])
@@ -72,8 +72,7 @@ def test_requests_wait_when_blocks_run_out_and_run_later():
 
 
 def test_decode_preempts_newest_and_recompute_hits_its_cached_blocks():
-    pool = BlockPool(4, BS)
-    sched = Scheduler(pool, max_batch_size=8, prefill_chunk_tokens=64)
+    sched = Scheduler(KVCacheManager(4, BS), max_batch_size=8, prefill_chunk_tokens=64)
     sched.add(make_seq("a", range(7)))
     sched.add(make_seq("b", range(20, 27)))
     assert summary(step(sched)) == ([], [("a", 7), ("b", 7)], [])
@@ -93,8 +92,8 @@ def test_decode_preempts_newest_and_recompute_hits_its_cached_blocks():
 
 
 def test_single_sequence_larger_than_pool_ends_with_length():
-    pool = BlockPool(2, BS)
-    sched = Scheduler(pool, max_batch_size=8, prefill_chunk_tokens=64)
+    sched = Scheduler(KVCacheManager(2, BS), max_batch_size=8, prefill_chunk_tokens=64)
+    pool = sched.kv.pool
     seq = make_seq("a", range(7))
     sched.add(seq)
     step(sched)
@@ -105,8 +104,8 @@ def test_single_sequence_larger_than_pool_ends_with_length():
 
 
 def test_abort_frees_blocks_at_once():
-    pool = BlockPool(8, BS)
-    sched = Scheduler(pool, max_batch_size=8, prefill_chunk_tokens=64)
+    sched = Scheduler(KVCacheManager(8, BS), max_batch_size=8, prefill_chunk_tokens=64)
+    pool = sched.kv.pool
     sched.add(make_seq("a", range(9)))
     sched.add(make_seq("w", range(9)))
     sched.max_batch_size = 1
@@ -120,7 +119,7 @@ def test_abort_frees_blocks_at_once():
 
 
 def test_max_batch_size_caps_running():
-    sched = Scheduler(BlockPool(32, BS), max_batch_size=2, prefill_chunk_tokens=64)
+    sched = Scheduler(KVCacheManager(32, BS), max_batch_size=2, prefill_chunk_tokens=64)
     for i in range(3):
         sched.add(make_seq(str(i), range(i * 10, i * 10 + 3)))
     assert summary(step(sched)) == ([], [("0", 3), ("1", 3)], [])

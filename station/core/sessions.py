@@ -7,7 +7,7 @@ its ``ref_cnt``. A session only ever holds FULL blocks, so no sequence ever writ
 pinned block again: loading one needs no copy-on-write.
 
 The registry is bounded by a count (``settings.kv_session_budget``): saving past the
-budget expires one session, and when the pool runs out of blocks the engine calls
+budget expires one session, and when the pool runs out of blocks the KV cache manager calls
 ``reclaim`` before it preempts running work (a running request is worth more than a
 parked prefix).
 
@@ -32,7 +32,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Sequence
 
-from station.block_pool import BlockPool, KVBlock
+from station.core.block_pool import BlockPool, KVBlock
 
 
 @dataclass(slots=True, eq=False)

@@ -5,31 +5,31 @@ chunks of at most ``prefill_chunk_tokens`` tokens in total (the sequence already
 mid-prefill first, then new admissions in arrival order). So a long prompt is prefilled in
 chunks interleaved with everyone else's decode steps, and decoding never stalls behind it.
 
-Admission looks the prompt up in the prefix cache (cached tokens skip prefill) and takes
-blocks for the whole prompt at once (two-phase: ``can_allocate`` then ``allocate``); a
-request that does not fit waits, in order. A decoding sequence that needs a new block and
-finds none preempts the newest running sequence: its blocks are freed (its full blocks stay
-in the prefix cache, so the recompute usually hits them) and it goes back to the head of
-the waiting queue. Nothing here raises on exhaustion.
+Admission asks the KV cache manager (``station.core.kv_manager``) for the blocks the
+prompt can start from (a loaded session's, then prefix-cache hits: those tokens skip
+prefill) and then for blocks for the whole prompt at once (two-phase:
+``find_computed_blocks`` then ``allocate_slots``, which expires KV sessions before it
+fails); a request that does not fit waits, in order. A decoding sequence that needs a new
+block and finds none preempts the newest running sequence: its blocks are freed (its full
+blocks stay in the prefix cache, so the recompute usually hits them) and it goes back to
+the head of the waiting queue. Nothing here raises on exhaustion.
 
-Hooks the engine sets (KV sessions): ``reuse(seq, cache_hits)`` picks the blocks
-an admitted sequence starts from (a loaded session's blocks beside the prefix-cache hits);
-``reclaim(num_blocks, seq)`` expires LRU sessions when allocation fails, before anything
-waits or is preempted. Held sequences (``forward``/``decode_next``) are ``park``ed
-between calls (they keep their blocks and are not scheduled) and ``resume``d with new
-tokens; a resumed sequence gets blocks for its new tokens like a decode does.
+Held sequences (``forward``/``decode_next``) are ``park``ed between calls (they keep their
+blocks and are not scheduled) and ``resume``d with new tokens; a resumed sequence gets
+blocks for its new tokens like a decode does. ``park_loaded`` parks a new held sequence on
+a KV session's blocks (``kv_session.load``).
 
-The scheduler owns the queues and the block pool's policy; it never touches tensors.
+The scheduler owns the queues and the order of work; the manager owns every block. Neither
+touches tensors.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable
-
-from station.block_pool import BlockPool, KVBlock, block_hashes_for
-from station.sequence import Sequence, SequenceStatus
+from station.core.kv_manager import KVCacheManager
+from station.core.sequence import Sequence, SequenceStatus
+from station.core.sessions import KVSession
 
 
 @dataclass(slots=True)
@@ -49,9 +49,9 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, pool: BlockPool, max_batch_size: int, prefill_chunk_tokens: int) -> None:
-        self.pool = pool
-        self.block_size = pool.block_size
+    def __init__(self, kv: KVCacheManager, max_batch_size: int, prefill_chunk_tokens: int) -> None:
+        self.kv = kv
+        self.block_size = kv.block_size
         self.max_batch_size = max_batch_size
         self.prefill_chunk_tokens = prefill_chunk_tokens
         self.waiting: deque[Sequence] = deque()
@@ -59,8 +59,6 @@ class Scheduler:
         self.prefix_cache_queries_tokens = 0
         self.prefix_cache_hits_tokens = 0
         self.num_preemptions = 0
-        self.reuse: Callable[[Sequence, list[KVBlock]], list[KVBlock]] | None = None
-        self.reclaim: Callable[[int, Sequence | None], int] | None = None
 
     # -- queue management
     def add(self, seq: Sequence) -> None:
@@ -99,6 +97,13 @@ class Scheduler:
         """A held sequence whose call is done: keep its blocks, stop scheduling it."""
         assert seq.status is SequenceStatus.RUNNING and seq.num_uncomputed_tokens == 0
         self.running.remove(seq)
+        seq.status = SequenceStatus.PARKED
+
+    def park_loaded(self, seq: Sequence, session: KVSession) -> None:
+        """A new held sequence of a session's tokens: park it on the session's blocks, its
+        KV all computed, so its next ``forward`` only computes what it appends."""
+        assert seq.status is SequenceStatus.WAITING and not seq.blocks
+        seq.num_computed_tokens = self.kv.load_into(seq, session)
         seq.status = SequenceStatus.PARKED
 
     def resume(self, seq: Sequence) -> None:
@@ -153,29 +158,21 @@ class Scheduler:
         """The forward ran: advance computed counts and offer newly full blocks to the cache."""
         for seq in out.decodes:
             seq.num_computed_tokens += 1
-            self._register_full_blocks(seq)
+            self.kv.cache_full_blocks(seq)
         for seq, n in out.prefills:
             seq.num_computed_tokens += n
-            self._register_full_blocks(seq)
+            self.kv.cache_full_blocks(seq)
 
     # -- internals
     def _admit(self, seq: Sequence) -> bool:
         first_admission = seq.num_preemptions == 0
-        seq.block_hashes = block_hashes_for(seq.token_ids, self.block_size, seq.extra_keys,
-                                            seq.block_hashes)
-        hits = self.pool.get_computed_blocks(seq.token_ids, seq.block_hashes)
-        if self.reuse is not None:
-            hits = self.reuse(seq, hits)
-        num_new = self._blocks_for(seq.num_tokens) - len(hits)
-        if not self.pool.can_allocate(num_new + self.pool.num_evictable_in(hits)) and self.reclaim:
-            self.reclaim(num_new + self.pool.num_evictable_in(hits), seq)
-        # Re-counted: a reclaim may have put some of the hits back in the free queue.
-        if not self.pool.can_allocate(num_new + self.pool.num_evictable_in(hits)):
+        computed = self.kv.find_computed_blocks(seq, seq.load_session)
+        if first_admission:  # the prefill event reports the first admission
+            seq.session_outcome = computed.session_outcome
+            seq.num_session_tokens = computed.num_session_tokens
+        if not self.kv.allocate_slots(seq, seq.num_tokens - computed.num_cached_tokens, computed):
             return False
-        self.pool.touch(hits)
-        seq.blocks = hits + self.pool.allocate(num_new)
-        seq.num_computed_tokens = len(hits) * self.block_size
-        seq.num_registered_blocks = len(hits)
+        seq.num_computed_tokens = computed.num_cached_tokens
         seq.status = SequenceStatus.RUNNING
         seq.num_admitted_cached_tokens = seq.num_computed_tokens
         if first_admission:
@@ -187,15 +184,14 @@ class Scheduler:
     def _ensure_blocks(self, seq: Sequence, num_tokens: int, remaining: deque[Sequence],
                        kept: list[Sequence], deferred: list[Sequence], out: SchedulerOutput) -> bool:
         """Give ``seq`` room for ``num_tokens``, preempting the newest others; False if ``seq`` lost."""
-        num_new = self._blocks_for(num_tokens) - len(seq.blocks)
-        if num_new <= 0:
-            return True
-        if num_new > self.pool.num_blocks:
+        num_new_tokens = num_tokens - seq.num_computed_tokens
+        if self.kv.num_blocks_for(num_tokens) - len(seq.blocks) > self.kv.num_blocks:
             self._end_without_room(seq, out)
             return False
-        if not self.pool.can_allocate(num_new) and self.reclaim:
-            self.reclaim(num_new, None)  # parked sessions go before running work
-        while not self.pool.can_allocate(num_new):
+        # Parked sessions go before running work: only the first try expires them.
+        reclaim = True
+        while not self.kv.allocate_slots(seq, num_new_tokens, reclaim=reclaim):
+            reclaim = False
             if remaining:
                 victim = remaining.pop()
             elif deferred:
@@ -204,13 +200,12 @@ class Scheduler:
             else:
                 # Nobody newer to take from: step back ourselves. If no one else holds
                 # blocks either, waiting cannot help (pinned blocks fill the pool).
-                if not kept and self.pool.num_held_blocks == len(seq.blocks):
+                if not kept and self.kv.num_held_blocks == len(seq.blocks):
                     self._end_without_room(seq, out)
                 else:
                     self._preempt(seq, out)
                 return False
             self._preempt(victim, out)
-        seq.blocks += self.pool.allocate(num_new)
         return True
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
@@ -229,23 +224,4 @@ class Scheduler:
         out.finished.append(seq)
 
     def _release(self, seq: Sequence) -> None:
-        self._register_full_blocks(seq)
-        self.pool.free(seq.blocks)
-        seq.blocks = []
-        seq.num_registered_blocks = 0
-
-    def _register_full_blocks(self, seq: Sequence) -> None:
-        bs = self.block_size
-        num_full = min(seq.num_computed_tokens // bs, len(seq.blocks))
-        if num_full <= seq.num_registered_blocks:
-            return
-        if len(seq.block_hashes) < num_full:
-            seq.block_hashes = block_hashes_for(seq.token_ids[:num_full * bs], bs, seq.extra_keys,
-                                                seq.block_hashes)
-        for i in range(seq.num_registered_blocks, num_full):
-            self.pool.cache_full_block(seq.blocks[i], seq.block_hashes[i],
-                                       seq.token_ids[i * bs:(i + 1) * bs])
-        seq.num_registered_blocks = num_full
-
-    def _blocks_for(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)
+        self.kv.free(seq)

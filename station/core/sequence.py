@@ -6,7 +6,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
-from station.block_pool import BlockHash, ExtraKeys, KVBlock
+from station.core.block_pool import BlockHash, ExtraKeys, KVBlock
 from station.engine_api import SamplingParams
 
 
@@ -23,6 +23,8 @@ class Sequence:
     token_ids: list[int]  # prompt + generated so far
     params: SamplingParams
     extra_keys: ExtraKeys = ()
+    tenant: str = ""  # whose sessions it may load (its blocks are keyed by extra_keys)
+    load_session: str | None = None  # the KV session it starts from, if any
     num_prompt_tokens: int = 0
     # Tokens whose K/V are in the pool; the tokens after it are fed in the next forward.
     num_computed_tokens: int = 0
@@ -31,6 +33,10 @@ class Sequence:
     blocks: list[KVBlock] = field(default_factory=list)
     block_hashes: list[BlockHash] = field(default_factory=list)
     num_registered_blocks: int = 0  # leading blocks already offered to the prefix cache
+    # What became of load_session at (first) admission: a kv_manager.SessionOutcome value,
+    # None when no session was asked for; and the prompt tokens the session served.
+    session_outcome: str | None = None
+    num_session_tokens: int = 0
     status: SequenceStatus = SequenceStatus.WAITING
     prefill_reported: bool = False  # PREFILL is sent once, not again after a preemption
     finish_reason: str | None = None

@@ -1,0 +1,240 @@
+"""The one owner of KV state: block pool, prefix cache and KV sessions (pure Python).
+
+Modelled on vLLM v1's ``KVCacheManager``: the scheduler decides *who* runs, this decides
+*which blocks* they run on, and the two talk through a small typed result
+(``ComputedBlocks``) so neither knows the other's internals. Admission is two-phase:
+
+* ``find_computed_blocks(seq, load_session)`` looks up, without taking anything, the blocks
+  a sequence can start from: a loaded session's blocks for the prefix it shares with the
+  prompt, then prefix-cache hits past them. Both compare tokens, not only hashes, so a hash
+  collision or a session of other tokens can never serve wrong KV. Like a cache hit, a
+  session never covers the last prompt token: its logits are needed.
+* ``allocate_slots(seq, num_new_tokens, computed)`` takes those blocks and fresh ones for
+  the new tokens, expiring KV sessions (LRU, tenant-fair: ``SessionRegistry.reclaim``)
+  before it gives up; False tells the scheduler to wait or preempt.
+
+Sessions are pinned here too (``pin`` / ``unpin`` / ``load_into``), ``resident_blocks``
+answers "is the KV of these tokens still in the pool" for ``kv_session.save`` of a token
+list, and ``restore_session`` re-keys and pins the blocks the disk tier copied back.
+
+Thread-safety: none. Every call happens on the engine thread (``stats`` only reads ints).
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass
+from typing import Callable, Sequence as Seq
+
+from gnosis_daemon.logs import get_logger
+from gnosis_daemon.tokens import common_prefix_len
+from station.core.block_pool import BlockPool, ExtraKeys, KVBlock, block_hashes_for, prefix_extra_keys
+from station.core.sequence import Sequence
+from station.core.sessions import KVSession, SessionRegistry
+
+log = get_logger(__name__)
+
+
+class SessionOutcome(enum.StrEnum):
+    """What became of a sequence's ``load_session`` (the values are the wire's ``session_error``)."""
+
+    LOADED = "loaded"
+    NOT_FOUND = "not_found"
+    TENANT_MISMATCH = "tenant_mismatch"
+    NO_COMMON_PREFIX = "no_common_prefix"
+
+
+@dataclass(frozen=True, slots=True)
+class ComputedBlocks:
+    """The blocks a sequence can start from, found by ``find_computed_blocks`` (nothing taken yet)."""
+
+    blocks: tuple[KVBlock, ...]  # a loaded session's blocks, then prefix-cache hits
+    num_cached_tokens: int  # tokens whose KV those blocks hold (a multiple of block_size)
+    session: KVSession | None = None  # the session loaded from, when one was
+    session_outcome: SessionOutcome | None = None  # None: no session was asked for
+    num_session_tokens: int = 0  # of num_cached_tokens: served by the session
+
+    def __post_init__(self) -> None:
+        assert (self.session is not None) == (self.session_outcome is SessionOutcome.LOADED)
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, session_budget: int = 1, *,
+                 tenant_share: float = 1.0, model_fingerprint: str = "", tenant_salt: str = "",
+                 clock: Callable[[], float] = time.time) -> None:
+        self.pool = BlockPool(num_blocks, block_size)
+        self.sessions = SessionRegistry(self.pool, session_budget, clock=clock,
+                                        tenant_share=tenant_share)
+        self.block_size = block_size
+        self.model_fingerprint = model_fingerprint
+        self.tenant_salt = tenant_salt
+
+    # -- figures
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    @property
+    def num_held_blocks(self) -> int:
+        return self.pool.num_held_blocks
+
+    def num_blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def extra_keys(self, tenant: str) -> ExtraKeys:
+        """The extra keys of every block hash of ``tenant`` (model and salted tenant)."""
+        return prefix_extra_keys(self.model_fingerprint, self.tenant_salt, tenant)
+
+    # -- admission (two-phase)
+    def find_computed_blocks(self, seq: Sequence, load_session: str | None = None) -> ComputedBlocks:
+        """The blocks ``seq`` can start from; takes no reference and changes no LRU order."""
+        bs = self.block_size
+        seq.block_hashes = block_hashes_for(seq.token_ids, bs, seq.extra_keys, seq.block_hashes)
+        hits = self.pool.get_computed_blocks(seq.token_ids, seq.block_hashes)
+        if not load_session:
+            return ComputedBlocks(tuple(hits), len(hits) * bs)
+        session = self.sessions.get(load_session)
+        if session is None:
+            return ComputedBlocks(tuple(hits), len(hits) * bs,
+                                  session_outcome=SessionOutcome.NOT_FOUND)
+        if session.tenant != seq.tenant:
+            return ComputedBlocks(tuple(hits), len(hits) * bs,
+                                  session_outcome=SessionOutcome.TENANT_MISMATCH)
+        # Full blocks only, and never the last prompt token (its logits are needed).
+        usable = min(common_prefix_len(session.token_ids, seq.token_ids), seq.num_tokens - 1)
+        n = usable // bs
+        if n == 0:
+            return ComputedBlocks(tuple(hits), len(hits) * bs,
+                                  session_outcome=SessionOutcome.NO_COMMON_PREFIX)
+        # Cache hits past the session hold the same prefix's KV: keep them too.
+        blocks = (*session.blocks[:n], *hits[n:])
+        return ComputedBlocks(blocks, len(blocks) * bs, session, SessionOutcome.LOADED, n * bs)
+
+    def allocate_slots(self, seq: Sequence, num_new_tokens: int,
+                       computed: ComputedBlocks | None = None, *, reclaim: bool = True) -> bool:
+        """Give ``seq`` blocks for ``num_new_tokens`` more tokens; False when they do not fit.
+
+        With ``computed`` (admission, ``seq`` holds nothing yet) the sequence takes those
+        blocks and fresh ones for the tokens past them; without it (a running sequence)
+        only fresh ones past its computed tokens. Before failing, sessions are expired to
+        make room (``reclaim``), never the one ``seq`` loads; a decode's block is needed by
+        no tenant in particular, so fairness then falls back to LRU over share.
+        """
+        if computed is None:
+            start, tenant, keep = seq.num_computed_tokens, None, None
+            hits: Seq[KVBlock] = ()
+            num_held = len(seq.blocks)
+        else:
+            assert not seq.blocks, "admission of a sequence that holds blocks"
+            start, tenant, keep = computed.num_cached_tokens, seq.tenant, seq.load_session
+            hits = computed.blocks
+            num_held = len(hits)
+            if computed.session is not None:
+                self.sessions.use(computed.session)
+        num_new = self.num_blocks_for(start + num_new_tokens) - num_held
+        if num_new <= 0 and computed is None:
+            return True
+        num_new = max(num_new, 0)
+        # Cached hits that sit in the free queue count against it: touching removes them.
+        if not self.pool.can_allocate(num_new + self.pool.num_evictable_in(hits)) and reclaim:
+            needed = num_new + self.pool.num_evictable_in(hits)
+            expired = self.sessions.reclaim(needed, keep, tenant)
+            if expired:
+                log.info("kv_sessions_expired_for_room", expired=expired, blocks_needed=needed)
+        # Re-counted: a reclaim may have put some of the hits back in the free queue.
+        if not self.pool.can_allocate(num_new + self.pool.num_evictable_in(hits)):
+            return False
+        if computed is not None:
+            self.pool.touch(hits)
+            seq.blocks = list(hits)
+            seq.num_registered_blocks = len(hits)
+        seq.blocks += self.pool.allocate(num_new)
+        return True
+
+    def cache_full_blocks(self, seq: Sequence) -> None:
+        """Offer ``seq``'s newly full, computed blocks to the prefix cache."""
+        bs = self.block_size
+        num_full = min(seq.num_computed_tokens // bs, len(seq.blocks))
+        if num_full <= seq.num_registered_blocks:
+            return
+        if len(seq.block_hashes) < num_full:
+            seq.block_hashes = block_hashes_for(seq.token_ids[:num_full * bs], bs, seq.extra_keys,
+                                                seq.block_hashes)
+        for i in range(seq.num_registered_blocks, num_full):
+            self.pool.cache_full_block(seq.blocks[i], seq.block_hashes[i],
+                                       seq.token_ids[i * bs:(i + 1) * bs])
+        seq.num_registered_blocks = num_full
+
+    def free(self, seq: Sequence) -> None:
+        """Release ``seq``'s blocks; its full ones stay in the prefix cache (evictable)."""
+        self.cache_full_blocks(seq)
+        self.pool.free(seq.blocks)
+        seq.blocks = []
+        seq.num_registered_blocks = 0
+
+    # -- KV sessions
+    def get_session(self, session_id: str) -> KVSession | None:
+        return self.sessions.get(session_id)
+
+    def pin(self, session_id: str, tenant: str, token_ids: Seq[int],
+            blocks: Seq[KVBlock]) -> KVSession:
+        """Pin ``blocks`` (the KV of ``token_ids``, full blocks) as session ``session_id``."""
+        return self.sessions.save(session_id, tenant, token_ids, blocks)
+
+    def pin_sequence(self, session_id: str, seq: Sequence, num_tokens: int) -> int:
+        """Pin the full blocks of ``seq``'s first ``num_tokens`` computed tokens; -> tokens pinned."""
+        n = min(num_tokens, seq.num_computed_tokens, seq.num_tokens) // self.block_size
+        assert n <= len(seq.blocks)
+        self.pin(session_id, seq.tenant, seq.token_ids[:n * self.block_size], seq.blocks[:n])
+        return n * self.block_size
+
+    def unpin(self, session_id: str) -> bool:
+        return self.sessions.delete(session_id)
+
+    def load_into(self, seq: Sequence, session: KVSession) -> int:
+        """Give an empty ``seq`` (its tokens are the session's) the session's blocks, shared
+        not copied: sessions hold full blocks only. -> tokens whose KV it now holds."""
+        assert not seq.blocks and tuple(seq.token_ids) == session.token_ids
+        self.pool.touch(session.blocks)
+        seq.blocks = list(session.blocks)
+        seq.num_registered_blocks = len(session.blocks)
+        self.sessions.use(session)
+        return session.num_tokens
+
+    def resident_blocks(self, token_ids: Seq[int], tenant: str) -> list[KVBlock]:
+        """The cached blocks holding the longest resident prefix of ``token_ids``'s full
+        blocks (tokens compared, not only hashes); nothing is taken."""
+        bs = self.block_size
+        blocks: list[KVBlock] = []
+        num_full = len(token_ids) // bs
+        for i, block_hash in enumerate(block_hashes_for(token_ids[:num_full * bs], bs,
+                                                        self.extra_keys(tenant))):
+            block = self.pool.cached_block_hash_to_block.get(block_hash)
+            if block is None or block.token_ids != tuple(token_ids[i * bs:(i + 1) * bs]):
+                break
+            blocks.append(block)
+        return blocks
+
+    # -- the disk tier's restore (boot, before any request)
+    def allocate_blocks(self, num_blocks: int) -> list[KVBlock]:
+        """Fresh blocks with one reference each, for the restore to copy KV into."""
+        return self.pool.allocate(num_blocks)
+
+    def free_blocks(self, blocks: Seq[KVBlock]) -> None:
+        self.pool.free(blocks)
+
+    def restore_session(self, session_id: str, tenant: str, token_ids: Seq[int],
+                        blocks: Seq[KVBlock]) -> KVSession:
+        """Pin restored blocks as a session, re-keyed under this run's salt first, so the
+        automatic prefix cache hits them too."""
+        bs = self.block_size
+        for i, (block, block_hash) in enumerate(zip(blocks, block_hashes_for(
+                token_ids, bs, self.extra_keys(tenant)))):
+            self.pool.cache_full_block(block, block_hash, token_ids[i * bs:(i + 1) * bs])
+        return self.pin(session_id, tenant, token_ids, blocks)
+
+    def clear(self) -> None:
+        """Drop every session and every cached hash (a failed restore leaves the pool as at boot)."""
+        self.sessions.clear()
+        self.pool.reset_prefix_cache()
