@@ -16,13 +16,13 @@ from typing import Any
 from gnosis_daemon.protocol import unpack_array
 from host import errors
 from host.errors import ApiError
+from host.fields import as_object, check_known, is_int
 from host.openai_api import (
     FRAME_OVERHEAD,
     MAX_TOKEN_ID,
     check_token_ids,
     frame_estimate,
 )
-from host.fields import unrecognized
 
 MAX_INPUTS = 2048  # OpenAI's limit on inputs per request
 FIELDS = frozenset({"input", "model", "encoding_format", "dimensions", "user"})
@@ -36,21 +36,13 @@ class EmbeddingRequest:
     encoding_format: str  # float | base64
 
 
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 def _token_list(value: Any) -> bool:
-    return isinstance(value, list) and bool(value) and all(_is_int(t) and t >= 0 for t in value)
+    return isinstance(value, list) and bool(value) and all(is_int(t) and t >= 0 for t in value)
 
 
 def parse(body: Any) -> EmbeddingRequest:
-    if not isinstance(body, dict):
-        raise errors.invalid(f"The request body must be a JSON object, but got "
-                             f"{errors._json_type(body)} instead.")
-    for key in body:
-        if key not in FIELDS:
-            raise unrecognized(key)
+    body = as_object(body)
+    check_known(body, FIELDS)
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise errors.invalid_type("model", "a string", model)
