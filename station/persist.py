@@ -10,7 +10,7 @@ tokens. A tier is written into a temporary directory and swapped in by rename, s
 mid-write leaves the previous tier whole.
 
 Nothing on disk can stop the station. At start the whole tier is validated before the pool
-is touched (``_read_tier``); what it finds decides:
+is touched (``station.tier_file.read_tier``); what it finds decides:
 
 * no tier: nothing restored;
 * a tier whose manifest is well formed but names another format, model fingerprint,
@@ -45,7 +45,6 @@ import json
 import os
 import re
 import shutil
-import stat
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -54,29 +53,24 @@ from typing import Any, BinaryIO
 import torch
 
 from gnosis_daemon.logs import get_logger
-from station.core.block_pool import block_hashes_for
+from station.tier_file import (
+    KV_FILE,
+    MANIFEST,
+    Entry,
+    Tier,
+    TierForeign,
+    TierRejected,
+    check_layout,
+    layout,
+    max_manifest_bytes,
+    read_manifest,
+    read_tier,
+)
 
 log = get_logger()
 
-FORMAT = 1
-MANIFEST = "manifest.json"
-KV_FILE = "kv.pt"
 _REASON_CHARS = 300  # reasons go into hello/health and the status file: keep them short
 _ENTRY_ERRORS_SHOWN = 3
-_MANIFEST_SLACK_BYTES = 64 * 1024 * 1024
-_KV_FILE_SLACK_BYTES = 1024 * 1024  # torch.save's zip records and alignment around the data
-
-
-class _TierRejected(Exception):
-    """The tier cannot be restored; the message says why (no tenant data in it)."""
-
-
-class _TierForeign(Exception):
-    """The tier was written by another model, layout or format; the message says which."""
-
-    def __init__(self, reason: str, fingerprint: str | None) -> None:
-        super().__init__(reason)
-        self.fingerprint = fingerprint
 
 
 @dataclass
@@ -106,34 +100,8 @@ class TierReport:
                 "foreign_on_disk": self.foreign_on_disk}
 
 
-@dataclass
-class _Entry:
-    session_id: str
-    tenant: str
-    token_ids: list[int]
-    blocks: list[int]  # indices into kv.pt's block dimension
-
-
-@dataclass
-class _Tier:
-    kv: torch.Tensor  # [L, 2, num_blocks, bs, H, D] on the CPU (memory-mapped)
-    entries: list[_Entry]  # the valid ones, least recently used first
-    errors: list[str]  # one per refused entry
-
-
-def _layout(engine: Any) -> dict[str, Any]:
-    kv = engine.kv_cache.kv  # [L, 2, num_blocks, bs, H, D]
-    return {"format": FORMAT, "fingerprint": engine.loaded.fingerprint,
-            "block_size": engine.block_size, "dtype": str(kv.dtype),
-            "kv_shape": [kv.shape[0], kv.shape[1], *kv.shape[3:]]}
-
-
 def _short(reason: str) -> str:
     return reason if len(reason) <= _REASON_CHARS else reason[:_REASON_CHARS - 3] + "..."
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _utc_stamp() -> str:
@@ -167,183 +135,10 @@ def _count_aside(directory: Path) -> tuple[int, int]:
     return rejected, foreign
 
 
-# -- reading and validating (nothing here touches the engine's pool)
-def _regular_file(path: Path, what: str) -> int:
-    """The size of ``path``; rejects a missing file, a link, a directory, a device."""
-    try:
-        info = os.lstat(path)
-    except FileNotFoundError:
-        raise _TierRejected(f"{what} is missing") from None
-    except OSError as exc:
-        raise _TierRejected(f"{what} cannot be read: {exc.strerror or exc}") from None
-    if not stat.S_ISREG(info.st_mode):
-        raise _TierRejected(f"{what} is not a regular file")
-    return info.st_size
-
-
-def _read_manifest(directory: Path, max_bytes: int) -> dict[str, Any]:
-    try:
-        info = os.stat(directory)  # a symlinked tier directory is followed
-    except OSError as exc:
-        raise _TierRejected(f"the tier cannot be read: {exc.strerror or exc}") from None
-    if not stat.S_ISDIR(info.st_mode):
-        raise _TierRejected("the tier is not a directory")
-    size = _regular_file(directory / MANIFEST, MANIFEST)
-    if size > max_bytes:
-        raise _TierRejected(f"{MANIFEST} is {size} bytes, more than the {max_bytes} this "
-                           "station's settings can fill")
-    try:
-        manifest = json.loads((directory / MANIFEST).read_bytes())
-    except OSError as exc:
-        raise _TierRejected(f"{MANIFEST} cannot be read: {exc.strerror or exc}") from None
-    except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
-        raise _TierRejected(f"{MANIFEST} is not JSON: {exc}") from None
-    if not isinstance(manifest, dict):
-        raise _TierRejected(f"{MANIFEST} is not a JSON object")
-    return manifest
-
-
-def _check_layout(manifest: dict[str, Any], here: dict[str, Any]) -> None:
-    """Raise ``_TierRejected`` for a malformed header, ``_TierForeign`` for another layout."""
-    fmt = manifest.get("format")
-    if not _is_int(fmt):
-        raise _TierRejected(f"{MANIFEST}: 'format' is missing or not an integer")
-    fingerprint = manifest.get("fingerprint")
-    fingerprint = fingerprint if isinstance(fingerprint, str) else None
-    if fmt != FORMAT:  # a later version's layout: its other fields may mean other things
-        raise _TierForeign(f"written in tier format {fmt}; this station reads format {FORMAT}",
-                           fingerprint)
-    types = {"fingerprint": str, "block_size": int, "dtype": str, "kv_shape": list}
-    for key, kind in types.items():
-        value = manifest.get(key)
-        if not isinstance(value, kind) or (kind is int and not _is_int(value)):
-            raise _TierRejected(f"{MANIFEST}: {key!r} is missing or not a {kind.__name__}")
-    shape = manifest["kv_shape"]
-    if len(shape) != 5 or not all(_is_int(d) and d > 0 for d in shape):
-        raise _TierRejected(f"{MANIFEST}: 'kv_shape' is not 5 positive integers")
-    differ = []
-    for key in ("fingerprint", "dtype", "block_size", "kv_shape"):
-        if manifest[key] != here[key]:
-            theirs, ours = manifest[key], here[key]
-            if key == "fingerprint":
-                theirs, ours = theirs[:12], ours[:12]
-            differ.append(f"{key} {theirs} (here {ours})")
-    if differ:
-        raise _TierForeign("written by another model or KV layout: " + ", ".join(differ),
-                           fingerprint)
-
-
-def _load_kv(directory: Path, manifest: dict[str, Any], here: dict[str, Any],
-             bytes_per_block: int) -> torch.Tensor:
-    num_blocks = manifest.get("num_blocks")
-    if num_blocks is not None and not (_is_int(num_blocks) and num_blocks >= 0):
-        raise _TierRejected(f"{MANIFEST}: 'num_blocks' is not a non-negative integer")
-    digest = manifest.get("kv_sha256")
-    if digest is not None and not (isinstance(digest, str) and re.fullmatch(r"[0-9a-f]{64}", digest)):
-        raise _TierRejected(f"{MANIFEST}: 'kv_sha256' is not a sha256 hex digest")
-    path = directory / KV_FILE
-    size = _regular_file(path, KV_FILE)
-    if num_blocks is not None and size > num_blocks * bytes_per_block + _KV_FILE_SLACK_BYTES:
-        raise _TierRejected(f"{KV_FILE} is {size} bytes, too large for {num_blocks} blocks")
-    try:
-        if digest is not None:
-            with open(path, "rb") as fh:
-                actual = hashlib.file_digest(fh, "sha256").hexdigest()
-            if actual != digest:
-                raise _TierRejected(f"{KV_FILE} does not match the manifest's sha256 "
-                                   "(truncated or changed after it was written)")
-        # weights_only: a tier file can never run code; mmap: only the blocks restored are read.
-        kv = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except _TierRejected:
-        raise
-    except Exception as exc:  # torch raises many types for a torn or foreign file
-        raise _TierRejected(f"{KV_FILE} cannot be loaded: {type(exc).__name__}: {exc}") from None
-    if not isinstance(kv, torch.Tensor):
-        raise _TierRejected(f"{KV_FILE} holds a {type(kv).__name__}, not a tensor")
-    if str(kv.dtype) != here["dtype"]:
-        raise _TierRejected(f"{KV_FILE} holds {kv.dtype}, the manifest says {here['dtype']}")
-    shape = list(kv.shape)
-    if num_blocks is None and len(shape) == 6:  # a tier written before 'num_blocks' existed
-        num_blocks = shape[2]
-    num_layers, two, *per_block = here["kv_shape"]
-    expected = [num_layers, two, num_blocks, *per_block]
-    if shape != expected:
-        raise _TierRejected(f"{KV_FILE} has shape {shape}, the manifest needs {expected}")
-    return kv
-
-
-def _entry_error(item: Any, num_blocks: int, block_size: int, vocab_size: int) -> str | None:
-    """Why one session entry cannot be restored (never its id or tokens), or None."""
-    if not isinstance(item, dict):
-        return "not an object"
-    session_id, tenant = item.get("session_id"), item.get("tenant")
-    tokens, blocks = item.get("token_ids"), item.get("blocks")
-    if not isinstance(session_id, str) or not session_id:
-        return "'session_id' is not a non-empty string"
-    if not isinstance(tenant, str):
-        return "'tenant' is not a string"
-    if not isinstance(tokens, list) or not all(_is_int(t) and 0 <= t < vocab_size for t in tokens):
-        return f"'token_ids' is not a list of token ids in [0, {vocab_size})"
-    if not isinstance(blocks, list) or not all(_is_int(b) for b in blocks):
-        return "'blocks' is not a list of integers"
-    for b in blocks:
-        if not 0 <= b < num_blocks:
-            return f"block index {b} outside [0, {num_blocks})"
-    if len(tokens) != len(blocks) * block_size:
-        return f"{len(tokens)} tokens for {len(blocks)} blocks of {block_size}"
-    return None
-
-
-def _check_entries(raw: list[Any], num_blocks: int, block_size: int, vocab_size: int,
-                   ) -> tuple[list[_Entry], list[str]]:
-    """The valid session entries, and one reason per refused one."""
-    entries: list[_Entry] = []
-    errors: list[str] = []
-    seen: set[str] = set()
-    # The prefix each block holds, claimed by the first entry that uses it: a block's KV
-    # depends on every token before it, so two entries may share a block only when they
-    # agree on the whole prefix up to its end.
-    claimed: dict[int, bytes] = {}
-    for n, item in enumerate(raw):
-        error = _entry_error(item, num_blocks, block_size, vocab_size)
-        if error is None and item["session_id"] in seen:
-            error = "'session_id' repeats an earlier entry's"
-        if error is None:
-            prefixes = block_hashes_for(item["token_ids"], block_size, ())
-            if any(claimed.get(b, p) != p for b, p in zip(item["blocks"], prefixes)):
-                error = "a block it shares with an earlier entry holds another prefix"
-        if error is not None:
-            errors.append(f"session entry {n}: {error}")
-            continue
-        claimed.update(zip(item["blocks"], prefixes))
-        seen.add(item["session_id"])
-        entries.append(_Entry(item["session_id"], item["tenant"], item["token_ids"], item["blocks"]))
-    return entries, errors
-
-
-def _max_manifest_bytes(engine: Any) -> int:
-    """The largest manifest these settings can write (a token id takes at most 8 bytes)."""
-    return (_MANIFEST_SLACK_BYTES
-            + engine.settings.kv_session_budget * engine.max_model_len * 8)
-
-
-def _read_tier(engine: Any, directory: Path) -> _Tier:
-    here = _layout(engine)
-    manifest = _read_manifest(directory, _max_manifest_bytes(engine))
-    _check_layout(manifest, here)
-    if not isinstance(manifest.get("sessions"), list):
-        raise _TierRejected(f"{MANIFEST}: 'sessions' is missing or not a list")
-    bytes_per_block = engine.kv_cache.shape.bytes_per_block
-    kv = _load_kv(directory, manifest, here, bytes_per_block)
-    entries, errors = _check_entries(manifest["sessions"], kv.shape[2], engine.block_size,
-                                     engine.loaded.vocab_size)
-    return _Tier(kv, entries, errors)
-
-
 # -- restoring (the only part that touches the pool)
-def _select(entries: list[_Entry], budget: int, free_blocks: int) -> list[_Entry]:
+def _select(entries: list[Entry], budget: int, free_blocks: int) -> list[Entry]:
     """The most recently used entries that fit the session budget and the pool, LRU first."""
-    chosen: list[_Entry] = []
+    chosen: list[Entry] = []
     blocks: set[int] = set()
     for entry in reversed(entries):  # most recent first
         if len(chosen) == budget:
@@ -357,7 +152,7 @@ def _select(entries: list[_Entry], budget: int, free_blocks: int) -> list[_Entry
     return chosen
 
 
-def _install(engine: Any, tier: _Tier, entries: list[_Entry]) -> int:
+def _install(engine: Any, tier: Tier, entries: list[Entry]) -> int:
     """Copy the entries' blocks into fresh pool blocks and pin them as sessions."""
     kv = engine.kv
     used = sorted({b for entry in entries for b in entry.blocks})
@@ -418,12 +213,12 @@ def _restore(engine: Any, directory: Path, report: TierReport) -> None:
     if not os.path.lexists(directory):
         return
     try:
-        tier = _read_tier(engine, directory)
-    except _TierForeign as exc:
+        tier = read_tier(engine, directory)
+    except TierForeign as exc:
         log.warning("kv_tier_ignored", reason=str(exc), path=str(directory))
         report.foreign = {"path": str(directory), "reason": _short(str(exc))}
         return
-    except _TierRejected as exc:
+    except TierRejected as exc:
         _reject(directory, str(exc), report)
         return
     chosen = _select(tier.entries, engine.kv.sessions.budget, engine.kv.pool.num_free_blocks)
@@ -456,13 +251,13 @@ def _existing_kind(engine: Any, directory: Path) -> tuple[str, str | None]:
     """``("none" | "ours" | "other", fingerprint)`` for what sits at ``directory`` now."""
     if not os.path.lexists(directory):
         return "none", None
-    here = _layout(engine)
+    here = layout(engine)
     try:
-        manifest = _read_manifest(directory, _max_manifest_bytes(engine))
-        _check_layout(manifest, here)
-    except _TierForeign as exc:
+        manifest = read_manifest(directory, max_manifest_bytes(engine))
+        check_layout(manifest, here)
+    except TierForeign as exc:
         return "other", exc.fingerprint
-    except _TierRejected:
+    except TierRejected:
         return "other", None
     return "ours", here["fingerprint"]
 
@@ -511,7 +306,7 @@ def save_sessions(engine: Any, directory: Path) -> int:
         torch.save(kv, fh)
     with open(tmp / KV_FILE, "rb") as fh:
         digest = hashlib.file_digest(fh, "sha256").hexdigest()
-    manifest = {**_layout(engine), "num_blocks": len(block_ids), "kv_sha256": digest,
+    manifest = {**layout(engine), "num_blocks": len(block_ids), "kv_sha256": digest,
                 "sessions": entries}
     with _create(tmp / MANIFEST) as fh:
         fh.write(json.dumps(manifest).encode())
