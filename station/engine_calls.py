@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import collections
 import itertools
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -31,7 +32,8 @@ import torch
 
 from gnosis_daemon.logs import get_logger
 from gnosis_daemon.protocol import ErrorCode, pack_array
-from station.engine_api import CallDone, EngineCallHandler, EngineOpError, SamplingParams
+from station.engine_api import (CallDone, EngineCallHandler, EngineOpError, EventCallback,
+                                SamplingParams)
 from station.sampling import make_generator, sample
 from station.core.kv_manager import SessionOutcome
 from station.core.sequence import Sequence, SequenceStatus
@@ -56,6 +58,21 @@ class HeldState:
     new: bool = False  # the pending forward created the sequence
     token_id: int | None = None  # the token decode_next sampled
     logits: torch.Tensor | None = None  # [V] float32 of the last position
+
+
+@dataclass(slots=True)
+class RequestState:
+    """Per-request bookkeeping the scheduler never looks at (``Sequence.user``): a
+    generate's event callback and sessions to save, or a held sequence's ``HeldState``."""
+
+    on_event: EventCallback | None  # None for a held sequence
+    stop_ids: frozenset[int]
+    save_session: str | None = None
+    save_final_session: str | None = None
+    final_saved: bool = False
+    final_save_error: str | None = None
+    held: HeldState | None = None  # set for held sequences (forward/decode_next)
+    arrival: float = field(default_factory=time.perf_counter)
 
 
 @dataclass(slots=True, eq=False)
@@ -292,7 +309,7 @@ class EngineCalls:
         seq = Sequence(
             seq_id, tokens, SamplingParams(max_tokens=1),
             extra_keys=engine.kv.extra_keys(tenant), tenant=tenant, load_session=load_session,
-            user=engine.make_client(held=HeldState(owner)),
+            user=RequestState(None, frozenset(), held=HeldState(owner)),
         )
         self.seqs[seq_id] = seq
         return seq

@@ -33,7 +33,6 @@ from __future__ import annotations
 import collections
 import threading
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -42,7 +41,7 @@ from gnosis_daemon.logs import get_logger
 from gnosis_daemon.protocol import ErrorCode
 from station.engine_api import (CallDone, EngineCallHandler, EngineEvent, EngineOpError,
                                 EventCallback, EventKind, GenerationRequest)
-from station.engine_calls import EngineCalls, HeldState, answer, session_fields
+from station.engine_calls import EngineCalls, RequestState, answer, session_fields
 from station.kv_cache import KVCache, KVCacheShape, num_blocks_for
 from station.model_runner import ModelRunner
 from station.sampling import make_generator, sample
@@ -51,20 +50,6 @@ from station.core.scheduler import Scheduler
 from station.core.sequence import Sequence
 
 log = get_logger(__name__)
-
-
-@dataclass(slots=True)
-class _Client:
-    """Per-request bookkeeping the scheduler never looks at."""
-
-    on_event: EventCallback | None  # None for a held sequence
-    stop_ids: frozenset[int]
-    save_session: str | None = None
-    save_final_session: str | None = None
-    final_saved: bool = False
-    final_save_error: str | None = None
-    held: HeldState | None = None  # set for held sequences (forward/decode_next)
-    arrival: float = field(default_factory=time.perf_counter)
 
 
 class PagedEngine:
@@ -161,7 +146,7 @@ class PagedEngine:
             extra_keys=self.kv.extra_keys(request.tenant), tenant=request.tenant,
             load_session=request.load_session,
             generator=make_generator(params.seed, self.device),
-            user=_Client(on_event, frozenset(stop_ids), save_session=request.save_session,
+            user=RequestState(on_event, frozenset(stop_ids), save_session=request.save_session,
                          save_final_session=request.save_final_session),
         )
         with self._cond:
@@ -227,30 +212,18 @@ class PagedEngine:
                 self._cond.notify_all()
 
     def stats(self) -> dict[str, Any]:
-        pool, sessions, sched = self.kv.pool, self.kv.sessions, self.scheduler
+        sched = self.scheduler
         with self._cond:
             num_inbox = len(self._inbox)
+        # Read without the engine lock: figures may be one step stale.
         return {
-            "block_size": self.block_size,
-            "blocks_total": pool.num_blocks,
-            "blocks_free": pool.num_free_blocks,  # allocatable, cached-but-unreferenced included
-            "blocks_cached": pool.num_cached_blocks,
-            "blocks_held": pool.num_held_blocks,
+            **self.kv.stats(),
             "prefix_cache_queries_tokens": sched.prefix_cache_queries_tokens,
             "prefix_cache_hits_tokens": sched.prefix_cache_hits_tokens,
             "running": len(sched.running),
             "waiting": len(sched.waiting) + num_inbox,
             "preemptions": sched.num_preemptions,
             "steps": self.num_steps,
-            # Read without the engine lock: figures may be one step stale.
-            "kv_sessions": len(sessions),
-            "kv_session_budget": sessions.budget,
-            "kv_sessions_expired": sessions.num_expired,
-            "pinned_blocks": sessions.pinned_blocks,
-            "kv_session_tenants": sessions.num_tenants,
-            "kv_session_tenant_max_sessions": sessions.tenant_max_sessions,
-            "kv_session_tenant_max_blocks": sessions.tenant_max_blocks,
-            "kv_sessions_expired_over_share": sessions.num_expired_over_share,
             "host_sequences": len(self.calls.seqs),
             "embed_calls": len(self.calls.embeds),
             "embed_inputs": self.calls.embed_inputs_done,
@@ -259,10 +232,6 @@ class PagedEngine:
     def capabilities(self) -> dict[str, bool]:
         return {"paged_kv": True, "prefix_cache": True, "continuous_batching": True,
                 "kv_persistence": bool(self.settings.kv_persistence)}
-
-    def make_client(self, **fields: Any) -> _Client:
-        """Bookkeeping for a held sequence (``station.engine_calls``)."""
-        return _Client(None, frozenset(), **fields)
 
     # -- engine thread
     def _run(self) -> None:
@@ -347,13 +316,13 @@ class PagedEngine:
         return True, None
 
     def _final_save(self, seq: Sequence) -> None:
-        client: _Client = seq.user
+        client: RequestState = seq.user
         if client.save_final_session and client.held is None and not seq.finished:
             saved, error = self._save_named(client.save_final_session, seq, seq.num_tokens)
             client.final_saved, client.final_save_error = saved, error
 
     def _postprocess(self, seq: Sequence, token: int) -> None:
-        client: _Client = seq.user
+        client: RequestState = seq.user
         if not seq.prefill_reported:
             seq.prefill_reported = True
             saved, save_error = self._save_named(client.save_session, seq, seq.num_prompt_tokens)
@@ -375,7 +344,7 @@ class PagedEngine:
         self._finished(seq)
 
     def _finished(self, seq: Sequence) -> None:
-        client: _Client = seq.user
+        client: RequestState = seq.user
         if client.held is not None:
             # Only the scheduler ends a held sequence this way: it outgrew the pool.
             self._end(seq, ErrorCode.CAPACITY, "the sequence no longer fits the KV pool")

@@ -25,7 +25,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass
-from typing import Callable, Sequence as Seq
+from typing import Any, Callable, Sequence as Seq
 
 from gnosis_daemon.logs import get_logger
 from gnosis_daemon.tokens import common_prefix_len
@@ -81,6 +81,26 @@ class KVCacheManager:
 
     def num_blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
+
+    def stats(self) -> dict[str, Any]:
+        """The pool's and the sessions' figures for the ``stats`` op: plain counters, so
+        another thread may read them (they may be one step stale)."""
+        pool, sessions = self.pool, self.sessions
+        return {
+            "block_size": pool.block_size,
+            "blocks_total": pool.num_blocks,
+            "blocks_free": pool.num_free_blocks,  # allocatable, cached-but-unreferenced included
+            "blocks_cached": pool.num_cached_blocks,
+            "blocks_held": pool.num_held_blocks,
+            "kv_sessions": len(sessions),
+            "kv_session_budget": sessions.budget,
+            "kv_sessions_expired": sessions.num_expired,
+            "pinned_blocks": sessions.pinned_blocks,
+            "kv_session_tenants": sessions.num_tenants,
+            "kv_session_tenant_max_sessions": sessions.tenant_max_sessions,
+            "kv_session_tenant_max_blocks": sessions.tenant_max_blocks,
+            "kv_sessions_expired_over_share": sessions.num_expired_over_share,
+        }
 
     def extra_keys(self, tenant: str) -> ExtraKeys:
         """The extra keys of every block hash of ``tenant`` (model and salted tenant)."""
