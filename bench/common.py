@@ -44,7 +44,7 @@ class Plain:
     def __init__(self, settings) -> None:
         import torch
 
-        from station.model_loader import load_model
+        from station.runtime.model_loader import load_model
 
         self.torch = torch
         self.loaded = load_model(settings)

@@ -56,7 +56,7 @@ class Capability(enum.StrEnum):
 
 
 # Ops that belong to a capability: a station without it answers unknown_op. The station
-# serves what its op registry (station/op_registry.py) holds; this is the same mapping for
+# serves what its op registry (station/serving/op_registry.py) holds; this is the same mapping for
 # the host and supervisor, which import no station code, and a test keeps the two equal.
 OP_CAPABILITY: dict[str, Capability] = {
     "generate": Capability.GENERATE,

@@ -1,7 +1,7 @@
 """The station process: load the model on its one torch thread, then serve the socket.
 
 ``serve`` is the entry point of ``gnosis-daemon station``; ``StationServer``
-(``station.server``) serves the socket once the model, the engine and the disk tier are up.
+(``station.serving.server``) serves the socket once the model, the engine and the disk tier are up.
 """
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ import trio
 
 from gnosis_daemon.logs import configure_logging, get_logger
 from gnosis_daemon.settings import Settings
-from station.model_loader import LoadedModel, ModelLoadError, load_model
-from station.paged_engine import PagedEngine
-from station.persist import TierReport, restore_sessions, save_sessions
-from station.server import StationServer
+from station.runtime.model_loader import LoadedModel, ModelLoadError, load_model
+from station.runtime.engine import PagedEngine
+from station.runtime.persist import TierReport, restore_sessions, save_sessions
+from station.serving.server import StationServer
 
 log = get_logger(__name__)
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from station.core.block_pool import BlockHash, ExtraKeys, KVBlock
-from station.engine_api import SamplingParams
+from station.core.requests import SamplingParams
 
 
 class SequenceStatus(enum.Enum):

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from gnosis_daemon.settings import Settings
-from station.engine_api import EventKind, GenerationRequest, SamplingParams
-from station.model_loader import load_model
-from station.paged_engine import PagedEngine
+from station.core.requests import EventKind, GenerationRequest, SamplingParams
+from station.runtime.model_loader import load_model
+from station.runtime.engine import PagedEngine
 from tests.support.tiny_models import build_tiny_model
 
 pytestmark = pytest.mark.gpu

@@ -8,7 +8,7 @@ from station.core import block_pool
 from station.core.block_pool import BlockPool, block_hashes_for, hash_block, prefix_extra_keys
 from station.core.kv_manager import KVCacheManager
 from station.core.sequence import Sequence
-from station.engine_api import SamplingParams
+from station.core.requests import SamplingParams
 
 BS = 4
 KEYS = prefix_extra_keys("model-fp", "salt", "")

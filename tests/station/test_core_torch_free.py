@@ -41,6 +41,6 @@ def test_every_core_module_imports_without_torch():
 
 
 def test_the_guard_really_blocks_torch():
-    proc = subprocess.run([sys.executable, "-c", _SCRIPT, "station.kv_cache"], cwd=REPO,
+    proc = subprocess.run([sys.executable, "-c", _SCRIPT, "station.runtime.kv_cache"], cwd=REPO,
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode != 0 and "torch is unimportable" in proc.stderr

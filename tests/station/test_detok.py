@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from station.detok import IncrementalDetokenizer
+from station.serving.detok import IncrementalDetokenizer
 from tests.support.tiny_models import build_tokenizer
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from station.core.kv_manager import ComputedBlocks, KVCacheManager, SessionOutcome
 from station.core.sequence import Sequence
-from station.engine_api import SamplingParams
+from station.core.requests import SamplingParams
 
 BS = 4
 

@@ -10,10 +10,10 @@ import pytest
 
 from gnosis_daemon.settings import Settings
 from station.core.block_pool import BlockPool
-from station.engine_api import EventKind, GenerationRequest, SamplingParams
-from station.engine_calls import EngineCalls
-from station.model_loader import load_model
-from station.paged_engine import PagedEngine
+from station.core.requests import EventKind, GenerationRequest, SamplingParams
+from station.runtime.engine_calls import EngineCalls
+from station.runtime.model_loader import load_model
+from station.runtime.engine import PagedEngine
 from gnosis_daemon.tokens import common_prefix_len
 from station.core.sessions import SessionRegistry
 from tests.station.test_paged_engine import (Collector, assert_pool_clean, prompt_of, reference)

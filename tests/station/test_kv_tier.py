@@ -19,9 +19,9 @@ import pytest
 import torch
 
 from gnosis_daemon.settings import Settings
-from station import persist
-from station.engine_api import EventKind, GenerationRequest, SamplingParams
-from station.persist import save_sessions
+from station.runtime import persist
+from station.core.requests import EventKind, GenerationRequest, SamplingParams
+from station.runtime.persist import save_sessions
 from station.main import _TorchThread
 from tests.station.test_paged_engine import Collector, prompt_of, reference
 

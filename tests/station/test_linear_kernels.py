@@ -1,4 +1,4 @@
-"""station.linear_kernels: packed linears and the runner's vocab head give the model's logits."""
+"""station.runtime.linear_kernels: packed linears and the runner's vocab head give the model's logits."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from station.linear_kernels import PackedLinear, VocabHead, pack_decoder_linears
+from station.runtime.linear_kernels import PackedLinear, VocabHead, pack_decoder_linears
 from tests.support.tiny_models import build_tiny_model, tiny_config
 
 
@@ -73,8 +73,8 @@ def test_non_fp32_weights_are_left_alone(model_dir):
 
 def test_engine_setting_off_keeps_stock_linears(model_dir, tmp_path):
     from gnosis_daemon.settings import Settings
-    from station.model_loader import load_model
-    from station.paged_engine import PagedEngine
+    from station.runtime.model_loader import load_model
+    from station.runtime.engine import PagedEngine
 
     settings = Settings(model=str(model_dir), runtime_dir=str(tmp_path), cpu_packed_linears=False)
     engine = PagedEngine(load_model(settings), settings, num_blocks=8)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from gnosis_daemon.settings import Settings
-from station.model_loader import (
+from station.runtime.model_loader import (
     ModelLoadError,
     default_model_path,
     gguf_cache_dir,

@@ -12,11 +12,11 @@ import trio
 from gnosis_daemon import protocol
 from gnosis_daemon.client import StationError, open_station_client
 from gnosis_daemon.settings import Settings
-from station import ops
-from station.model_loader import load_model
-from station.op_registry import STATION_OPS, OpRegistry, OpSpec, RunsOn
-from station.paged_engine import PagedEngine
-from station.server import StationServer
+from station.serving import ops
+from station.runtime.model_loader import load_model
+from station.serving.op_registry import STATION_OPS, OpRegistry, OpSpec, RunsOn
+from station.runtime.engine import PagedEngine
+from station.serving.server import StationServer
 
 pytestmark = pytest.mark.usefixtures("few_threads")
 

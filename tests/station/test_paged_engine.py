@@ -10,9 +10,9 @@ from contextlib import contextmanager
 import pytest
 
 from gnosis_daemon.settings import Settings
-from station.engine_api import EventKind, GenerationRequest, SamplingParams
-from station.model_loader import load_model
-from station.paged_engine import PagedEngine
+from station.core.requests import EventKind, GenerationRequest, SamplingParams
+from station.runtime.model_loader import load_model
+from station.runtime.engine import PagedEngine
 from tests.support.tiny_models import FAMILIES, build_tiny_model, reference_generate
 
 BS = 4

@@ -2,8 +2,8 @@ from __future__ import annotations
 
 import torch
 
-from station.engine_api import SamplingParams
-from station.sampling import make_generator, sample
+from station.core.requests import SamplingParams
+from station.runtime.sampling import make_generator, sample
 
 
 def _logits(rows: int = 4, vocab: int = 50, seed: int = 0) -> torch.Tensor:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from station.core.block_pool import prefix_extra_keys
 from station.core.kv_manager import KVCacheManager
-from station.engine_api import SamplingParams
+from station.core.requests import SamplingParams
 from station.core.scheduler import Scheduler
 from station.core.sequence import Sequence, SequenceStatus
 

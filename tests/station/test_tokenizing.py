@@ -1,4 +1,4 @@
-"""The station's tokenizer work (``station.tokenizing``, ``model_loader.max_token_chars``)
+"""The station's tokenizer work (``station.runtime.tokenizing``, ``model_loader.max_token_chars``)
 on real tokenizers built in-process: the tiny models' byte-level BPE (with and without
 merges) and a sentencepiece-style Metaspace tokenizer."""
 
@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from station.model_loader import max_token_chars
-from station.tokenizing import Codec
+from station.runtime.model_loader import max_token_chars
+from station.runtime.tokenizing import Codec
 from tests.support.tiny_models import CHATML_TEMPLATE, build_tokenizer
 
 # Merges that join across the places a chat prompt is cut: "\n\n", the bytes of "<|",

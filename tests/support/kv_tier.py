@@ -13,8 +13,8 @@ def write_torn_tier(model_dir: Path, tier: Path, block_size: int) -> None:
     import torch
 
     from gnosis_daemon.settings import Settings
-    from station.kv_cache import KVCacheShape
-    from station.model_loader import load_model
+    from station.runtime.kv_cache import KVCacheShape
+    from station.runtime.model_loader import load_model
 
     loaded = load_model(Settings(model=str(model_dir), runtime_dir=str(tier.parent / "unused")))
     shape = KVCacheShape.from_config(loaded.model.config, block_size, loaded.dtype)

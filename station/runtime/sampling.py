@@ -11,7 +11,7 @@ from typing import Sequence
 
 import torch
 
-from station.engine_api import SamplingParams
+from station.core.requests import SamplingParams
 
 
 def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator | None:

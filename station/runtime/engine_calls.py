@@ -32,14 +32,14 @@ import torch
 
 from gnosis_daemon.logs import get_logger
 from gnosis_daemon.protocol import ErrorCode, pack_array
-from station.engine_api import (CallDone, EngineCallHandler, EngineOpError, EventCallback,
+from station.core.requests import (CallDone, EngineCallHandler, EngineOpError, EventCallback,
                                 SamplingParams)
-from station.sampling import make_generator, sample
+from station.runtime.sampling import make_generator, sample
 from station.core.kv_manager import SessionOutcome
 from station.core.sequence import Sequence, SequenceStatus
 
 if TYPE_CHECKING:
-    from station.paged_engine import PagedEngine
+    from station.runtime.engine import PagedEngine
 
 log = get_logger(__name__)
 
@@ -84,7 +84,7 @@ class EmbedJob:
 
 
 class EngineCalls:
-    """Each public call method is an op's engine-thread handler (``station.op_registry``)."""
+    """Each public call method is an op's engine-thread handler (``station.serving.op_registry``)."""
 
     def __init__(self, engine: PagedEngine) -> None:
         self.engine = engine

@@ -4,7 +4,7 @@ Resource handling: the socket file is private from birth (``gnosis_daemon.unix_s
 connection owns a nursery with one task per request it hands on; when the connection ends
 (EOF, error, undecodable frame) every request it still has is aborted in the engine.
 
-Dispatch: each op's entry in the op registry (``station.op_registry``) gives its parser and
+Dispatch: each op's entry in the op registry (``station.serving.op_registry``) gives its parser and
 handler and says where the handler runs. The trio thread only decodes frames, runs parsers
 (in time bounded by the frame), answers inline ops and moves answers; tokenizer and
 chat-template work (``tokenize``, ``detokenize``, a text or chat prompt, ``embed`` texts)
@@ -43,13 +43,13 @@ from gnosis_daemon.protocol import (
 )
 from gnosis_daemon.settings import Settings
 from gnosis_daemon.unix_sockets import bind_socket, remove_socket
-from station import engine_ops, ops
-from station.connection import Connection, Preparing
-from station.engine_api import Engine, EngineEvent, EngineOpError, EventKind
-from station.model_loader import LoadedModel
-from station.op_registry import STATION_OPS, OpRegistry, OpSpec, RunsOn
-from station.ops import OpError, Tokenizing
-from station.stream import GenerateStream
+from station.serving import engine_ops, ops
+from station.serving.connection import Connection, Preparing
+from station.core.requests import Engine, EngineEvent, EngineOpError, EventKind
+from station.runtime.model_loader import LoadedModel
+from station.serving.op_registry import STATION_OPS, OpRegistry, OpSpec, RunsOn
+from station.serving.ops import OpError, Tokenizing
+from station.serving.stream import GenerateStream
 
 log = get_logger(__name__)
 

@@ -33,10 +33,10 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator
 
 from gnosis_daemon.protocol import Capability
-from station import engine_ops, inline_ops, ops
-from station.engine_calls import EngineCalls
-from station.ops import OpContext
-from station.stream import GenerateStream
+from station.serving import engine_ops, inline_ops, ops
+from station.runtime.engine_calls import EngineCalls
+from station.serving.ops import OpContext
+from station.serving.stream import GenerateStream
 
 Parser = Callable[[OpContext, dict[str, Any]], Any]
 

@@ -28,7 +28,7 @@ import torch
 
 from gnosis_daemon.logs import get_logger
 from gnosis_daemon.settings import Settings
-from station.tokenizing import Codec
+from station.runtime.tokenizing import Codec
 
 log = get_logger(__name__)
 
@@ -61,7 +61,7 @@ class LoadedModel:
     # The most characters of text one token can stand for (None: no such bound is known for
     # this tokenizer); see ``max_token_chars``.
     max_token_chars: int | None = None
-    codec: Any = None  # station.tokenizing.Codec over ``tokenizer``
+    codec: Any = None  # station.runtime.tokenizing.Codec over ``tokenizer``
 
 
 def default_model_path() -> Path:

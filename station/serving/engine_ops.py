@@ -3,13 +3,13 @@
 ``kv_session.save|load|delete|list``, ``forward``, ``decode_next`` and ``embed`` change or
 read engine state (sessions, blocks, the model), so they run on the engine thread between
 steps (``PagedEngine.call``, by the ``EngineCalls`` method the op registry names). Here their
-arguments are checked (the ``parse_*`` parsers of ``station.op_registry``), so a bad one is
+arguments are checked (the ``parse_*`` parsers of ``station.serving.op_registry``), so a bad one is
 a ``bad_request`` frame before the engine sees anything, and ``EngineCall`` carries the
 engine's answer back to the trio task that waits for it: one request frame in, one final
 frame out.
 
 ``embed`` of texts tokenizes them first, on a worker thread (its parser returns a
-``Tokenizing``); its texts are only measured here (the size bound of ``station.ops``).
+``Tokenizing``); its texts are only measured here (the size bound of ``station.serving.ops``).
 Cancelling a call (``EngineCall.cancel``) makes the engine drop it at its next step boundary
 and free what it held.
 """
@@ -22,9 +22,9 @@ from typing import Any
 import trio
 
 from gnosis_daemon.protocol import ErrorCode
-from station.engine_api import Engine, EngineOpError, SamplingParams
-from station.model_loader import LoadedModel
-from station.ops import (OpContext, OpError, Tokenizing, arg, bad, check_text_size, codec,
+from station.core.requests import Engine, EngineOpError, SamplingParams
+from station.runtime.model_loader import LoadedModel
+from station.serving.ops import (OpContext, OpError, Tokenizing, arg, bad, check_text_size, codec,
                          number, seed_arg, token_list)
 
 MAX_EMBED_INPUTS = 256

@@ -1,4 +1,4 @@
-"""Reading and checking one disk tier (``station.persist``): its manifest, its ``kv.pt``
+"""Reading and checking one disk tier (``station.runtime.persist``): its manifest, its ``kv.pt``
 and every session entry, all before anything touches the engine's pool.
 
 ``read_tier`` raises ``TierRejected`` for anything unreadable, malformed, truncated or

@@ -18,7 +18,7 @@ prefix it shares with the prompt (the manager finds them at admission, the sched
 records the outcome on the sequence); ``save_session`` pins the prompt's full blocks
 when its prefill ends, ``save_final_session`` pins prompt+completion when it finishes.
 Socket ops other than ``generate`` arrive through ``call`` and run on this thread at a
-step boundary (``station.engine_calls``); held sequences decode in the same batched
+step boundary (``station.runtime.engine_calls``); held sequences decode in the same batched
 forward as every generate. ``embed`` is stepped: each loop iteration embeds a bounded share
 of one call's inputs after the batched step, so it never holds up decoding for long.
 ``cancel_call`` drops a call (queued, in progress, or waiting for its sequence's step).
@@ -39,12 +39,12 @@ import torch
 
 from gnosis_daemon.logs import get_logger
 from gnosis_daemon.protocol import ErrorCode
-from station.engine_api import (CallDone, EngineCallHandler, EngineEvent, EngineOpError,
+from station.core.requests import (CallDone, EngineCallHandler, EngineEvent, EngineOpError,
                                 EventCallback, EventKind, GenerationRequest)
-from station.engine_calls import EngineCalls, RequestState, answer, session_fields
-from station.kv_cache import KVCache, KVCacheShape, num_blocks_for
-from station.model_runner import ModelRunner
-from station.sampling import make_generator, sample
+from station.runtime.engine_calls import EngineCalls, RequestState, answer, session_fields
+from station.runtime.kv_cache import KVCache, KVCacheShape, num_blocks_for
+from station.runtime.model_runner import ModelRunner
+from station.runtime.sampling import make_generator, sample
 from station.core.kv_manager import KVCacheManager
 from station.core.scheduler import Scheduler
 from station.core.sequence import Sequence
@@ -53,7 +53,7 @@ log = get_logger(__name__)
 
 
 class PagedEngine:
-    """``engine_api.Engine`` over a paged KV pool (see the module docstring)."""
+    """the engine over a paged KV pool (see the module docstring)."""
 
     def __init__(self, loaded: Any, settings: Any, num_blocks: int | None = None) -> None:
         """``loaded``: a ``model_loader.LoadedModel`` (model, device, dtype, fingerprint,
@@ -98,7 +98,7 @@ class PagedEngine:
 
     def run_here(self) -> None:
         """Run the engine loop on the calling thread until ``shutdown`` (the station's way:
-        the thread that loaded the model keeps every torch op, see ``station.server``)."""
+        the thread that loaded the model keeps every torch op, see ``station.serving.server``)."""
         assert self._thread is None, "engine started twice"
         self._thread = threading.current_thread()
         self._run()

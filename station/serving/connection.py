@@ -12,8 +12,8 @@ from typing import Any
 import trio
 
 from gnosis_daemon.protocol import ErrorCode
-from station.engine_ops import EngineCall
-from station.stream import GenerateStream
+from station.serving.engine_ops import EngineCall
+from station.serving.stream import GenerateStream
 
 
 class Preparing:

@@ -21,9 +21,9 @@ import trio
 
 from gnosis_daemon.logs import get_logger
 from gnosis_daemon.protocol import ErrorCode, error_frame, event_frame, result_frame
-from station.detok import IncrementalDetokenizer
-from station.engine_api import Engine, EngineEvent, EventKind, GenerationRequest
-from station.ops import GenerateArgs
+from station.serving.detok import IncrementalDetokenizer
+from station.core.requests import Engine, EngineEvent, EventKind, GenerationRequest
+from station.serving.ops import GenerateArgs
 
 log = get_logger(__name__)
 

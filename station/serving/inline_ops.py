@@ -1,5 +1,5 @@
 """The ops answered on the trio thread from the server's own state: hello, health, stats,
-cancel (``RunsOn.INLINE`` in ``station.op_registry``).
+cancel (``RunsOn.INLINE`` in ``station.serving.op_registry``).
 
 Each handler is ``handler(server, conn, args)``: it reads figures the engine keeps as a
 thread-safe snapshot, or the connection's own requests, and never waits.
@@ -13,11 +13,11 @@ from typing import TYPE_CHECKING, Any
 
 import gnosis_daemon
 from gnosis_daemon.protocol import PROTOCOL_VERSION, ErrorCode
-from station.connection import Connection
-from station.ops import OpContext, bad
+from station.serving.connection import Connection
+from station.serving.ops import OpContext, bad
 
 if TYPE_CHECKING:
-    from station.server import StationServer
+    from station.serving.server import StationServer
 
 
 def hello(server: StationServer, conn: Connection, args: None) -> dict[str, Any]:

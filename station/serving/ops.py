@@ -5,7 +5,7 @@ argument into one error frame and the connection keeps working.
 
 Threads: the checks that cost no more than the frame's own decoding run on the trio thread
 (types, ranges, lengths, the size bound below): the ``parse_*`` functions, which the op
-registry (``station.op_registry``) names as parsers. Everything that runs the tokenizer or
+registry (``station.serving.op_registry``) names as parsers. Everything that runs the tokenizer or
 the chat template (``tokenize``, ``detokenize``, ``GeneratePlan.encode``) takes time in
 proportion to its input, so the server runs it on a worker thread: a parser that needs it
 returns a ``Tokenizing``.
@@ -25,9 +25,9 @@ from typing import Any, Callable, Protocol
 
 from gnosis_daemon.protocol import Capability, ErrorCode
 from gnosis_daemon.settings import Settings
-from station.engine_api import SamplingParams
-from station.model_loader import LoadedModel
-from station.tokenizing import Codec
+from station.core.requests import SamplingParams
+from station.runtime.model_loader import LoadedModel
+from station.runtime.tokenizing import Codec
 
 _MISSING = object()
 # The range of a seed: an int64 or a uint64 (what msgpack carries); the generator takes
@@ -173,7 +173,7 @@ def render_chat(loaded: LoadedModel, messages: list[dict[str, str]],
                 add_generation_prompt: bool) -> list[int]:
     """Chat template -> token ids. The template writes every control token it wants, so
     nothing is added; special-token text inside a content is encoded as text
-    (``station.tokenizing``). A role must not hold special-token text at all."""
+    (``station.runtime.tokenizing``). A role must not hold special-token text at all."""
     tokenizer = loaded.tokenizer
     if not getattr(tokenizer, "chat_template", None):
         raise bad(f"model {loaded.served_id!r} has no chat template; send 'prompt' or 'tokens'")

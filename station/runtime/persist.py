@@ -10,7 +10,7 @@ tokens. A tier is written into a temporary directory and swapped in by rename, s
 mid-write leaves the previous tier whole.
 
 Nothing on disk can stop the station. At start the whole tier is validated before the pool
-is touched (``station.tier_file.read_tier``); what it finds decides:
+is touched (``station.runtime.tier_file.read_tier``); what it finds decides:
 
 * no tier: nothing restored;
 * a tier whose manifest is well formed but names another format, model fingerprint,
@@ -53,7 +53,7 @@ from typing import Any, BinaryIO
 import torch
 
 from gnosis_daemon.logs import get_logger
-from station.tier_file import (
+from station.runtime.tier_file import (
     KV_FILE,
     MANIFEST,
     Entry,

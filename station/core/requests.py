@@ -69,7 +69,7 @@ class EngineOpError(Exception):
 # done(result, error): exactly one is None; invoked on the engine thread, must be cheap.
 CallDone = Callable[[dict[str, Any] | None, EngineOpError | None], None]
 # handler(calls, owner, done, **kwargs): the engine-thread handler of an op, as the op
-# registry (station.op_registry) names it; the engine runs it between steps.
+# registry (station.serving.op_registry) names it; the engine runs it between steps.
 EngineCallHandler = Callable[..., Any]
 
 
@@ -118,7 +118,7 @@ class Engine(Protocol):
 
     def call(self, handler: EngineCallHandler, owner: Any, done: CallDone, **kwargs: Any) -> None:
         """Queue an engine call (thread-safe): ``handler`` is the handler of an engine op in
-        ``station.op_registry`` (an ``EngineCalls`` method), run on the engine thread with
+        ``station.serving.op_registry`` (an ``EngineCalls`` method), run on the engine thread with
         ``kwargs``. ``owner`` (the connection) owns the held sequences it creates.
         Raises RuntimeError when shutting down, and ``EngineOpError`` with code ``capacity``
         when a new sequence would overfill the waiting queue."""

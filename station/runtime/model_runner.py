@@ -26,8 +26,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from station.kv_cache import KVCache
-from station.linear_kernels import VocabHead, pack_decoder_linears
+from station.runtime.kv_cache import KVCache
+from station.runtime.linear_kernels import VocabHead, pack_decoder_linears
 from station.core.scheduler import SchedulerOutput
 from station.core.sequence import Sequence
 
@@ -140,7 +140,7 @@ class ModelRunner:
         self.kv_cache = kv_cache
         self.block_size = kv_cache.block_size
         self.device = device
-        # station.linear_kernels: on CPU fp32 the linears run through oneDNN, packed once.
+        # station.runtime.linear_kernels: on CPU fp32 the linears run through oneDNN, packed once.
         # When logits are exactly lm_head(hidden), the runner applies the head itself
         # (VocabHead); else the model's own forward.
         if pack_linears:
