@@ -71,14 +71,29 @@ OP_CAPABILITY: dict[str, Capability] = {
 BASE_OPS = frozenset({"hello", "health", "tokenize", "detokenize", "cancel", "stats"})
 
 
-class ProtocolError(Exception):
+class OpError(Exception):
+    """The one error type of the station: a request cannot be served as asked.
+
+    ``code`` is the protocol error code the error frame carries. Raised by op parsers,
+    the server, the engine and its calls alike, so an error crosses the station unchanged
+    from where it is found to the wire.
+    """
+
+    def __init__(self, code: ErrorCode, message: str) -> None:
+        super().__init__(message)
+        self.code = ErrorCode(code)
+        self.message = message
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.code.value!r}, {self.message!r})"
+
+
+class ProtocolError(OpError):
     """A frame broke the protocol. ``fatal`` means the byte stream itself is unusable."""
 
     def __init__(self, code: ErrorCode, message: str, *, request_id: Any = None,
                  fatal: bool = False) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
+        super().__init__(code, message)
         self.request_id = request_id
         self.fatal = fatal
 

@@ -6,15 +6,17 @@ callback is invoked on the engine thread: it must be cheap and thread-safe (the 
 forwards it to trio with ``TrioToken.run_sync_soon``).
 
 Resource handling: ``abort`` frees the request's KV at the engine's next step boundary
-(never mid-forward) and ends it with a ``finished`` event whose reason is ``"cancelled"``.
-Every request ends with exactly one ``finished`` or ``error`` event.
+(never mid-forward) and ends it with a ``Finished`` event whose reason is ``"cancelled"``.
+Every request ends with exactly one ``Finished`` or ``Failed`` event. Every error in the
+station is a ``gnosis_daemon.protocol.OpError`` carrying the wire's error code.
 """
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass
-from typing import Any, Callable, Protocol
+from typing import Any, Callable
+
+from gnosis_daemon.protocol import OpError
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,79 +56,55 @@ class GenerationRequest:
     save_final_session: str | None = None  # pin prompt+completion KV when it ends
 
 
-class EngineOpError(Exception):
-    """An engine call (the handler of an engine op) cannot be served.
-
-    ``code`` is a protocol ``ErrorCode`` value; the engine never imports the server.
-    """
-
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
-
-
 # done(result, error): exactly one is None; invoked on the engine thread, must be cheap.
-CallDone = Callable[[dict[str, Any] | None, EngineOpError | None], None]
+CallDone = Callable[[dict[str, Any] | None, OpError | None], None]
 # handler(calls, owner, done, **kwargs): the engine-thread handler of an op, as the op
 # registry (station.serving.op_registry) names it; the engine runs it between steps.
 EngineCallHandler = Callable[..., Any]
 
 
-class EventKind(enum.StrEnum):
-    PREFILL = "prefill"  # prompt fully prefilled: prompt_tokens, cached_tokens (+ saved)
-    TOKEN = "token"  # one sampled token: token_id
-    FINISHED = "finished"  # finish_reason: "stop" | "length" | "cancelled"
-    ERROR = "error"  # code (protocol ErrorCode value), message
+# -- events: what the engine reports of a generate request, on the engine thread.
+# Every request gets at most one Prefill, then Tokens, and ends with exactly one
+# Finished or Failed.
+
+@dataclass(frozen=True, slots=True)
+class Prefill:
+    """The prompt is fully prefilled (reported with its first token)."""
+
+    request_id: str
+    prompt_tokens: int
+    cached_tokens: int  # prompt tokens whose KV came from the prefix cache or a session
+    prefill_ms: float
+    session_loaded: bool = False
+    session_id: str | None = None  # the session the prompt started from, when one was
+    session_tokens: int = 0  # of cached_tokens: served by that session
+    session_error: str | None = None  # why no session was loaded (SessionOutcome value)
+    saved: bool = False  # save_session pinned the prompt's full blocks
+    save_error: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
-class EngineEvent:
+class Token:
     request_id: str
-    kind: EventKind
-    data: dict[str, Any]
+    token_id: int
 
 
+@dataclass(frozen=True, slots=True)
+class Finished:
+    request_id: str
+    finish_reason: str  # "stop" | "length" | "cancelled"
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    final_saved: bool = False
+    final_save_error: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Failed:
+    request_id: str
+    error: OpError
+
+
+EngineEvent = Prefill | Token | Finished | Failed
 EventCallback = Callable[[EngineEvent], None]
-
-
-class Engine(Protocol):
-    """What the station server needs from an engine."""
-
-    block_size: int
-
-    def shutdown(self) -> None:
-        """Stop the engine thread; every unfinished request ends with a shutting_down error."""
-
-    def add_request(self, request: GenerationRequest, on_event: EventCallback) -> None:
-        """Queue a request (thread-safe). Raises ValueError for a request it can never serve,
-        and ``EngineOpError`` with code ``capacity`` when the waiting queue is full."""
-
-    def abort(self, request_id: str) -> None:
-        """Cancel a request (thread-safe, idempotent, unknown ids ignored)."""
-
-    def finish_early(self, request_id: str) -> None:
-        """End a request as ``stop`` (thread-safe, idempotent, unknown ids ignored); unlike
-        ``abort``, its ``save_final_session`` still applies."""
-
-    def stats(self) -> dict[str, Any]:
-        """Figures for the ``stats`` op and ``hello``'s kv_pool (thread-safe snapshot)."""
-
-    def capabilities(self) -> dict[str, bool]:
-        """Engine feature flags (paged_kv, prefix_cache, continuous_batching,
-        kv_persistence): properties, not ops. The flags of ops come from the op registry."""
-
-    def call(self, handler: EngineCallHandler, owner: Any, done: CallDone, **kwargs: Any) -> None:
-        """Queue an engine call (thread-safe): ``handler`` is the handler of an engine op in
-        ``station.serving.op_registry`` (an ``EngineCalls`` method), run on the engine thread with
-        ``kwargs``. ``owner`` (the connection) owns the held sequences it creates.
-        Raises RuntimeError when shutting down, and ``EngineOpError`` with code ``capacity``
-        when a new sequence would overfill the waiting queue."""
-
-    def cancel_call(self, done: CallDone) -> None:
-        """Cancel the call answered by ``done`` (thread-safe, idempotent): a queued call is
-        answered ``cancelled``, a stepped one (embed) stops between steps, a held sequence's
-        pending forward/decode_next frees the sequence."""
-
-    def release_owner(self, owner: Any) -> None:
-        """Free every held sequence of ``owner`` (its connection closed)."""

@@ -39,8 +39,9 @@ import torch
 
 from gnosis_daemon.logs import get_logger
 from gnosis_daemon.protocol import ErrorCode
-from station.core.requests import (CallDone, EngineCallHandler, EngineEvent, EngineOpError,
-                                EventCallback, EventKind, GenerationRequest)
+from gnosis_daemon.protocol import OpError
+from station.core.requests import (CallDone, EngineCallHandler, EngineEvent, EventCallback, Failed,
+                                   Finished, GenerationRequest, Prefill, Token)
 from station.runtime.engine_calls import EngineCalls, RequestState, answer, session_fields
 from station.runtime.kv_cache import KVCache, KVCacheShape, num_blocks_for
 from station.runtime.model_runner import ModelRunner
@@ -89,7 +90,7 @@ class PagedEngine:
         log.info("kv_pool_ready", num_blocks=num_blocks, block_size=self.block_size,
                  bytes_per_block=shape.bytes_per_block, bytes_total=self.kv_cache.bytes_total)
 
-    # -- Engine protocol (any thread)
+    # -- the server's interface (any thread)
     def start(self) -> None:
         """Run the engine loop on a new thread (tests and embedders)."""
         assert self._thread is None, "engine started twice"
@@ -121,7 +122,7 @@ class PagedEngine:
             self._end(seq, ErrorCode.SHUTTING_DOWN, "the station is shutting down")
         for _handler, _owner, done, _kwargs in calls:
             if done is not None:
-                done(None, EngineOpError(ErrorCode.SHUTTING_DOWN.value, "the station is shutting down"))
+                done(None, OpError(ErrorCode.SHUTTING_DOWN, "the station is shutting down"))
         self.calls.shutdown()
 
     def add_request(self, request: GenerationRequest, on_event: EventCallback) -> None:
@@ -175,7 +176,7 @@ class PagedEngine:
 
     def call(self, handler: EngineCallHandler, owner: Any, done: CallDone, **kwargs: Any) -> None:
         """Queue an engine call (``handler``: an ``EngineCalls`` method). Raises
-        ``EngineOpError`` (capacity) for a ``forward`` that would make a new sequence wait
+        ``OpError`` (capacity) for a ``forward`` that would make a new sequence wait
         past ``max_waiting_requests``."""
         with self._cond:
             if self._stopping:
@@ -201,7 +202,7 @@ class PagedEngine:
                          for handler, _, _, kwargs in self._call_queue))
         limit = self.settings.max_waiting_requests
         if waiting >= limit:
-            raise EngineOpError(ErrorCode.CAPACITY.value,
+            raise OpError(ErrorCode.CAPACITY,
                                 f"{waiting} requests are already waiting in the station "
                                 f"(max_waiting_requests {limit}); retry later")
 
@@ -261,7 +262,7 @@ class PagedEngine:
                 if done is not None and done in cancels:
                     cancels.discard(done)
                     answer(done, None,
-                           EngineOpError(ErrorCode.CANCELLED.value, "request cancelled"))
+                           OpError(ErrorCode.CANCELLED, "request cancelled"))
                     continue
                 self.calls.run(handler, owner, done, kwargs)
             if cancels:
@@ -326,12 +327,12 @@ class PagedEngine:
         if not seq.prefill_reported:
             seq.prefill_reported = True
             saved, save_error = self._save_named(client.save_session, seq, seq.num_prompt_tokens)
-            self._emit(seq, EventKind.PREFILL, prompt_tokens=seq.num_prompt_tokens,
-                       cached_tokens=seq.num_cached_tokens,
-                       prefill_ms=(time.perf_counter() - client.arrival) * 1000,
-                       **session_fields(seq), saved=saved, save_error=save_error)
+            self._emit(seq, Prefill(
+                seq.seq_id, seq.num_prompt_tokens, seq.num_cached_tokens,
+                (time.perf_counter() - client.arrival) * 1000, **session_fields(seq),
+                saved=saved, save_error=save_error))
         seq.token_ids.append(token)
-        self._emit(seq, EventKind.TOKEN, token_id=token)
+        self._emit(seq, Token(seq.seq_id, token))
         if token in client.stop_ids:
             reason = "stop"
         elif (seq.num_completion_tokens >= seq.params.max_tokens
@@ -353,27 +354,26 @@ class PagedEngine:
         final_saved, final_error = client.final_saved, client.final_save_error
         if client.save_final_session and not final_saved and final_error is None:
             final_error = "not saved: the request ended before its KV was complete"
-        self._emit(seq, EventKind.FINISHED, finish_reason=seq.finish_reason,
-                   prompt_tokens=seq.num_prompt_tokens, completion_tokens=seq.num_completion_tokens,
-                   cached_tokens=seq.num_cached_tokens, final_saved=final_saved,
-                   final_save_error=final_error)
+        self._emit(seq, Finished(seq.seq_id, seq.finish_reason, seq.num_prompt_tokens,
+                                 seq.num_completion_tokens, seq.num_cached_tokens,
+                                 final_saved, final_error))
 
     def _end(self, seq: Sequence, code: ErrorCode, message: str) -> None:
         """End a sequence with an error (its blocks are already released)."""
         if seq.user.held is not None:
-            self.calls.fail(seq, EngineOpError(code.value, message))
+            self.calls.fail(seq, OpError(code, message))
             return
         self._forget(seq)
-        self._emit(seq, EventKind.ERROR, code=code.value, message=message)
+        self._emit(seq, Failed(seq.seq_id, OpError(code, message)))
 
     def _forget(self, seq: Sequence) -> None:
         with self._cond:
             self._known.discard(seq.seq_id)
             self._aborts.pop(seq.seq_id, None)
 
-    def _emit(self, seq: Sequence, kind: EventKind, **data: Any) -> None:
+    def _emit(self, seq: Sequence, event: EngineEvent) -> None:
         try:
-            seq.user.on_event(EngineEvent(seq.seq_id, kind, data))
+            seq.user.on_event(event)
         except Exception:  # a broken callback must not kill the engine thread
             log.exception("engine_event_callback_failed", request_id=seq.seq_id)
 

@@ -31,9 +31,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from gnosis_daemon.logs import get_logger
-from gnosis_daemon.protocol import ErrorCode, pack_array
-from station.core.requests import (CallDone, EngineCallHandler, EngineOpError, EventCallback,
-                                SamplingParams)
+from gnosis_daemon.protocol import ErrorCode, OpError, pack_array
+from station.core.requests import CallDone, EngineCallHandler, EventCallback, SamplingParams
 from station.runtime.sampling import make_generator, sample
 from station.core.kv_manager import SessionOutcome
 from station.core.sequence import Sequence, SequenceStatus
@@ -46,8 +45,8 @@ log = get_logger(__name__)
 _PENDING = object()  # the call is answered later, from on_logits / fail
 
 
-def _error(code: ErrorCode, message: str) -> EngineOpError:
-    return EngineOpError(code.value, message)
+def _error(code: ErrorCode, message: str) -> OpError:
+    return OpError(code, message)
 
 
 @dataclass(slots=True, eq=False)
@@ -102,7 +101,7 @@ class EngineCalls:
         assert done is not None
         try:
             result = handler(self, owner, done, **kwargs)
-        except EngineOpError as exc:
+        except OpError as exc:
             answer(done, None, exc)
             return
         except Exception as exc:  # a bug in one call must not take the engine down
@@ -229,7 +228,7 @@ class EngineCalls:
                       "cached_tokens": seq.num_admitted_cached_tokens if state.new else 0,
                       **session_fields(seq)}, None)
 
-    def fail(self, seq: Sequence, error: EngineOpError) -> None:
+    def fail(self, seq: Sequence, error: OpError) -> None:
         """The sequence ended (its blocks are released): forget it, fail its pending call."""
         self.seqs.pop(seq.seq_id, None)
         state: HeldState = seq.user.held
@@ -334,7 +333,7 @@ class EngineCalls:
         if engine.kv.num_blocks_for(num_tokens + 1) > engine.kv.num_blocks:
             raise _error(ErrorCode.BAD_REQUEST, f"{num_tokens} tokens do not fit the KV pool")
 
-    def _free(self, seq: Sequence, error: EngineOpError) -> None:
+    def _free(self, seq: Sequence, error: OpError) -> None:
         self.engine.scheduler.finish(seq, "cancelled")  # releases its blocks, whatever its state
         self.fail(seq, error)
 
@@ -342,12 +341,13 @@ class EngineCalls:
 def session_fields(seq: Sequence) -> dict[str, Any]:
     """What became of a sequence's ``load_session``, as the prefill event and ``forward`` report it."""
     loaded = seq.session_outcome == SessionOutcome.LOADED
-    return {"session_loaded": loaded, "session_tokens": seq.num_session_tokens if loaded else 0,
+    return {"session_loaded": loaded, "session_id": seq.load_session if loaded else None,
+            "session_tokens": seq.num_session_tokens if loaded else 0,
             "session_error": None if loaded or seq.session_outcome is None
             else str(seq.session_outcome)}
 
 
-def answer(done: CallDone, result: dict[str, Any] | None, error: EngineOpError | None) -> None:
+def answer(done: CallDone, result: dict[str, Any] | None, error: OpError | None) -> None:
     try:
         done(result, error)
     except Exception:  # a broken callback must not kill the engine thread

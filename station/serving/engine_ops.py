@@ -17,15 +17,18 @@ and free what it held.
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import trio
 
-from gnosis_daemon.protocol import ErrorCode
-from station.core.requests import Engine, EngineOpError, SamplingParams
+from gnosis_daemon.protocol import ErrorCode, OpError
+from station.core.requests import SamplingParams
 from station.runtime.model_loader import LoadedModel
-from station.serving.ops import (OpContext, OpError, Tokenizing, arg, bad, check_text_size, codec,
+from station.serving.ops import (OpContext, Tokenizing, arg, bad, check_text_size, codec,
                          number, seed_arg, token_list)
+
+if TYPE_CHECKING:
+    from station.runtime.engine import PagedEngine
 
 MAX_EMBED_INPUTS = 256
 
@@ -129,18 +132,18 @@ class EngineCall:
     ``done`` is the callback the engine was given, and the key ``cancel_call`` knows it by.
     """
 
-    def __init__(self, token: trio.lowlevel.TrioToken, engine: Engine) -> None:
+    def __init__(self, token: trio.lowlevel.TrioToken, engine: "PagedEngine") -> None:
         self._token = token
         self._engine = engine
         self._event = trio.Event()
         self._result: dict[str, Any] | None = None
-        self._error: EngineOpError | None = None
+        self._error: OpError | None = None
 
     @property
     def finished(self) -> bool:
         return self._event.is_set()
 
-    def done(self, result: dict[str, Any] | None, error: EngineOpError | None) -> None:
+    def done(self, result: dict[str, Any] | None, error: OpError | None) -> None:
         """Engine thread: hand the answer to trio (never blocks)."""
         try:
             self._token.run_sync_soon(self._set, result, error)
@@ -149,7 +152,7 @@ class EngineCall:
 
     def fail(self, code: ErrorCode, message: str) -> None:
         """Trio thread: end the call with a server-made error (shutdown)."""
-        self._set(None, EngineOpError(code.value, message))
+        self._set(None, OpError(code, message))
 
     def cancel(self, code: ErrorCode = ErrorCode.CANCELLED,
                message: str = "request cancelled") -> bool:
@@ -161,7 +164,7 @@ class EngineCall:
         self._engine.cancel_call(self.done)
         return True
 
-    def _set(self, result: dict[str, Any] | None, error: EngineOpError | None) -> None:
+    def _set(self, result: dict[str, Any] | None, error: OpError | None) -> None:
         if not self._event.is_set():
             self._result, self._error = result, error
             self._event.set()
@@ -169,10 +172,6 @@ class EngineCall:
     async def wait(self) -> dict[str, Any]:
         await self._event.wait()
         if self._error is not None:
-            try:
-                code = ErrorCode(self._error.code)
-            except ValueError:
-                code = ErrorCode.INTERNAL
-            raise OpError(code, self._error.message)
+            raise self._error
         assert self._result is not None
         return self._result

@@ -23,7 +23,7 @@ import math
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Protocol
 
-from gnosis_daemon.protocol import Capability, ErrorCode
+from gnosis_daemon.protocol import Capability, ErrorCode, OpError
 from gnosis_daemon.settings import Settings
 from station.core.requests import SamplingParams
 from station.runtime.model_loader import LoadedModel
@@ -53,15 +53,6 @@ class Tokenizing:
     runs on a worker thread and returns them (raising ``OpError`` as a parser would)."""
 
     work: Callable[[], Any]
-
-
-class OpError(Exception):
-    """An op cannot be served as asked; ``code`` is the protocol error code."""
-
-    def __init__(self, code: ErrorCode, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
 
 
 def bad(message: str) -> OpError:

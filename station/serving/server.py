@@ -27,7 +27,7 @@ import itertools
 import os
 import signal
 import time
-from typing import Any, Awaitable, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, Iterator
 
 import trio
 
@@ -35,6 +35,7 @@ from gnosis_daemon.logs import bind_request, get_logger
 from gnosis_daemon.protocol import (
     ErrorCode,
     FrameDecoder,
+    OpError,
     ProtocolError,
     Request,
     error_frame,
@@ -45,11 +46,14 @@ from gnosis_daemon.settings import Settings
 from gnosis_daemon.unix_sockets import bind_socket, remove_socket
 from station.serving import engine_ops, ops
 from station.serving.connection import Connection, Preparing
-from station.core.requests import Engine, EngineEvent, EngineOpError, EventKind
+from station.core.requests import Failed
 from station.runtime.model_loader import LoadedModel
 from station.serving.op_registry import STATION_OPS, OpRegistry, OpSpec, RunsOn
-from station.serving.ops import OpError, Tokenizing
+from station.serving.ops import Tokenizing
 from station.serving.stream import GenerateStream
+
+if TYPE_CHECKING:
+    from station.runtime.engine import PagedEngine
 
 log = get_logger(__name__)
 
@@ -63,7 +67,7 @@ TEXT_THREADS = 2
 class StationServer:
     """Serves the ops of ``registry`` (the station's own unless a test passes another)."""
 
-    def __init__(self, settings: Settings, loaded: LoadedModel, engine: Engine,
+    def __init__(self, settings: Settings, loaded: LoadedModel, engine: "PagedEngine",
                  registry: OpRegistry = STATION_OPS) -> None:
         self.settings = settings
         self.loaded = loaded
@@ -114,9 +118,8 @@ class StationServer:
         for conn in list(self._connections):
             for gen in list(conn.generates.values()):
                 self.engine.abort(gen.engine_id)
-                gen.inject(EngineEvent(gen.engine_id, EventKind.ERROR, {
-                    "code": ErrorCode.SHUTTING_DOWN.value,
-                    "message": "the station is shutting down"}))
+                gen.inject(Failed(gen.engine_id, OpError(ErrorCode.SHUTTING_DOWN,
+                                                         "the station is shutting down")))
             for call in list(conn.calls.values()):
                 call.cancel(ErrorCode.SHUTTING_DOWN, "the station is shutting down")
             for prep in list(conn.preparing.values()):
@@ -320,5 +323,3 @@ def _engine_refusals() -> Iterator[None]:
         raise ops.bad(str(exc)) from None
     except RuntimeError as exc:  # the engine is shutting down
         raise OpError(ErrorCode.SHUTTING_DOWN, str(exc)) from None
-    except EngineOpError as exc:  # capacity: the waiting queue is full
-        raise OpError(ErrorCode(exc.code), exc.message) from None

@@ -15,15 +15,18 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Any, Awaitable, Callable
+from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
 import trio
 
 from gnosis_daemon.logs import get_logger
 from gnosis_daemon.protocol import ErrorCode, error_frame, event_frame, result_frame
 from station.serving.detok import IncrementalDetokenizer
-from station.core.requests import Engine, EngineEvent, EventKind, GenerationRequest
+from station.core.requests import EngineEvent, Failed, Finished, GenerationRequest, Prefill, Token
 from station.serving.ops import GenerateArgs
+
+if TYPE_CHECKING:
+    from station.runtime.engine import PagedEngine
 
 log = get_logger(__name__)
 
@@ -81,7 +84,7 @@ class GenerateStream:
     def close(self) -> None:
         self._send.close()
 
-    async def pump(self, send: Send, engine: Engine) -> None:
+    async def pump(self, send: Send, engine: "PagedEngine") -> None:
         """Send this request's frames until its final frame; log one canonical line."""
         # Until the engine says otherwise, an end without a final frame is the connection's
         # doing: it closed (the host went away) and the request was aborted with it.
@@ -103,50 +106,44 @@ class GenerateStream:
             self.close()
             self._log(outcome)
 
-    async def _handle(self, event: EngineEvent, send: Send, engine: Engine) -> str | None:
-        data = event.data
-        if event.kind == EventKind.PREFILL:
-            self.cached_tokens = int(data.get("cached_tokens", 0))
-            await send(event_frame(self.frame_id, {
-                "type": "prefill", "prompt_tokens": int(data.get("prompt_tokens",
-                                                                len(self.gen.prompt_ids))),
-                "cached_tokens": self.cached_tokens,
-                "session_loaded": bool(data.get("session_loaded", False)),
-                "session_tokens": int(data.get("session_tokens", 0)),
-                "session_error": data.get("session_error"),
-                "saved": bool(data.get("saved", False)),
-                "save_error": data.get("save_error")}))
-            return None
-        if event.kind == EventKind.TOKEN:
-            if self.stopped:
-                return None  # decoded before the engine saw the stop: not part of the answer
-            return await self._on_tokens([int(data["token_id"])], send, engine)
-        if event.kind == EventKind.FINISHED:
-            reason = "stop" if self.stopped else data.get("finish_reason", "stop")
-            self.final_saved = bool(data.get("final_saved", False))
-            self.final_save_error = data.get("final_save_error")
-            if reason == "cancelled":
+    async def _handle(self, event: EngineEvent, send: Send, engine: "PagedEngine") -> str | None:
+        match event:
+            case Prefill():
+                self.cached_tokens = event.cached_tokens
+                await send(event_frame(self.frame_id, {
+                    "type": "prefill", "prompt_tokens": event.prompt_tokens,
+                    "cached_tokens": event.cached_tokens,
+                    "session_loaded": event.session_loaded,
+                    "session_id": event.session_id,
+                    "session_tokens": event.session_tokens,
+                    "session_error": event.session_error,
+                    "saved": event.saved, "save_error": event.save_error}))
+                return None
+            case Token():
+                if self.stopped:
+                    return None  # decoded before the engine saw the stop: not part of the answer
+                return await self._on_tokens([event.token_id], send, engine)
+            case Finished():
+                reason = "stop" if self.stopped else event.finish_reason
+                self.final_saved = event.final_saved
+                self.final_save_error = event.final_save_error
+                if reason == "cancelled":
+                    self.done = True
+                    await send(error_frame(self.frame_id, ErrorCode.CANCELLED, "request cancelled"))
+                    return "cancelled"
+                tail = self.detok.finish()
+                if tail:
+                    await send(event_frame(self.frame_id, {"type": "tokens", "token_ids": [],
+                                                           "text": tail}))
+                await self._finish(reason, send)
+                return reason
+            case Failed():
                 self.done = True
-                await send(error_frame(self.frame_id, ErrorCode.CANCELLED, "request cancelled"))
-                return "cancelled"
-            tail = self.detok.finish()
-            if tail:
-                await send(event_frame(self.frame_id, {"type": "tokens", "token_ids": [],
-                                                       "text": tail}))
-            await self._finish(reason, send)
-            return reason
-        if event.kind == EventKind.ERROR:
-            self.done = True
-            code = data.get("code", ErrorCode.INTERNAL.value)
-            try:
-                code = ErrorCode(code)
-            except ValueError:
-                code = ErrorCode.INTERNAL
-            await send(error_frame(self.frame_id, code, str(data.get("message", ""))))
-            return code.value
-        raise AssertionError(f"unknown engine event {event.kind!r}")
+                await send(error_frame(self.frame_id, event.error.code, event.error.message))
+                return event.error.code.value
+        raise AssertionError(f"unknown engine event {event!r}")
 
-    async def _on_tokens(self, ids: list[int], send: Send, engine: Engine) -> str | None:
+    async def _on_tokens(self, ids: list[int], send: Send, engine: "PagedEngine") -> str | None:
         if self.first_token_at is None:
             self.first_token_at = time.perf_counter()
         self.token_ids.extend(ids)
@@ -155,7 +152,7 @@ class GenerateStream:
         await send(event_frame(self.frame_id, {"type": "tokens", "token_ids": ids,
                                                "text": out.text}))
         if out.stopped:
-            if self.gen.save_final_session and hasattr(engine, "finish_early"):
+            if self.gen.save_final_session:
                 self.stopped = True  # the result follows the engine's finished event
                 engine.finish_early(self.engine_id)
                 return None

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from gnosis_daemon.settings import Settings
-from station.core.requests import EventKind, GenerationRequest, SamplingParams
+from station.core.requests import Failed, Finished, Token, GenerationRequest, SamplingParams
 from station.runtime.model_loader import load_model
 from station.runtime.engine import PagedEngine
 from tests.support.tiny_models import build_tiny_model
@@ -64,9 +64,9 @@ def test_greedy_parity_on_cuda_float32(tiny_dir, tmp_path):
     tokens, done = [], threading.Event()
 
     def on_event(event):
-        if event.kind is EventKind.TOKEN:
-            tokens.append(event.data["token_id"])
-        elif event.kind in (EventKind.FINISHED, EventKind.ERROR):
+        if isinstance(event, Token):
+            tokens.append(event.token_id)
+        elif isinstance(event, (Finished, Failed)):
             done.set()
 
     try:

@@ -10,7 +10,7 @@ import pytest
 
 from gnosis_daemon.settings import Settings
 from station.core.block_pool import BlockPool
-from station.core.requests import EventKind, GenerationRequest, SamplingParams
+from station.core.requests import Finished, Prefill, GenerationRequest, SamplingParams
 from station.runtime.engine_calls import EngineCalls
 from station.runtime.model_loader import load_model
 from station.runtime.engine import PagedEngine
@@ -148,17 +148,17 @@ def test_save_then_load_hits_with_greedy_parity(tiny):
     follow = prompt + prompt_of(12, 9)
     with Engine(loaded) as e:
         first = e.generate(prompt, 6, save_session="s1")
-        pre = first.one(EventKind.PREFILL)
-        assert (pre["saved"], pre["save_error"], pre["session_loaded"]) == (True, None, False)
+        pre = first.one(Prefill)
+        assert (pre.saved, pre.save_error, pre.session_loaded) == (True, None, False)
         assert e.engine.kv.sessions.get("s1").num_tokens == 28
         again = e.generate(prompt, 6, load_session="s1")
-        pre = again.one(EventKind.PREFILL)
-        assert pre["session_loaded"] is True and pre["session_error"] is None
-        assert pre["session_tokens"] == 28 and pre["cached_tokens"] >= len(prompt) - BS
+        pre = again.one(Prefill)
+        assert pre.session_loaded is True and pre.session_error is None
+        assert pre.session_tokens == 28 and pre.cached_tokens >= len(prompt) - BS
         assert again.tokens == first.tokens == reference(path, prompt, 6)
         hit = e.generate(follow, 12, load_session="s1")
-        pre = hit.one(EventKind.PREFILL)
-        assert (pre["session_loaded"], pre["session_tokens"], pre["cached_tokens"]) == (True, 28, 28)
+        pre = hit.one(Prefill)
+        assert (pre.session_loaded, pre.session_tokens, pre.cached_tokens) == (True, 28, 28)
         assert hit.tokens == reference(path, follow, 12)
 
 
@@ -167,7 +167,7 @@ def test_final_session_serves_the_next_turn(tiny):
     prompt = prompt_of(21, 17)
     with Engine(loaded) as e:
         turn1 = e.generate(prompt, 10, save_final_session="chat")
-        assert turn1.one(EventKind.FINISHED)["final_saved"] is True
+        assert turn1.one(Finished).final_saved is True
         completion = turn1.tokens
         assert completion == reference(path, prompt, 10)
         kept = (len(prompt) + len(completion) - 1) // BS * BS  # the last token has no KV yet
@@ -175,8 +175,8 @@ def test_final_session_serves_the_next_turn(tiny):
         e.engine.kv.pool.reset_prefix_cache()  # only the session can serve the next turn now
         turn2_prompt = prompt + completion + prompt_of(22, 6)
         turn2 = e.generate(turn2_prompt, 8, load_session="chat")
-        pre = turn2.one(EventKind.PREFILL)
-        assert pre["session_tokens"] == kept and pre["cached_tokens"] == kept
+        pre = turn2.one(Prefill)
+        assert pre.session_tokens == kept and pre.cached_tokens == kept
         assert turn2.tokens == reference(path, turn2_prompt, 8)
 
 
@@ -185,18 +185,18 @@ def test_missing_or_foreign_session_is_a_miss(tiny):
     prompt = prompt_of(31, 21)
     with Engine(loaded) as e:
         miss = e.generate(prompt, 5, load_session="nope")
-        pre = miss.one(EventKind.PREFILL)
-        assert (pre["session_loaded"], pre["session_error"], pre["cached_tokens"]) == (
+        pre = miss.one(Prefill)
+        assert (pre.session_loaded, pre.session_error, pre.cached_tokens) == (
             False, "not_found", 0)
         assert miss.tokens == reference(path, prompt, 5)
         e.generate(prompt, 1, save_session="mine", tenant="alice")
         other = e.generate(prompt, 5, load_session="mine", tenant="bob")
-        pre = other.one(EventKind.PREFILL)
-        assert (pre["session_loaded"], pre["session_error"]) == (False, "tenant_mismatch")
-        assert pre["cached_tokens"] == 0  # bob never sees alice's blocks, cache or session
+        pre = other.one(Prefill)
+        assert (pre.session_loaded, pre.session_error) == (False, "tenant_mismatch")
+        assert pre.cached_tokens == 0  # bob never sees alice's blocks, cache or session
         assert other.tokens == reference(path, prompt, 5)
         unrelated = e.generate(prompt_of(32, 21), 1, load_session="mine", tenant="alice")
-        assert unrelated.one(EventKind.PREFILL)["session_error"] == "no_common_prefix"
+        assert unrelated.one(Prefill).session_error == "no_common_prefix"
 
 
 def test_pinned_blocks_survive_eviction_pressure_and_delete_frees(tiny):
@@ -212,7 +212,7 @@ def test_pinned_blocks_survive_eviction_pressure_and_delete_frees(tiny):
         assert e.engine.stats()["kv_sessions_expired"] == 0
         follow = prompt + [7, 8, 9]
         hit = e.generate(follow, 6, load_session="keep")
-        assert hit.one(EventKind.PREFILL)["session_tokens"] == 20
+        assert hit.one(Prefill).session_tokens == 20
         assert hit.tokens == reference(path, follow, 6)
         assert e.call(EngineCalls.kv_delete, session_id="keep") == {"deleted": True}
         assert_pool_clean(e.engine)
@@ -227,7 +227,7 @@ def test_sessions_expire_before_running_work_is_refused(tiny):
         assert [s["session_id"] for s in listed["sessions"]] == ["s2", "s1"]  # budget 2: s0 expired
         assert listed["budget"] == 2 and listed["pinned_blocks"] == 12
         big = e.generate(prompt_of(60, 40), 10)  # needs 13 of 16 blocks: sessions must go
-        assert big.one(EventKind.FINISHED)["finish_reason"] in {"stop", "length"}
+        assert big.one(Finished).finish_reason in {"stop", "length"}
         assert e.engine.stats()["kv_sessions_expired"] >= 2
         e.call(EngineCalls.kv_delete, session_id="s2")
         e.call(EngineCalls.kv_delete, session_id="s1")
@@ -385,8 +385,8 @@ def test_a_flooding_tenant_expires_its_own_sessions_and_the_other_still_hits(tin
         assert stats["kv_sessions_expired"] == stats["kv_sessions_expired_over_share"] == 24 - 7
         follow = prompt + [5, 6, 7]
         hit = e.generate(follow, 4, load_session="a-conv", tenant="alice")
-        pre = hit.one(EventKind.PREFILL)
-        assert (pre["session_loaded"], pre["session_tokens"]) == (True, 28)
+        pre = hit.one(Prefill)
+        assert (pre.session_loaded, pre.session_tokens) == (True, 28)
         assert hit.tokens == reference(path, follow, 4)
 
 
@@ -405,5 +405,5 @@ def test_block_pressure_from_one_tenant_reclaims_its_own_sessions(tiny):
         assert stats["kv_sessions_expired"] == stats["kv_sessions_expired_over_share"] == 5
         follow = prompt + [9, 9]
         hit = e.generate(follow, 4, load_session="a-conv", tenant="alice")
-        assert hit.one(EventKind.PREFILL)["session_tokens"] == 20
+        assert hit.one(Prefill).session_tokens == 20
         assert hit.tokens == reference(path, follow, 4)

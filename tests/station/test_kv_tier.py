@@ -20,7 +20,7 @@ import torch
 
 from gnosis_daemon.settings import Settings
 from station.runtime import persist
-from station.core.requests import EventKind, GenerationRequest, SamplingParams
+from station.core.requests import Prefill, GenerationRequest, SamplingParams
 from station.runtime.persist import save_sessions
 from station.main import _TorchThread
 from tests.station.test_paged_engine import Collector, prompt_of, reference
@@ -215,7 +215,7 @@ def test_good_entries_are_restored_and_the_tier_still_moved_aside(model, state, 
         assert station.sessions() == [s for s in good_tier[1] if s[0] in restored]
         follow = PROMPT_A + [1, 2, 3]
         hit = station.generate(follow, 4, tenant="alice", load_session="a")
-        assert hit.one(EventKind.PREFILL)["session_tokens"] == 28
+        assert hit.one(Prefill).session_tokens == 28
         assert hit.tokens == reference(model, follow, 4)
     finally:
         station.stop()

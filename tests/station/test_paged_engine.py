@@ -10,7 +10,7 @@ from contextlib import contextmanager
 import pytest
 
 from gnosis_daemon.settings import Settings
-from station.core.requests import EventKind, GenerationRequest, SamplingParams
+from station.core.requests import EngineEvent, Failed, Finished, Prefill, Token, GenerationRequest, SamplingParams
 from station.runtime.model_loader import load_model
 from station.runtime.engine import PagedEngine
 from tests.support.tiny_models import FAMILIES, build_tiny_model, reference_generate
@@ -53,7 +53,7 @@ class Collector:
 
     def __call__(self, event) -> None:
         self.events.append(event)
-        if event.kind in (EventKind.FINISHED, EventKind.ERROR):
+        if isinstance(event, (Finished, Failed)):
             self.done.set()
 
     def wait(self) -> Collector:
@@ -62,10 +62,10 @@ class Collector:
 
     @property
     def tokens(self) -> list[int]:
-        return [e.data["token_id"] for e in self.events if e.kind is EventKind.TOKEN]
+        return [e.token_id for e in self.events if isinstance(e, Token)]
 
-    def one(self, kind: EventKind) -> dict:
-        found = [e.data for e in self.events if e.kind is kind]
+    def one(self, kind: type[EngineEvent]) -> EngineEvent:
+        found = [e for e in self.events if isinstance(e, kind)]
         assert len(found) == 1, self.events
         return found[0]
 
@@ -109,12 +109,12 @@ def test_greedy_parity_alone_then_prefix_hit(tiny, family):
     with engine_for(loaded) as engine:
         first = submit(engine, "a", prompt, 16).wait()
         assert first.tokens == expected
-        assert first.one(EventKind.PREFILL)["cached_tokens"] == 0
+        assert first.one(Prefill).cached_tokens == 0
         second = submit(engine, "b", prompt, 16).wait()
         assert second.tokens == expected
-        cached = second.one(EventKind.PREFILL)["cached_tokens"]
+        cached = second.one(Prefill).cached_tokens
         assert cached == 24 and cached >= len(prompt) - BS
-        assert second.one(EventKind.FINISHED)["finish_reason"] in {"stop", "length"}
+        assert second.one(Finished).finish_reason in {"stop", "length"}
         stats = engine.stats()
         assert (stats["prefix_cache_queries_tokens"], stats["prefix_cache_hits_tokens"]) == (54, 24)
         assert_pool_clean(engine)
@@ -166,7 +166,7 @@ def test_abort_frees_blocks(tiny):
 
         def on_event(event):
             collector(event)
-            if event.kind is EventKind.TOKEN:
+            if isinstance(event, Token):
                 first_token.set()
 
         engine.add_request(GenerationRequest("long", prompt_of(4, 30), SamplingParams(
@@ -175,7 +175,7 @@ def test_abort_frees_blocks(tiny):
         engine.abort("long")
         engine.abort("long")  # idempotent
         engine.abort("never-existed")
-        assert collector.wait().one(EventKind.FINISHED)["finish_reason"] == "cancelled"
+        assert collector.wait().one(Finished).finish_reason == "cancelled"
         assert_pool_clean(engine)
         assert engine.stats()["blocks_cached"] > 0  # its full blocks stay as prefix cache
 
@@ -220,10 +220,10 @@ def test_two_hundred_mixed_requests_with_aborts_leave_no_block_held(tiny):
             results.append(submit(engine, f"m{i}", prompt, rng.randrange(1, 12), **params))
             if rng.random() < 0.25:
                 engine.abort(f"m{rng.randrange(0, i + 1)}")
-        reasons = [r.wait().events[-1].data.get("finish_reason") for r in results]
+        reasons = [r.wait().events[-1].finish_reason for r in results]
         assert set(reasons) <= {"stop", "length", "cancelled"} and "cancelled" in reasons
         for r in results:
-            finals = [e for e in r.events if e.kind in (EventKind.FINISHED, EventKind.ERROR)]
+            finals = [e for e in r.events if isinstance(e, (Finished, Failed))]
             assert len(finals) == 1
         assert_pool_clean(engine)
         assert engine.stats()["prefix_cache_hits_tokens"] > 0
@@ -244,8 +244,8 @@ def test_a_failing_step_ends_its_requests_with_internal_and_the_engine_keeps_ser
 
         engine.runner.run = fail_once
         failed = submit(engine, "bad", prompt, 4).wait()
-        error = failed.one(EventKind.ERROR)
-        assert error["code"] == "internal" and "boom" in error["message"]
+        error = failed.one(Failed).error
+        assert error.code == "internal" and "boom" in error.message
         assert_pool_clean(engine)
         assert submit(engine, "good", prompt, 6).wait().tokens == reference(path, prompt, 6)
 
@@ -257,14 +257,14 @@ def test_shutdown_ends_unfinished_requests_with_shutting_down(tiny):
 
     def on_event(event):
         running(event)
-        if event.kind is EventKind.TOKEN:
+        if isinstance(event, Token):
             started.set()
 
     with engine_for(loaded, num_blocks=1024) as engine:
         engine.add_request(GenerationRequest("r", prompt_of(8, 5), SamplingParams(
             max_tokens=100_000, temperature=0.0, ignore_eos=True)), on_event)
         assert started.wait(30)
-    assert running.wait().one(EventKind.ERROR)["code"] == "shutting_down"
+    assert running.wait().one(Failed).error.code == "shutting_down"
     assert engine.kv.pool.num_held_blocks == 0
     with pytest.raises(RuntimeError, match="shutting down"):
         submit(engine, "late", prompt_of(8, 5), 4)
