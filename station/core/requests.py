@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from gnosis_daemon.protocol import OpError
+from gnosis_daemon.protocol import ErrorCode, OpError
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,6 +54,38 @@ class GenerationRequest:
     load_session: str | None = None
     save_session: str | None = None
     save_final_session: str | None = None  # pin prompt+completion KV when it ends
+
+
+@dataclass(frozen=True, slots=True)
+class SequenceLimits:
+    """What one sequence may hold in this station: the one place a prompt's size and ids
+    are judged, with one error code each (every op and the engine call ``check``)."""
+
+    max_model_len: int
+    vocab_size: int
+    block_size: int
+    num_blocks: int  # the KV pool's blocks
+
+    def check(self, token_ids: list[int] | tuple[int, ...], *, room: int, held: int = 0,
+              what: str = "the prompt") -> None:
+        """``held`` tokens already in the sequence, ``token_ids`` added, then ``room`` more
+        must fit; raises ``OpError``: ``bad_request`` for no tokens or an id outside the
+        vocabulary, ``context_overflow`` when the model's context or the whole KV pool
+        cannot hold them."""
+        n = held + len(token_ids)
+        if n == 0:
+            raise OpError(ErrorCode.BAD_REQUEST, f"{what} has no tokens")
+        if n + room > self.max_model_len:
+            raise OpError(ErrorCode.CONTEXT_OVERFLOW,
+                          f"{what} has {n} tokens: with {room} more it does not fit the "
+                          f"model's {self.max_model_len}-token context")
+        if -(-(n + room) // self.block_size) > self.num_blocks:
+            raise OpError(ErrorCode.CONTEXT_OVERFLOW,
+                          f"{what} has {n} tokens: with {room} more it does not fit the KV "
+                          f"pool of {self.num_blocks * self.block_size} tokens")
+        vocab = self.vocab_size
+        if any(not 0 <= t < vocab for t in token_ids):
+            raise OpError(ErrorCode.BAD_REQUEST, f"{what} has token ids outside [0, {vocab})")
 
 
 # done(result, error): exactly one is None; invoked on the engine thread, must be cheap.

@@ -41,7 +41,7 @@ from gnosis_daemon.logs import get_logger
 from gnosis_daemon.protocol import ErrorCode
 from gnosis_daemon.protocol import OpError
 from station.core.requests import (CallDone, EngineCallHandler, EngineEvent, EventCallback, Failed,
-                                   Finished, GenerationRequest, Prefill, Token)
+                                   Finished, GenerationRequest, Prefill, SequenceLimits, Token)
 from station.runtime.engine_calls import EngineCalls, RequestState, answer, session_fields
 from station.runtime.kv_cache import KVCache, KVCacheShape, num_blocks_for
 from station.runtime.model_runner import ModelRunner
@@ -68,6 +68,8 @@ class PagedEngine:
         if num_blocks is None:
             num_blocks = num_blocks_for(shape, settings, device)
         self.kv_cache = KVCache(shape, num_blocks, device)
+        self.limits = SequenceLimits(loaded.max_model_len, loaded.vocab_size, self.block_size,
+                                     num_blocks)
         self.kv = KVCacheManager(num_blocks, self.block_size, settings.kv_session_budget,
                                  tenant_share=settings.kv_session_tenant_share,
                                  model_fingerprint=loaded.fingerprint,
@@ -127,17 +129,7 @@ class PagedEngine:
 
     def add_request(self, request: GenerationRequest, on_event: EventCallback) -> None:
         prompt = list(request.prompt_ids)
-        if not prompt:
-            raise ValueError("the prompt has no tokens")
-        if len(prompt) >= self.max_model_len:
-            raise ValueError(f"prompt of {len(prompt)} tokens does not fit max_model_len "
-                             f"{self.max_model_len}")
-        vocab = self.loaded.vocab_size
-        if any(not 0 <= t < vocab for t in prompt):
-            raise ValueError(f"prompt token ids must be in [0, {vocab})")
-        if self.kv.num_blocks_for(len(prompt) + 1) > self.kv.num_blocks:
-            raise ValueError(f"prompt of {len(prompt)} tokens does not fit the KV pool of "
-                             f"{self.kv.num_blocks * self.block_size} tokens")
+        self.limits.check(prompt, room=1)  # at least one token to generate
         params = request.params
         stop_ids = set(params.stop_token_ids)
         if not params.ignore_eos:
@@ -152,9 +144,10 @@ class PagedEngine:
         )
         with self._cond:
             if self._stopping:
-                raise RuntimeError("the engine is shutting down")
+                raise OpError(ErrorCode.SHUTTING_DOWN, "the station is shutting down")
             if request.request_id in self._known:
-                raise ValueError(f"request id {request.request_id!r} is already running")
+                raise OpError(ErrorCode.BAD_REQUEST,
+                              f"request id {request.request_id!r} is already running")
             self._check_queue()
             self._known.add(request.request_id)
             self._inbox.append(seq)
@@ -180,7 +173,7 @@ class PagedEngine:
         past ``max_waiting_requests``."""
         with self._cond:
             if self._stopping:
-                raise RuntimeError("the engine is shutting down")
+                raise OpError(ErrorCode.SHUTTING_DOWN, "the station is shutting down")
             if _makes_sequence(handler, kwargs):
                 self._check_queue()
             self._call_queue.append((handler, owner, done, kwargs))

@@ -169,7 +169,7 @@ class EngineCalls:
                 raise _error(ErrorCode.BAD_REQUEST, "release needs a seq_id")
             if not tokens:
                 raise _error(ErrorCode.BAD_REQUEST, "forward of a new sequence needs tokens")
-            self._check_room(len(tokens))
+            self._check_room(tokens)
             seq = self._new_seq(owner, list(tokens), tenant, load_session)
             state = seq.user.held
             state.pending, state.kind, state.new = done, "forward", True
@@ -186,7 +186,7 @@ class EngineCalls:
         self._check_idle(seq)
         if not tokens:
             raise _error(ErrorCode.BAD_REQUEST, "forward needs tokens (or release: true)")
-        self._check_room(seq.num_tokens + len(tokens))
+        self._check_room(tokens, held=seq.num_tokens)
         seq.token_ids.extend(tokens)
         state.pending, state.kind, state.new = done, "forward", False
         engine.scheduler.resume(seq)
@@ -200,7 +200,7 @@ class EngineCalls:
         if state.logits is None:
             raise _error(ErrorCode.BAD_REQUEST, "the sequence has no logits yet: forward at "
                          "least one token first")
-        self._check_room(seq.num_tokens + 1)
+        self._check_room([], held=seq.num_tokens, room=1)
         try:
             params = SamplingParams(max_tokens=1, temperature=temperature, top_p=top_p,
                                     top_k=top_k, seed=seed)
@@ -325,13 +325,8 @@ class EngineCalls:
                          "in flight")
         assert seq.status is SequenceStatus.PARKED
 
-    def _check_room(self, num_tokens: int) -> None:
-        engine = self.engine
-        if num_tokens > engine.max_model_len:
-            raise _error(ErrorCode.CONTEXT_OVERFLOW, f"{num_tokens} tokens exceed max_model_len "
-                         f"{engine.max_model_len}")
-        if engine.kv.num_blocks_for(num_tokens + 1) > engine.kv.num_blocks:
-            raise _error(ErrorCode.BAD_REQUEST, f"{num_tokens} tokens do not fit the KV pool")
+    def _check_room(self, token_ids: list[int], *, held: int = 0, room: int = 0) -> None:
+        self.engine.limits.check(token_ids, room=room, held=held, what="the sequence")
 
     def _free(self, seq: Sequence, error: OpError) -> None:
         self.engine.scheduler.finish(seq, "cancelled")  # releases its blocks, whatever its state

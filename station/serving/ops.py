@@ -256,13 +256,9 @@ class GeneratePlan:
         return codec(loaded).encode(self.prompt, self.add_special_tokens)
 
     def finish(self, loaded: LoadedModel, prompt_ids: list[int]) -> GenerateArgs:
-        if not prompt_ids:
-            raise bad("the prompt has no tokens")
-        room = loaded.max_model_len - len(prompt_ids)
-        if room <= 0:
-            raise OpError(ErrorCode.CONTEXT_OVERFLOW,
-                          f"prompt of {len(prompt_ids)} tokens leaves no room in the model's "
-                          f"{loaded.max_model_len}-token context")
+        # max_tokens is capped by the context left; whether the prompt fits at all is the
+        # engine's one check (SequenceLimits), with the same codes for every op.
+        room = max(1, loaded.max_model_len - len(prompt_ids))
         return GenerateArgs(
             prompt_ids=prompt_ids, params=replace(self.params, max_tokens=min(self.max_tokens, room)),
             stop=self.stop, tenant=self.tenant, load_session=self.load_session,

@@ -20,14 +20,13 @@ in-flight requests with ``shutting_down``, remove the socket and exit 0.
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import functools
 import itertools
 import os
 import signal
 import time
-from typing import TYPE_CHECKING, Any, Awaitable, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
 import trio
 
@@ -285,14 +284,12 @@ class StationServer:
             engine_id = f"{req.rid or 'gen'}:{conn.number}:{req.id}"
             gen = spec.handler(req.id, engine_id, args, self.loaded.tokenizer,
                                self.loaded.eos_token_ids, token)
-            with _engine_refusals():
-                self.engine.add_request(gen.engine_request(), gen.on_event)
+            self.engine.add_request(gen.engine_request(), gen.on_event)
             conn.generates[req.id] = gen
             nursery.start_soon(self._run_generate, conn, req, gen)
             return
         call = engine_ops.EngineCall(token, self.engine)
-        with _engine_refusals():
-            self.engine.call(spec.handler, conn.number, call.done, **args)
+        self.engine.call(spec.handler, conn.number, call.done, **args)
         conn.calls[req.id] = call
         nursery.start_soon(self._run_engine_call, conn, req, call)
 
@@ -313,13 +310,3 @@ class StationServer:
                 if conn.calls.get(req.id) is call:
                     del conn.calls[req.id]
 
-
-@contextlib.contextmanager
-def _engine_refusals() -> Iterator[None]:
-    """What the engine raises when it refuses a request or call, as the op's error."""
-    try:
-        yield
-    except ValueError as exc:  # a request it can never serve
-        raise ops.bad(str(exc)) from None
-    except RuntimeError as exc:  # the engine is shutting down
-        raise OpError(ErrorCode.SHUTTING_DOWN, str(exc)) from None

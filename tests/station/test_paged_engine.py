@@ -10,6 +10,7 @@ from contextlib import contextmanager
 import pytest
 
 from gnosis_daemon.settings import Settings
+from gnosis_daemon.protocol import OpError
 from station.core.requests import EngineEvent, Failed, Finished, Prefill, Token, GenerationRequest, SamplingParams
 from station.runtime.model_loader import load_model
 from station.runtime.engine import PagedEngine
@@ -195,15 +196,21 @@ def test_capacity_exhaustion_waits_and_preempts_yet_all_finish_correctly(tiny):
 def test_requests_it_can_never_serve_are_refused(tiny):
     _, loaded = tiny("llama")
     with engine_for(loaded, num_blocks=4) as engine:
-        with pytest.raises(ValueError, match="no tokens"):
+        with pytest.raises(OpError, match="no tokens") as empty:
             submit(engine, "e", [], 4)
-        with pytest.raises(ValueError, match="KV pool"):
+        assert empty.value.code == "bad_request"
+        with pytest.raises(OpError, match="KV pool") as big:
             submit(engine, "big", prompt_of(5, 16), 4)
-        with pytest.raises(ValueError, match=r"\[0, "):
+        assert big.value.code == "context_overflow"
+        with pytest.raises(OpError, match="context") as long:
+            submit(engine, "long", prompt_of(5, loaded.max_model_len), 4)
+        assert long.value.code == "context_overflow"
+        with pytest.raises(OpError, match=r"\[0, ") as vocab:
             submit(engine, "v", [10**6], 4)
+        assert vocab.value.code == "bad_request"
         ok = submit(engine, "ok", prompt_of(5, 5), 4).wait()
         assert len(ok.tokens) >= 1
-        with pytest.raises(ValueError, match="already running"):
+        with pytest.raises(OpError, match="already running"):
             submit(engine, "dup", prompt_of(5, 5), 1000, ignore_eos=True)
             submit(engine, "dup", prompt_of(5, 5), 4)
 
@@ -266,5 +273,5 @@ def test_shutdown_ends_unfinished_requests_with_shutting_down(tiny):
         assert started.wait(30)
     assert running.wait().one(Failed).error.code == "shutting_down"
     assert engine.kv.pool.num_held_blocks == 0
-    with pytest.raises(RuntimeError, match="shutting down"):
+    with pytest.raises(OpError, match="shutting down"):
         submit(engine, "late", prompt_of(8, 5), 4)
