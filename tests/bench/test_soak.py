@@ -13,7 +13,8 @@ import re
 import subprocess
 import sys
 
-from bench.soak import BEGIN, END, ROUTES, write_section
+from bench.soak.load import ROUTES
+from bench.soak.report import BEGIN, END, write_section
 from tests.support.procs import REPO, child_env
 from tests.support.tiny_models import build_tiny_model
 
