@@ -53,6 +53,9 @@ class Capability(enum.StrEnum):
     PREFIX_CACHE = "prefix_cache"
     CONTINUOUS_BATCHING = "continuous_batching"
     KV_PERSISTENCE = "kv_persistence"
+    # generate's match_session: the station loads the tenant's saved session sharing the
+    # longest prefix with the prompt (a feature of generate + kv_session, not an op)
+    KV_SESSION_MATCH = "kv_session_match"
 
 
 # Ops that belong to a capability: a station without it answers unknown_op. The station

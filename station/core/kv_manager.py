@@ -29,7 +29,8 @@ from typing import Any, Callable, Sequence as Seq
 
 from gnosis_daemon.logs import get_logger
 from gnosis_daemon.tokens import common_prefix_len
-from station.core.block_pool import BlockPool, ExtraKeys, KVBlock, block_hashes_for, prefix_extra_keys
+from station.core.block_pool import (BlockHash, BlockPool, ExtraKeys, KVBlock, block_hashes_for,
+                                     prefix_extra_keys)
 from station.core.sequence import Sequence
 from station.core.sessions import KVSession, SessionRegistry
 
@@ -112,6 +113,12 @@ class KVCacheManager:
         bs = self.block_size
         seq.block_hashes = block_hashes_for(seq.token_ids, bs, seq.extra_keys, seq.block_hashes)
         hits = self.pool.get_computed_blocks(seq.token_ids, seq.block_hashes)
+        if not load_session and seq.match_session:
+            # The tenant's session with the deepest shared prefix; never past the block
+            # that holds the last prompt token (its logits are needed).
+            found = self.sessions.deepest_match(seq.tenant, seq.block_hashes,
+                                                (seq.num_tokens - 1) // bs)
+            load_session = found.session_id if found is not None else None
         if not load_session:
             return ComputedBlocks(tuple(hits), len(hits) * bs)
         session = self.sessions.get(load_session)
@@ -197,16 +204,20 @@ class KVCacheManager:
     def get_session(self, session_id: str) -> KVSession | None:
         return self.sessions.get(session_id)
 
-    def pin(self, session_id: str, tenant: str, token_ids: Seq[int],
-            blocks: Seq[KVBlock]) -> KVSession:
-        """Pin ``blocks`` (the KV of ``token_ids``, full blocks) as session ``session_id``."""
-        return self.sessions.save(session_id, tenant, token_ids, blocks)
+    def pin(self, session_id: str, tenant: str, token_ids: Seq[int], blocks: Seq[KVBlock],
+            known_hashes: list[BlockHash] | None = None) -> KVSession:
+        """Pin ``blocks`` (the KV of ``token_ids``, full blocks) as session ``session_id``,
+        findable by its block hashes (``known_hashes``: a prefix of them already computed)."""
+        hashes = block_hashes_for(token_ids, self.block_size, self.extra_keys(tenant),
+                                  (known_hashes or [])[:len(blocks)])
+        return self.sessions.save(session_id, tenant, token_ids, blocks, hashes)
 
     def pin_sequence(self, session_id: str, seq: Sequence, num_tokens: int) -> int:
         """Pin the full blocks of ``seq``'s first ``num_tokens`` computed tokens; -> tokens pinned."""
         n = min(num_tokens, seq.num_computed_tokens, seq.num_tokens) // self.block_size
         assert n <= len(seq.blocks)
-        self.pin(session_id, seq.tenant, seq.token_ids[:n * self.block_size], seq.blocks[:n])
+        self.pin(session_id, seq.tenant, seq.token_ids[:n * self.block_size], seq.blocks[:n],
+                 seq.block_hashes)
         return n * self.block_size
 
     def unpin(self, session_id: str) -> bool:
@@ -249,10 +260,10 @@ class KVCacheManager:
         """Pin restored blocks as a session, re-keyed under this run's salt first, so the
         automatic prefix cache hits them too."""
         bs = self.block_size
-        for i, (block, block_hash) in enumerate(zip(blocks, block_hashes_for(
-                token_ids, bs, self.extra_keys(tenant)))):
+        hashes = block_hashes_for(token_ids, bs, self.extra_keys(tenant))
+        for i, (block, block_hash) in enumerate(zip(blocks, hashes)):
             self.pool.cache_full_block(block, block_hash, token_ids[i * bs:(i + 1) * bs])
-        return self.pin(session_id, tenant, token_ids, blocks)
+        return self.pin(session_id, tenant, token_ids, blocks, hashes)
 
     def clear(self) -> None:
         """Drop every session and every cached hash (a failed restore leaves the pool as at boot)."""

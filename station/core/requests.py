@@ -52,6 +52,7 @@ class GenerationRequest:
     tenant: str = ""
     # Liquid memory: start from a saved KV session / save the prompt's KV.
     load_session: str | None = None
+    match_session: bool = False  # no load_session: load the tenant's longest saved prefix
     save_session: str | None = None
     save_final_session: str | None = None  # pin prompt+completion KV when it ends
 

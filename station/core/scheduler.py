@@ -170,6 +170,7 @@ class Scheduler:
         if first_admission:  # the prefill event reports the first admission
             seq.session_outcome = computed.session_outcome
             seq.num_session_tokens = computed.num_session_tokens
+            seq.loaded_session = computed.session.session_id if computed.session else None
         if not self.kv.allocate_slots(seq, seq.num_tokens - computed.num_cached_tokens, computed):
             return False
         seq.num_computed_tokens = computed.num_cached_tokens

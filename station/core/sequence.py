@@ -25,6 +25,7 @@ class Sequence:
     extra_keys: ExtraKeys = ()
     tenant: str = ""  # whose sessions it may load (its blocks are keyed by extra_keys)
     load_session: str | None = None  # the KV session it starts from, if any
+    match_session: bool = False  # without load_session: start from the tenant's best match
     num_prompt_tokens: int = 0
     # Tokens whose K/V are in the pool; the tokens after it are fed in the next forward.
     num_computed_tokens: int = 0
@@ -37,6 +38,7 @@ class Sequence:
     # None when no session was asked for; and the prompt tokens the session served.
     session_outcome: str | None = None
     num_session_tokens: int = 0
+    loaded_session: str | None = None  # the session it started from (asked for or matched)
     status: SequenceStatus = SequenceStatus.WAITING
     prefill_reported: bool = False  # PREFILL is sent once, not again after a preemption
     finish_reason: str | None = None

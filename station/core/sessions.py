@@ -32,7 +32,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Sequence
 
-from station.core.block_pool import BlockPool, KVBlock
+from station.core.block_pool import BlockHash, BlockPool, KVBlock
 
 
 @dataclass(slots=True, eq=False)
@@ -42,6 +42,7 @@ class KVSession:
     token_ids: tuple[int, ...]  # the tokens whose KV the blocks hold (a multiple of block_size)
     blocks: list[KVBlock]
     last_used: float  # wall clock seconds, for listings
+    block_hashes: tuple[BlockHash, ...] = ()  # the chained (tenant-keyed) hash of each block
 
     @property
     def num_tokens(self) -> int:
@@ -64,6 +65,9 @@ class SessionRegistry:
         self.tenant_share = tenant_share
         self._sessions: OrderedDict[str, KVSession] = OrderedDict()  # LRU first
         self._tenants: dict[str, _TenantUsage] = {}  # only tenants that hold a session
+        # block hash -> the sessions holding a block of that hash at that depth (the hash
+        # chains every block before it, so one hit names a whole shared prefix)
+        self._by_hash: dict[BlockHash, dict[str, KVSession]] = {}
         self.num_expired = 0
         self.num_expired_over_share = 0  # of num_expired: victims whose tenant was over its share
 
@@ -114,13 +118,16 @@ class SessionRegistry:
         return self.pool.num_pinned_blocks
 
     def save(self, session_id: str, tenant: str, token_ids: Sequence[int],
-             blocks: Sequence[KVBlock]) -> KVSession:
-        """Pin ``blocks`` (the KV of ``token_ids``) under ``session_id``, replacing any old one."""
+             blocks: Sequence[KVBlock], block_hashes: Sequence[BlockHash] = ()) -> KVSession:
+        """Pin ``blocks`` (the KV of ``token_ids``) under ``session_id``, replacing any old
+        one. ``block_hashes`` (one per block) make it findable by ``deepest_match``."""
         assert len(blocks) * self.pool.block_size == len(token_ids), "sessions hold full blocks"
+        assert not block_hashes or len(block_hashes) == len(blocks)
         # Pin the new blocks before unpinning the old: blocks both share never touch the
         # free queue, so they cannot be evicted in between.
         self.pool.pin(blocks)
-        session = KVSession(session_id, tenant, tuple(token_ids), list(blocks), self.clock())
+        session = KVSession(session_id, tenant, tuple(token_ids), list(blocks), self.clock(),
+                            tuple(block_hashes))
         self._account(session, +1)
         old = self._sessions.pop(session_id, None)
         if old is not None:
@@ -136,6 +143,25 @@ class SessionRegistry:
                 victim = next(s for s in self._sessions.values() if s.session_id != session_id)
             self._expire(victim.session_id, over(victim.tenant))
         return session
+
+    def deepest_match(self, tenant: str, block_hashes: Sequence[BlockHash],
+                      max_blocks: int) -> KVSession | None:
+        """``tenant``'s session sharing the most leading blocks (at most ``max_blocks``)
+        with a prompt whose block hashes are ``block_hashes``; the most recently used of
+        equals. O(prompt blocks): walks the prompt from its deepest block up and stops at
+        the first hash a session of the tenant holds. Hashes only: the caller compares
+        tokens before it trusts the match."""
+        for depth in range(min(len(block_hashes), max_blocks) - 1, -1, -1):
+            holders = self._by_hash.get(block_hashes[depth])
+            if not holders:
+                continue
+            best: KVSession | None = None
+            for session in holders.values():
+                if session.tenant == tenant and (best is None or session.last_used > best.last_used):
+                    best = session
+            if best is not None:
+                return best
+        return None
 
     def use(self, session: KVSession) -> None:
         """Mark a session used (a load): it becomes the most recently used."""
@@ -239,6 +265,14 @@ class SessionRegistry:
         if usage is None:
             usage = self._tenants[session.tenant] = _TenantUsage()
         usage.sessions += sign
+        for block_hash in session.block_hashes:
+            holders = self._by_hash.setdefault(block_hash, {})
+            if sign > 0:
+                holders[session.session_id] = session
+            elif holders.get(session.session_id) is session:  # not its replacement's entry
+                del holders[session.session_id]
+            if not holders:
+                del self._by_hash[block_hash]
         for block in session.blocks:
             pins = usage.blocks.get(block.block_id, 0) + sign
             if pins:

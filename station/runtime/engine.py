@@ -137,7 +137,7 @@ class PagedEngine:
         seq = Sequence(
             request.request_id, prompt, params,
             extra_keys=self.kv.extra_keys(request.tenant), tenant=request.tenant,
-            load_session=request.load_session,
+            load_session=request.load_session, match_session=request.match_session,
             generator=make_generator(params.seed, self.device),
             user=RequestState(on_event, frozenset(stop_ids), save_session=request.save_session,
                          save_final_session=request.save_final_session),

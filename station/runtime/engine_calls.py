@@ -336,7 +336,7 @@ class EngineCalls:
 def session_fields(seq: Sequence) -> dict[str, Any]:
     """What became of a sequence's ``load_session``, as the prefill event and ``forward`` report it."""
     loaded = seq.session_outcome == SessionOutcome.LOADED
-    return {"session_loaded": loaded, "session_id": seq.load_session if loaded else None,
+    return {"session_loaded": loaded, "session_id": seq.loaded_session,
             "session_tokens": seq.num_session_tokens if loaded else 0,
             "session_error": None if loaded or seq.session_outcome is None
             else str(seq.session_outcome)}

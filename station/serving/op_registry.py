@@ -7,6 +7,10 @@ advertises are derived from the same table (``OpRegistry.advertised``): a flag i
 only while a registered op carries it, and disabling a flag (``disable_capabilities``) takes
 its ops away with it. A station can therefore never advertise an op it does not serve.
 
+A feature flag names what ops can do together rather than an op (``FEATURES``:
+``kv_session_match`` is generate's ``match_session`` over kv_session's sessions); it is
+advertised only while every flag it needs is, so it cannot outlive its ops either.
+
 Adding an op: write its parser and handler, then add one ``OpSpec`` to ``STATION_OPS``. An op
 of the wire protocol also names its capability in ``gnosis_daemon.protocol.OP_CAPABILITY``
 (or ``BASE_OPS``): that is what the host knows, and a test checks the two agree.
@@ -39,6 +43,11 @@ from station.serving.ops import OpContext
 from station.serving.stream import GenerateStream
 
 Parser = Callable[[OpContext, dict[str, Any]], Any]
+
+# feature flag -> the op flags it needs (all advertised, or the feature is not)
+FEATURES: dict[str, tuple[str, ...]] = {
+    Capability.KV_SESSION_MATCH: (Capability.GENERATE, Capability.KV_SESSION),
+}
 
 
 class RunsOn(enum.Enum):
@@ -94,15 +103,20 @@ class OpRegistry:
 
     def advertised(self, engine_flags: dict[str, bool],
                    disabled: frozenset[str]) -> dict[str, bool]:
-        """``hello``'s capabilities: the op flags, then the engine's feature flags that are
-        on (paged_kv, prefix_cache...: properties, not ops), less the disabled ones."""
+        """``hello``'s capabilities: the op flags, the engine's feature flags that are on
+        (paged_kv, prefix_cache...: properties, not ops), less the disabled ones, then each
+        of ``FEATURES`` whose op flags all made it."""
         op_flags = self.op_flags()
-        claimed = sorted(set(op_flags) & set(engine_flags))
+        claimed = sorted(set(op_flags + list(FEATURES)) & set(engine_flags))
         if claimed:
             # Only an op can make its flag true: the failure this table exists to prevent.
             raise ValueError(f"engine feature flags {claimed} name capabilities of ops")
         flags = op_flags + [k for k, on in engine_flags.items() if on]
-        return {flag: True for flag in flags if flag not in disabled}
+        advertised = {flag: True for flag in flags if flag not in disabled}
+        for feature, needs in FEATURES.items():
+            if feature not in disabled and all(need in advertised for need in needs):
+                advertised[str(feature)] = True
+        return advertised
 
 
 def _no_args(ctx: OpContext, args: dict[str, Any]) -> None:

@@ -222,6 +222,7 @@ class GenerateArgs:
     stop: tuple[str, ...]
     tenant: str
     load_session: str | None
+    match_session: bool
     save_session: str | None
     save_final_session: str | None = None
 
@@ -240,6 +241,7 @@ class GeneratePlan:
     stop: tuple[str, ...]
     tenant: str
     load_session: str | None
+    match_session: bool
     save_session: str | None
     save_final_session: str | None
 
@@ -262,6 +264,7 @@ class GeneratePlan:
         return GenerateArgs(
             prompt_ids=prompt_ids, params=replace(self.params, max_tokens=min(self.max_tokens, room)),
             stop=self.stop, tenant=self.tenant, load_session=self.load_session,
+            match_session=self.match_session,
             save_session=self.save_session, save_final_session=self.save_final_session)
 
 
@@ -313,6 +316,7 @@ def plan_generate(loaded: LoadedModel, settings: Settings, args: dict[str, Any])
         max_tokens=max_tokens, params=params, stop=tuple(s for s in stop if s),
         tenant=arg(args, "tenant", str, ""),
         load_session=arg(args, "load_session", str, None, nullable=True),
+        match_session=arg(args, "match_session", bool, False),
         save_session=arg(args, "save_session", str, None, nullable=True),
         save_final_session=arg(args, "save_final_session", str, None, nullable=True),
     )
@@ -322,7 +326,7 @@ def parse_generate(ctx: OpContext, args: dict[str, Any]) -> GenerateArgs | Token
     """``plan_generate``; a prompt given as text is encoded on a worker thread."""
     loaded = ctx.loaded
     plan = plan_generate(loaded, ctx.settings, args)
-    if ((plan.load_session or plan.save_session or plan.save_final_session)
+    if ((plan.load_session or plan.match_session or plan.save_session or plan.save_final_session)
             and Capability.KV_SESSION not in ctx.capabilities):
         raise bad("KV session arguments need capability kv_session, which this station does "
                   "not have")

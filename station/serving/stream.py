@@ -67,7 +67,8 @@ class GenerateStream:
         """What the engine schedules for this stream (``add_request`` with ``on_event``)."""
         gen = self.gen
         return GenerationRequest(self.engine_id, gen.prompt_ids, gen.params, tenant=gen.tenant,
-                                 load_session=gen.load_session, save_session=gen.save_session,
+                                 load_session=gen.load_session, match_session=gen.match_session,
+                                 save_session=gen.save_session,
                                  save_final_session=gen.save_final_session)
 
     def on_event(self, event: EngineEvent) -> None:

@@ -25,9 +25,10 @@ def manager(num_blocks: int, budget: int = 4, share: float = 1.0) -> KVCacheMana
 
 
 def make_seq(kv: KVCacheManager, seq_id: str, tokens, tenant: str = "",
-             load_session: str | None = None) -> Sequence:
+             load_session: str | None = None, match_session: bool = False) -> Sequence:
     return Sequence(seq_id, list(tokens), SamplingParams(max_tokens=8),
-                    extra_keys=kv.extra_keys(tenant), tenant=tenant, load_session=load_session)
+                    extra_keys=kv.extra_keys(tenant), tenant=tenant, load_session=load_session,
+                    match_session=match_session)
 
 
 def admit(kv: KVCacheManager, seq: Sequence) -> ComputedBlocks:
@@ -194,3 +195,63 @@ def test_resident_blocks_and_loading_a_session_into_a_sequence():
     assert kv.unpin("named") and not kv.unpin("named")
     kv.free(held)
     assert kv.pool.num_held_blocks == 0
+
+
+def saved(kv: KVCacheManager, session_id: str, tokens, tenant: str = "alice") -> None:
+    """Compute ``tokens`` in a sequence, pin its full blocks as ``session_id``, free it."""
+    seq = make_seq(kv, session_id, tokens, tenant=tenant)
+    admit(kv, seq)
+    kv.pin_sequence(session_id, seq, len(seq.token_ids))
+    kv.free(seq)
+
+
+def test_matching_loads_the_tenants_session_with_the_deepest_shared_prefix():
+    kv = manager(16)
+    saved(kv, "short", range(4))  # block 0
+    saved(kv, "long", [*range(8), 50, 51, 52, 53])  # blocks 0, 1, 2
+    saved(kv, "other", [*range(8), 60, 61, 62, 63])  # blocks 0, 1, 3
+
+    def match(tokens, tenant="alice"):
+        seq = make_seq(kv, "q", tokens, tenant=tenant, match_session=True)
+        computed = kv.find_computed_blocks(seq)
+        name = computed.session.session_id if computed.session else None
+        return name, computed.num_session_tokens, ids(computed.blocks)
+
+    # Three blocks shared with "long" only: its blocks, the last prompt token left to compute.
+    assert match([*range(8), 50, 51, 52, 53, 7]) == ("long", 12, [0, 1, 2])
+    # Two blocks shared with both "long" and "other": the more recently used ("other").
+    assert match([*range(8), 9]) == ("other", 8, [0, 1])
+    # Never the block holding the last prompt token: 8 tokens match one block, not two.
+    assert match(range(8)) == ("other", 4, [0])
+    # One block, held by all three: the most recently used ("other": finding takes nothing
+    # and touches no LRU order, only a load at allocate_slots does).
+    assert match([0, 1, 2, 3, 99]) == ("other", 4, [0])
+    assert match([1, 2, 3, 4, 5]) == (None, 0, [])  # no shared first block
+    assert match([*range(8), 9], tenant="bob") == (None, 0, [])  # another tenant's hashes
+
+
+def test_matching_follows_saves_replacements_deletes_and_expiry():
+    kv = manager(16, budget=2)
+    saved(kv, "a", [*range(8), 9])
+    seq = make_seq(kv, "q", [*range(8), 9, 10], tenant="alice", match_session=True)
+    assert kv.find_computed_blocks(seq).session.session_id == "a"
+    saved(kv, "a", [0, 1, 2, 3, 70, 71, 72, 73, 74])  # replaced: now shares one block
+    computed = kv.find_computed_blocks(seq)
+    assert (computed.session.session_id, computed.num_session_tokens) == ("a", 4)
+    saved(kv, "b", range(100, 105))
+    saved(kv, "c", range(200, 205))  # the budget of 2 expires "a", the least recently used
+    assert kv.get_session("a") is None
+    assert kv.find_computed_blocks(seq).session is None
+    assert kv.unpin("c")
+    seq = make_seq(kv, "q2", range(200, 206), tenant="alice", match_session=True)
+    assert kv.find_computed_blocks(seq).session is None
+    assert kv.sessions._by_hash.keys() == {h for s in kv.sessions.sessions() for h in s.block_hashes}
+
+
+def test_an_explicit_load_session_wins_over_matching():
+    kv = manager(16)
+    saved(kv, "one", [*range(4), 9])
+    saved(kv, "two", [*range(8), 9])
+    seq = make_seq(kv, "q", [*range(8), 5], tenant="alice", load_session="one", match_session=True)
+    computed = kv.find_computed_blocks(seq, "one")
+    assert (computed.session.session_id, computed.num_session_tokens) == ("one", 4)

@@ -20,9 +20,11 @@ from station.serving.server import StationServer
 
 pytestmark = pytest.mark.usefixtures("few_threads")
 
-# What hello advertises today: the op flags, then the paged engine's feature flags.
+# What hello advertises today: the op flags, the paged engine's feature flags, then the
+# features of ops (kv_session_match: generate's match_session over kv_session's sessions).
 STATION_FLAGS = {"generate", "kv_session", "forward", "decode_next", "embed",
-                 "paged_kv", "prefix_cache", "continuous_batching", "kv_persistence"}
+                 "paged_kv", "prefix_cache", "continuous_batching", "kv_persistence",
+                 "kv_session_match"}
 
 
 def _parse_text(ctx: ops.OpContext, args: dict[str, Any]) -> str:
@@ -93,6 +95,19 @@ def test_flags_come_from_ops_then_engine_features():
         registry.register(OpSpec("a", None, _parse_text, _echo, RunsOn.INLINE))
     with pytest.raises(ValueError, match="only an engine op can stream"):
         OpSpec("s", None, _parse_text, _echo, RunsOn.WORKER, streaming=True)
+
+
+def test_a_feature_flag_is_advertised_only_with_every_op_flag_it_needs():
+    full = STATION_OPS.advertised({}, frozenset())
+    assert full["kv_session_match"] is True
+    # The stale-station drill: without kv_session, generate cannot match sessions.
+    assert "kv_session_match" not in STATION_OPS.advertised({}, frozenset({"kv_session"}))
+    assert "kv_session_match" not in STATION_OPS.advertised({}, frozenset({"generate"}))
+    assert "kv_session_match" not in STATION_OPS.advertised({}, frozenset({"kv_session_match"}))
+    without_generate = OpRegistry(s for s in STATION_OPS if s.name != "generate")
+    assert "kv_session_match" not in without_generate.advertised({}, frozenset())
+    with pytest.raises(ValueError, match="kv_session_match"):
+        STATION_OPS.advertised({"kv_session_match": True}, frozenset())
 
 
 async def test_one_registry_entry_adds_an_op_and_its_flag(loaded, tmp_path):
