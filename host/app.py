@@ -46,6 +46,8 @@ from host.request_scope import Admission, RequestConnection, current
 from host.metrics import Counters
 from host.station_link import StationLink
 
+_HEALTH_STATS_S = 0.5
+
 log = get_logger("host")
 _DRAIN_POLL_S = 0.05
 # Paths that never need a key unless health_requires_key is set.
@@ -62,7 +64,7 @@ def create_app(settings: Settings, link: StationLink,
     app.gnosis_counters = Counters()  # type: ignore[attr-defined]
     admission = Admission(settings.max_inflight_requests)
     app.gnosis_admission = admission  # type: ignore[attr-defined]
-    memory = LiquidMemory(settings.liquid_memory, settings.kv_session_budget,
+    memory = LiquidMemory(settings.liquid_memory,
                           negotiate_timeout_s=max(settings.health_timeout_s, 5.0))
     app.gnosis_liquid = memory  # type: ignore[attr-defined]
 
@@ -158,9 +160,20 @@ def create_app(settings: Settings, link: StationLink,
         }
         # Liquid memory: effective state, env switch, station kv_session, reason when off.
         body.update(memory.state(connected=connected).health_fields())
-        body["liquid_sessions"] = len(memory.index)
+        body["liquid_sessions"] = await station_sessions() if connected else None
         return Response(sse.encode_json(body), 200 if connected else 503,
                         content_type="application/json")
+
+    async def station_sessions() -> int | None:
+        """The KV sessions the station holds (its ``stats``), None when it does not answer
+        within ``_HEALTH_STATS_S``: /health never waits on a busy station for long."""
+        with trio.move_on_after(_HEALTH_STATS_S):
+            try:
+                stats = await link.current().request("stats", {})
+                return int(stats.get("kv_sessions") or 0)
+            except (StationError, TypeError, ValueError):
+                return None
+        return None
 
     @app.get("/metrics")
     async def metrics() -> Response:

@@ -71,8 +71,7 @@ async def complete(settings: Settings, link: StationLink, memory: LiquidMemory,
     stack = AsyncExitStack()
     record.closers.append(stack.aclose)
     try:
-        prepared = await memory.prepare(conn, req.station_args, tenant=tenant,
-                                        name=req.session_name, rid=record.request_id)
+        prepared = memory.prepare(req.station_args, tenant=tenant, name=req.session_name)
         stream = await stack.enter_async_context(
             conn.open_stream("generate", prepared.args, rid=record.request_id))
         first = await _next(stream)
@@ -159,8 +158,7 @@ async def _run(conn: StationConnection, memory: LiquidMemory,
                req: openai_api.CompletionRequest, record: RequestRecord,
                tenant: str) -> tuple[Prepared, LiquidOutcome, dict[str, Any]]:
     """A whole non-streamed generation: (prepared call, outcome, the station's result)."""
-    prepared = await memory.prepare(conn, req.station_args, tenant=tenant,
-                                    name=req.session_name, rid=record.request_id)
+    prepared = memory.prepare(req.station_args, tenant=tenant, name=req.session_name)
     async with conn.open_stream("generate", prepared.args, rid=record.request_id) as stream:
         outcome = _outcome(memory, prepared, await _next(stream), record)
         async for _ in stream:

@@ -24,6 +24,7 @@ ENV_OFF_REASON = "disabled by THOTH_LIQUID_MEMORY=0"
 NOT_CONNECTED_REASON = "station not connected"
 NO_DECODE_PATH_REASON = "station lacks a decode path (generate or decode_next)"
 NO_SAVED_PREFIX = "no saved prefix"
+NO_MATCHING = "station lacks kv_session_match: saved sessions are not loaded"
 SAVE_UNCONFIRMED = "the station did not confirm the save"
 
 
@@ -88,9 +89,10 @@ def disabled(reason: str | None) -> LiquidOutcome:
     return LiquidOutcome("disabled", False, reason, "native")
 
 
-def from_prefill(event: dict[str, Any] | None, *, loaded_asked: bool,
-                 save_asked: bool) -> LiquidOutcome:
-    """The outcome of a liquid completion from the station's ``prefill`` event."""
+def from_prefill(event: dict[str, Any] | None, *, save_asked: bool,
+                 match_asked: bool) -> LiquidOutcome:
+    """The outcome of a liquid completion from the station's ``prefill`` event; the
+    station was asked to match the tenant's sessions (``match_asked``) when it can."""
     event = event or {}
     saved = bool(event.get("saved")) and save_asked
     if event.get("session_loaded") and int(event.get("session_tokens") or 0) > 0:
@@ -102,10 +104,10 @@ def from_prefill(event: dict[str, Any] | None, *, loaded_asked: bool,
                              str(event.get("save_error") or SAVE_UNCONFIRMED), "liquid")
     if event.get("session_error"):
         reason = str(event["session_error"])
-    elif loaded_asked:
-        reason = "no reusable prefix"  # loaded, but no full block of it matched the prompt
+    elif match_asked:
+        reason = NO_SAVED_PREFIX  # no session of the tenant shares a full block with it
     else:
-        reason = NO_SAVED_PREFIX
+        reason = NO_MATCHING  # saved, but this station cannot say which session to load
     return LiquidOutcome("miss", saved, reason, "liquid")
 
 

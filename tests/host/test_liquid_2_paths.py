@@ -3,7 +3,7 @@
 A prompt's first request is a ``miss`` that saves its KV; the same prompt again, and the
 next turn of the chat, are ``hit``s that skip the saved prefix; greedy output is identical
 on hit, miss and the native path (and equals ``model.generate``); a restarted host keeps
-hitting (its index is rebuilt from ``kv_session.list``); sessions never cross tenants.
+hitting (the station matches sessions, the host keeps no index); sessions never cross tenants.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Pure liquid-memory policy: effective state and reasons, outcomes from the prefill event,
-session planning (longest prefix, tenant isolation, LRU budget), request fields."""
+the ids sessions are saved under, request fields."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from host.capabilities import Negotiated
 from host.errors import ApiError
 from gnosis_daemon.tokens import common_prefix_len as common_prefix
 from gnosis_daemon.api_keys import tenant_key
-from host.session_index import SessionIndex
+from host.session_names import save_ids
 
 KV = "station lacks the kv_session capability"
 
@@ -44,26 +44,29 @@ def test_effective_only_when_env_and_kv_session_and_decode_path(env, neg, effect
         "station_kv_session": bool(neg and neg.kv_session), "liquid_memory_reason": reason}
 
 
-@pytest.mark.parametrize("event, loaded, expected", [
+@pytest.mark.parametrize("event, match, expected", [
     ({"session_loaded": True, "session_tokens": 32, "saved": True}, True,
      ("hit", True, None)),
     ({"session_loaded": True, "session_tokens": 32, "saved": False, "save_error": "x"}, True,
      ("hit", False, None)),
-    ({"session_loaded": False, "session_tokens": 0, "saved": True}, False,
+    ({"session_loaded": False, "session_tokens": 0, "saved": True}, True,
      ("miss", True, "no saved prefix")),
+    # A station that saves but cannot match: the miss names the missing capability.
+    ({"session_loaded": False, "session_tokens": 0, "saved": True}, False,
+     ("miss", True, "station lacks kv_session_match: saved sessions are not loaded")),
     ({"session_loaded": False, "session_tokens": 0, "session_error": "not_found",
       "saved": True}, True, ("miss", True, "not_found")),
     ({"session_loaded": True, "session_tokens": 0, "saved": True}, True,
-     ("miss", True, "no reusable prefix")),
-    ({"saved": False, "save_error": "capacity: no free blocks"}, False,
+     ("miss", True, "no saved prefix")),
+    ({"saved": False, "save_error": "capacity: no free blocks"}, True,
      ("capture_failed", False, "capacity: no free blocks")),
     # A station that ignored the save arguments: never a silent miss.
-    ({"prompt_tokens": 9, "cached_tokens": 0}, False,
+    ({"prompt_tokens": 9, "cached_tokens": 0}, True,
      ("capture_failed", False, "the station did not confirm the save")),
-    (None, False, ("capture_failed", False, "the station did not confirm the save")),
+    (None, True, ("capture_failed", False, "the station did not confirm the save")),
 ])
-def test_outcome_from_the_prefill_event(event, loaded, expected):
-    outcome = liquid.from_prefill(event, loaded_asked=loaded, save_asked=True)
+def test_outcome_from_the_prefill_event(event, match, expected):
+    outcome = liquid.from_prefill(event, save_asked=True, match_asked=match)
     assert (outcome.liquid_memory, outcome.liquid_kv_saved, outcome.miss_reason) == expected
     assert outcome.path == "liquid"
 
@@ -90,72 +93,36 @@ def test_common_prefix():
     assert common_prefix([5], [6]) == 0
 
 
-def test_plan_picks_the_tenants_longest_prefix():
-    index = SessionIndex(budget=8)
-    index.put("a.short", "a", [1, 2, 3, 4])
-    index.put("a.long", "a", [1, 2, 3, 4, 5, 6, 7, 8, 9])
-    index.put("a.other", "a", [9, 9, 9, 9, 9, 9])
-    index.put("b.longest", "b", [1, 2, 3, 4, 5, 6, 7, 8, 9, 10])
-    plan = index.plan("a", [1, 2, 3, 4, 5, 6, 7, 0], None)
-    assert (plan.load_session, plan.load_tokens, plan.tenant) == ("a.long", 7, "a")
-    assert plan.save_session.startswith("a.p.") and plan.save_final_session.startswith("a.c.")
+# Which session a prompt loads is the station's choice (generate's match_session): the
+# longest prefix, tenant isolation and "at least one whole block" are tested there
+# (tests/station/test_kv_manager.py, "matching"), on the registry that owns the sessions.
+
+def test_save_ids_digest_the_prompt_and_the_tenant():
+    prompt = (("messages", [{"role": "user", "content": "hi"}]),)
+    ids = save_ids("a", prompt, None)
+    assert ids.tenant == "a"
+    assert ids.save_session.startswith("a.p.") and ids.save_final_session.startswith("a.c.")
     # The same prompt saves under the same prompt id; finals are unique per request.
-    again = index.plan("a", [1, 2, 3, 4, 5, 6, 7, 0], None)
-    assert again.save_session == plan.save_session
-    assert again.save_final_session != plan.save_final_session
+    again = save_ids("a", prompt, None)
+    assert again.save_session == ids.save_session
+    assert again.save_final_session != ids.save_final_session
+    assert save_ids("b", prompt, None).save_session != ids.save_session
+    other = (("messages", [{"role": "user", "content": "ho"}]),)
+    assert save_ids("a", other, None).save_session != ids.save_session
 
 
-def test_plan_never_crosses_tenants():
-    index = SessionIndex(budget=8)
-    index.put("b.s", "b", [1, 2, 3, 4, 5])
-    plan = index.plan("a", [1, 2, 3, 4, 5], None)
-    assert (plan.load_session, plan.load_tokens) == (None, 0)
+def test_tenant_keys():
     assert tenant_key("key-1") != tenant_key("key-2")
     assert tenant_key("key-1") == tenant_key("key-1") and len(tenant_key("key-1")) == 16
     assert tenant_key(None) == tenant_key("") == "anon"
 
 
-def test_plan_skips_a_prefix_shorter_than_a_block():
-    index = SessionIndex(budget=8)
-    index.put("a.s", "a", [1, 2, 3, 4, 5])
-    assert index.plan("a", [1, 2, 3, 4, 9], None, min_tokens=16).load_session is None
-    assert index.plan("a", [1, 2, 3, 4, 9], None, min_tokens=4).load_session == "a.s"
-
-
 def test_named_session_saves_prompt_and_final_under_one_id_per_tenant():
-    index = SessionIndex(budget=8)
-    plan = index.plan("a", [1, 2], "chat-42")
-    assert plan.save_session == plan.save_final_session and ".n." in plan.save_session
-    assert "chat-42" not in plan.save_session  # ids carry digests, not the caller's text
-    assert index.plan("a", [3], "chat-42").save_session == plan.save_session
-    assert index.plan("b", [1, 2], "chat-42").save_session != plan.save_session
-
-
-def test_lru_budget_expires_the_least_recently_used():
-    index = SessionIndex(budget=2)
-    index.put("a.1", "a", [1, 1])
-    index.put("a.2", "a", [2, 2])
-    assert index.longest_prefix("a", [1, 1, 5]) == ("a.1", 2)  # a.1 is now most recent
-    index.put("a.3", "a", [3, 3])
-    assert len(index) == 2 and "a.2" not in index and "a.1" in index and "a.3" in index
-    index.drop("a.1")
-    assert "a.1" not in index and len(index) == 1
-
-
-def test_replace_all_loads_the_station_list_in_lru_order():
-    index = SessionIndex(budget=2)
-    index.put("stale", "a", [7])
-    index.replace_all([
-        {"session_id": "new", "tenant": "a", "num_tokens": 2, "last_used": 30.0, "tokens": [1, 2]},
-        {"session_id": "old", "tenant": "a", "num_tokens": 2, "last_used": 10.0, "tokens": [1, 3]},
-        {"session_id": "mid", "tenant": "b", "num_tokens": 2, "last_used": 20.0, "tokens": [1, 4]},
-        {"session_id": "empty", "tenant": "a", "num_tokens": 0, "last_used": 40.0, "tokens": []},
-        {"session_id": "no-tokens", "tenant": "a", "num_tokens": 3, "last_used": 50.0},
-        {"session_id": 7, "tokens": [1]}, "garbage", {"session_id": "x", "tokens": ["a"]},
-    ])
-    assert "stale" not in index and "old" not in index  # budget 2 keeps the newest two
-    assert index.tokens("new") == (1, 2) and index.tokens("mid") == (1, 4)
-    assert "empty" not in index
+    ids = save_ids("a", (("tokens", [1, 2]),), "chat-42")
+    assert ids.save_session == ids.save_final_session and ".n." in ids.save_session
+    assert "chat-42" not in ids.save_session  # ids carry digests, not the caller's text
+    assert save_ids("a", (("tokens", [3]),), "chat-42").save_session == ids.save_session
+    assert save_ids("b", (("tokens", [1, 2]),), "chat-42").save_session != ids.save_session
 
 
 def chat(**fields):
@@ -236,3 +203,26 @@ def test_embedding_response_shape_and_base64():
     with pytest.raises(ApiError) as info:
         embeddings.response(embeddings.parse({"input": "a"}), "m", result)  # 2 rows for 1 input
     assert info.value.status == 500
+
+
+@pytest.mark.parametrize("flags, match", [
+    ({"generate": True, "kv_session": True, "kv_session_match": True}, True),
+    ({"generate": True, "kv_session": True}, False),  # saves; a miss says why it cannot load
+])
+def test_the_liquid_call_is_the_native_call_plus_session_arguments(flags, match):
+    from host.liquid_memory import LiquidMemory
+
+    memory = LiquidMemory(True)
+    memory.negotiated = negotiated(flags)
+    native = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    prepared = memory.prepare(native, tenant="t1", name=None)
+    ids = save_ids("t1", (("messages", native["messages"]),), None)
+    assert prepared.args.pop("save_final_session").startswith("t1.c.")
+    expected = {**native, "tenant": "t1", "save_session": ids.save_session}
+    if match:
+        expected["match_session"] = True
+    assert prepared.args == expected and prepared.match is match and prepared.liquid
+    memory.env_enabled = False
+    off = memory.prepare(native, tenant="t1", name=None)
+    assert off.args == {**native, "tenant": "t1"} and not off.liquid
+    assert off.fixed.liquid_memory == "disabled"

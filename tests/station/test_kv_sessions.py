@@ -180,6 +180,29 @@ def test_final_session_serves_the_next_turn(tiny):
         assert turn2.tokens == reference(path, turn2_prompt, 8)
 
 
+def test_a_matched_session_serves_the_next_turn_with_greedy_parity(tiny):
+    path, loaded = tiny
+    prompt = prompt_of(25, 17)
+    with Engine(loaded) as e:
+        turn1 = e.generate(prompt, 10, save_final_session="alice.c.1", tenant="alice",
+                           match_session=True)
+        pre = turn1.one(Prefill)
+        assert (pre.session_loaded, pre.session_id, pre.session_error) == (False, None, None)
+        kept = e.engine.kv.sessions.get("alice.c.1").num_tokens
+        e.engine.kv.pool.reset_prefix_cache()  # only the session can serve the next turn now
+        turn2_prompt = prompt + turn1.tokens + prompt_of(26, 6)
+        turn2 = e.generate(turn2_prompt, 8, tenant="alice", match_session=True)
+        pre = turn2.one(Prefill)
+        assert (pre.session_loaded, pre.session_id) == (True, "alice.c.1")
+        assert pre.session_tokens == kept and pre.cached_tokens == kept
+        assert turn2.tokens == reference(path, turn2_prompt, 8)
+        # Another tenant with the same prompt matches nothing and computes it all.
+        other = e.generate(turn2_prompt, 8, tenant="bob", match_session=True)
+        pre = other.one(Prefill)
+        assert (pre.session_loaded, pre.cached_tokens) == (False, 0)
+        assert other.tokens == turn2.tokens
+
+
 def test_missing_or_foreign_session_is_a_miss(tiny):
     path, loaded = tiny
     prompt = prompt_of(31, 21)
