@@ -17,12 +17,18 @@ class SequenceStatus(enum.Enum):
     FINISHED = "finished"
 
 
+class SequenceKind(enum.Enum):
+    GENERATE = "generate"  # a generate request: the engine samples and streams its tokens
+    HELD = "held"  # a held sequence (forward/decode_next): its caller drives it, call by call
+
+
 @dataclass(slots=True, eq=False)
 class Sequence:
     seq_id: str
     token_ids: list[int]  # prompt + generated so far
     params: SamplingParams
     extra_keys: ExtraKeys = ()
+    kind: SequenceKind = SequenceKind.GENERATE
     tenant: str = ""  # whose sessions it may load (its blocks are keyed by extra_keys)
     load_session: str | None = None  # the KV session it starts from, if any
     match_session: bool = False  # without load_session: start from the tenant's best match

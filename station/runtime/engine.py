@@ -48,7 +48,7 @@ from station.runtime.model_runner import ModelRunner
 from station.runtime.sampling import make_generator, sample
 from station.core.kv_manager import KVCacheManager
 from station.core.scheduler import Scheduler
-from station.core.sequence import Sequence
+from station.core.sequence import Sequence, SequenceKind
 
 log = get_logger(__name__)
 
@@ -282,7 +282,7 @@ class PagedEngine:
         try:
             logits, sampled = self.runner.run(out)
             sched.on_step_done(out)
-            rows = [i for i, s in enumerate(sampled) if s.user.held is None]
+            rows = [i for i, s in enumerate(sampled) if s.kind is SequenceKind.GENERATE]
             gens = [sampled[i] for i in rows]
             tokens = (sample(logits[rows], [s.params for s in gens], [s.generator for s in gens]).tolist()
                       if gens else [])
@@ -293,7 +293,7 @@ class PagedEngine:
                 self._end(seq, ErrorCode.INTERNAL, f"model step failed: {type(exc).__name__}: {exc}")
             return
         for i, seq in enumerate(sampled):
-            if seq.user.held is not None:
+            if seq.kind is SequenceKind.HELD:
                 self.calls.on_logits(seq, logits[i])
         for seq, token in zip(gens, tokens):
             self._postprocess(seq, token)
@@ -311,7 +311,7 @@ class PagedEngine:
 
     def _final_save(self, seq: Sequence) -> None:
         client: RequestState = seq.user
-        if client.save_final_session and client.held is None and not seq.finished:
+        if client.save_final_session and seq.kind is SequenceKind.GENERATE and not seq.finished:
             saved, error = self._save_named(client.save_final_session, seq, seq.num_tokens)
             client.final_saved, client.final_save_error = saved, error
 
@@ -339,7 +339,7 @@ class PagedEngine:
 
     def _finished(self, seq: Sequence) -> None:
         client: RequestState = seq.user
-        if client.held is not None:
+        if seq.kind is SequenceKind.HELD:
             # Only the scheduler ends a held sequence this way: it outgrew the pool.
             self._end(seq, ErrorCode.CAPACITY, "the sequence no longer fits the KV pool")
             return
@@ -353,7 +353,7 @@ class PagedEngine:
 
     def _end(self, seq: Sequence, code: ErrorCode, message: str) -> None:
         """End a sequence with an error (its blocks are already released)."""
-        if seq.user.held is not None:
+        if seq.kind is SequenceKind.HELD:
             self.calls.fail(seq, OpError(code, message))
             return
         self._forget(seq)

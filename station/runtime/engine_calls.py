@@ -35,7 +35,7 @@ from gnosis_daemon.protocol import ErrorCode, OpError, pack_array
 from station.core.requests import CallDone, EngineCallHandler, EventCallback, SamplingParams
 from station.runtime.sampling import make_generator, sample
 from station.core.kv_manager import SessionOutcome
-from station.core.sequence import Sequence, SequenceStatus
+from station.core.sequence import Sequence, SequenceKind, SequenceStatus
 
 if TYPE_CHECKING:
     from station.runtime.engine import PagedEngine
@@ -306,7 +306,7 @@ class EngineCalls:
         engine = self.engine
         seq_id = f"h{next(self._ids)}"
         seq = Sequence(
-            seq_id, tokens, SamplingParams(max_tokens=1),
+            seq_id, tokens, SamplingParams(max_tokens=1), kind=SequenceKind.HELD,
             extra_keys=engine.kv.extra_keys(tenant), tenant=tenant, load_session=load_session,
             user=RequestState(None, frozenset(), held=HeldState(owner)),
         )
