@@ -41,6 +41,7 @@ import trio
 from bench.common import cpu_model, free_port, start_station, stop_station
 from bench.liquid import Streamed, long_system_prompt, start_host, stream_chat
 from gnosis_daemon.client import open_station_client
+from gnosis_daemon.logs import configure_logging
 from gnosis_daemon.settings import load_settings
 from gnosis_daemon.tokens import common_prefix_len
 from host.capabilities import PROBE, negotiate
@@ -302,6 +303,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{os.cpu_count()} CPUs, {cpu_model()}; python {platform.python_version()}\n"
               f"command: {command}")
     print(header, flush=True)
+    configure_logging("bench", level="warning")  # negotiate logs each connect at info
     rows = part1(args.sessions, args.session_tokens, args.repeats, args.seed)
     connect, api = None, None
     if not args.skip_api:
