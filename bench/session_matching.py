@@ -204,7 +204,7 @@ def part3(port: int, rounds: int) -> dict:
     """Per round and kind: a miss (fresh prompt, saved), then the same prompt again (a hit)."""
     warm = _chat("short", f"warm-up-{uuid.uuid4().hex[:8]}")
     _expect(stream_chat(port, warm, 2), "miss", "warm-up")
-    data = {k: {"miss": [], "hit": [], "n": 0, "cached": []} for k in ("short", "long")}
+    data = {k: {"miss": [], "hit": [], "n": [], "cached": []} for k in ("short", "long")}
     for r in range(rounds):
         for kind in (("short", "long") if r % 2 == 0 else ("long", "short")):
             messages = _chat(kind, f"round-{r}-{uuid.uuid4().hex[:8]}")
@@ -216,8 +216,8 @@ def part3(port: int, rounds: int) -> dict:
             d["miss"].append(miss.gnosis["ttft_ms"] / 1000)
             d["hit"].append(hit.gnosis["ttft_ms"] / 1000)
             d["cached"].append(hit.gnosis["cached_tokens"])
-            d["n"] = hit.gnosis["prompt_tokens"]
-            print(f"  round {r} {kind}: {d['n']} prompt tokens, miss {miss.gnosis['ttft_ms']:.0f} ms, "
+            d["n"].append(hit.gnosis["prompt_tokens"])
+            print(f"  round {r} {kind}: {d['n'][-1]} prompt tokens, miss {miss.gnosis['ttft_ms']:.0f} ms, "
                   f"hit {hit.gnosis['ttft_ms']:.0f} ms (cached {hit.gnosis['cached_tokens']})", flush=True)
     return data
 
@@ -278,7 +278,7 @@ def summary(header: str, rows: list[tuple], connect, api: dict | None, sessions:
         print("chat prompt | prompt tokens | hit TTFT | miss TTFT | hit / miss (of medians) | cached on hit")
         for kind, d in api.items():
             hit, miss = statistics.median(d["hit"]), statistics.median(d["miss"])
-            print(f"{kind:11} | {d['n']:13} | {_med(d['hit'], digits=0)} | {_med(d['miss'], digits=0)} "
+            print(f"{kind:11} | {min(d['n']):6}-{max(d['n']):6} | {_med(d['hit'], digits=0)} | {_med(d['miss'], digits=0)} "
                   f"| {hit / miss:.3f} | {min(d['cached'])}-{max(d['cached'])}")
 
 
