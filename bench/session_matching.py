@@ -133,7 +133,7 @@ def time_matching(kv: KVCacheManager, prompt: list[int], expect: int, repeats: i
         t1 = time.perf_counter()
         kv.pool.get_computed_blocks(prompt, hashes)
         t2 = time.perf_counter()
-        found = kv.sessions.deepest_match(TENANT, hashes, max_blocks)
+        found, _ = kv.sessions.deepest_match(TENANT, hashes, max_blocks)
         t3 = time.perf_counter()
         if found is not None:
             common_prefix_len(found.token_ids, prompt)

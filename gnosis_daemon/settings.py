@@ -83,7 +83,11 @@ class Settings:
     # A tenant holding more than this share of the session budget (or of the pool's pinned
     # blocks) loses its own LRU sessions first: it cannot evict another tenant's.
     kv_session_tenant_share: float = 0.5
-    kv_persistence: bool = True  # write sessions to <state_dir>/kv-sessions on stop, restore on start
+    # The disk tier behind the KV pool (<state_dir>/kv-tier): every saved session is
+    # written behind, evicted sessions stay there, and a restart finds them again.
+    kv_persistence: bool = True
+    kv_disk_bytes: int = 8 * 1024 ** 3  # the disk tier's budget (LRU sessions past it go)
+    kv_write_behind_s: float = 1.0  # a saved session should be on disk within this; later is counted
     # -- timeouts and supervision (seconds)
     request_timeout_s: float = 600.0
     station_start_timeout_s: float = 300.0
@@ -117,9 +121,11 @@ class Settings:
                      "kv_block_size", "max_batch_size", "prefill_chunk_tokens",
                      "kv_session_budget", "health_failures_before_kill", "max_fast_failures",
                      "listen_backlog", "max_request_bytes", "max_inflight_requests",
-                     "max_waiting_requests"):
+                     "max_waiting_requests", "kv_disk_bytes"):
             value = getattr(self, name)
             _check(value, value > 0, name, "a positive integer")
+        _check(self.kv_write_behind_s, self.kv_write_behind_s > 0, "kv_write_behind_s",
+               "a positive number of seconds")
         _check(self.kv_cache_gpu_fraction, 0 < self.kv_cache_gpu_fraction <= 1,
                "kv_cache_gpu_fraction", "a number in (0, 1]")
         _check(self.kv_session_tenant_share, 0 < self.kv_session_tenant_share <= 1,

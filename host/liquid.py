@@ -77,6 +77,7 @@ class LiquidOutcome:
     liquid_kv_saved: bool
     miss_reason: str | None
     path: str  # one of PATHS
+    tier: str | None = None  # a hit: where the session's KV was ("pool" | "disk")
 
     def __post_init__(self) -> None:
         assert self.liquid_memory in OUTCOMES, self.liquid_memory
@@ -96,7 +97,7 @@ def from_prefill(event: dict[str, Any] | None, *, save_asked: bool,
     event = event or {}
     saved = bool(event.get("saved")) and save_asked
     if event.get("session_loaded") and int(event.get("session_tokens") or 0) > 0:
-        return LiquidOutcome("hit", saved, None, "liquid")
+        return LiquidOutcome("hit", saved, None, "liquid", str(event.get("session_tier") or "pool"))
     if save_asked and not saved:
         # A station that ignored the save arguments (no ``saved`` field) is a failed
         # capture too: the failure this project exists to prevent is a silent one.
@@ -120,6 +121,7 @@ def gnosis_block(outcome: LiquidOutcome, *, prompt_tokens: int, completion_token
         "liquid_kv_saved": outcome.liquid_kv_saved,
         "liquid_miss_reason": outcome.miss_reason,
         "path": outcome.path,
+        "tier": outcome.tier,
         "cached_tokens": cached_tokens,
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,

@@ -11,7 +11,6 @@ import queue
 import signal
 import sys
 import threading
-from pathlib import Path
 from typing import Any
 
 import trio
@@ -20,14 +19,10 @@ from gnosis_daemon.logs import configure_logging, get_logger
 from gnosis_daemon.settings import Settings
 from station.runtime.model_loader import LoadedModel, ModelLoadError, load_model
 from station.runtime.engine import PagedEngine
-from station.runtime.persist import TierReport, restore_sessions, save_sessions
+from station.runtime.kv_tier import open_tier
 from station.serving.server import StationServer
 
 log = get_logger(__name__)
-
-
-def create_engine(loaded: LoadedModel, settings: Settings) -> PagedEngine:
-    return PagedEngine(loaded, settings)
 
 
 class _StopRequested(BaseException):
@@ -50,11 +45,10 @@ class _TorchThread:
     thread. The trio thread never runs a parallel torch op.
     """
 
-    def __init__(self, settings: Settings, tier: Path) -> None:
+    def __init__(self, settings: Settings) -> None:
         self.settings = settings
-        self.tier = tier
         # Set before the boot result is handed over; read by the main thread after it.
-        self.tier_report = TierReport(str(tier), enabled=settings.kv_persistence)
+        self.tier_report: dict[str, Any] = {}
         self._booted: queue.Queue[tuple[LoadedModel, PagedEngine] | BaseException] = queue.Queue()
         self.thread = threading.Thread(target=self._main, name="station-torch", daemon=True)
 
@@ -72,10 +66,10 @@ class _TorchThread:
             log.info("model_loaded", model=loaded.served_id, path=loaded.path,
                      loaded_from=loaded.loaded_from, device=str(loaded.device),
                      dtype=str(loaded.dtype), fingerprint=loaded.fingerprint[:16])
-            engine = create_engine(loaded, self.settings)
-            if self.settings.kv_persistence:
-                # Never raises for what is on disk: a bad tier is moved aside and reported.
-                self.tier_report = restore_sessions(engine, self.tier)
+            engine = PagedEngine(loaded, self.settings)
+            # Never raises for what is on disk: bad files are quarantined and counted. The
+            # tier's index is rebuilt from its files; no KV is read until a request asks.
+            self.tier_report = open_tier(engine, self.settings)
         except BaseException as exc:  # noqa: BLE001 - handed to the main thread
             self._booted.put(exc)
             return
@@ -86,8 +80,7 @@ class _TorchThread:
 def serve(settings: Settings) -> int:
     """Entry point of ``gnosis-daemon station``: returns the process exit status."""
     configure_logging("station", settings.log_level, settings.log_format)
-    tier = settings.effective_state_dir / "kv-sessions"
-    torch_thread = _TorchThread(settings, tier)
+    torch_thread = _TorchThread(settings)
     # A stop request while the model loads (minutes for a 7B model) is a clean exit too;
     # trio's signal receiver takes over once the socket is up.
     previous = {sig: signal.signal(sig, _exit_cleanly) for sig in (signal.SIGTERM, signal.SIGINT)}
@@ -110,17 +103,14 @@ def serve(settings: Settings) -> int:
             signal.signal(sig, handler)
     try:
         server = StationServer(settings, loaded, engine)
-        server.kv_tier = torch_thread.tier_report.as_dict()
+        server.kv_tier = torch_thread.tier_report
         trio.run(server.serve)
     finally:
-        engine.shutdown()  # ends the engine loop: the torch thread returns
+        # Ends the engine loop (the torch thread returns) and flushes the write-behind:
+        # every saved session is on disk when the station exits cleanly.
+        engine.shutdown()
         # shutdown joins the loop's thread only once run_here has registered it; a stop
         # that comes right after boot can beat that, so join the torch thread here.
         torch_thread.thread.join()
-        if settings.kv_persistence:
-            try:
-                save_sessions(engine, tier)
-            except Exception:  # a full or read-only disk: the previous tier stays whole
-                log.exception("kv_sessions_save_failed", path=str(tier))
     log.info("station_stopped")
     return 0

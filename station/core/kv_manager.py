@@ -31,6 +31,7 @@ from gnosis_daemon.logs import get_logger
 from gnosis_daemon.tokens import common_prefix_len
 from station.core.block_pool import (BlockHash, BlockPool, ExtraKeys, KVBlock, block_hashes_for,
                                      prefix_extra_keys)
+from station.core.disk_sessions import DiskSession, DiskSessions
 from station.core.sequence import Sequence
 from station.core.sessions import KVSession, SessionRegistry
 
@@ -44,6 +45,8 @@ class SessionOutcome(enum.StrEnum):
     NOT_FOUND = "not_found"
     TENANT_MISMATCH = "tenant_mismatch"
     NO_COMMON_PREFIX = "no_common_prefix"
+    QUARANTINED = "quarantined"  # it was on disk, and a file failed its checks on load
+    ON_DISK = "on_disk"  # not an outcome: the session must be read back first (begin_load)
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,9 +58,21 @@ class ComputedBlocks:
     session: KVSession | None = None  # the session loaded from, when one was
     session_outcome: SessionOutcome | None = None  # None: no session was asked for
     num_session_tokens: int = 0  # of num_cached_tokens: served by the session
+    disk_session: DiskSession | None = None  # ON_DISK: the session to read back first
 
     def __post_init__(self) -> None:
         assert (self.session is not None) == (self.session_outcome is SessionOutcome.LOADED)
+        assert (self.disk_session is not None) == (self.session_outcome is SessionOutcome.ON_DISK)
+
+
+@dataclass(frozen=True, slots=True)
+class LoadPlan:
+    """A disk-tier session being read back into fresh blocks (``begin_load``): the loader
+    fills ``blocks`` from the files named ``session.file_hashes``; ``finish_load`` then
+    caches and pins them. Until then the plan holds one reference on each block."""
+
+    session: DiskSession
+    blocks: tuple[KVBlock, ...]
 
 
 class KVCacheManager:
@@ -70,6 +85,16 @@ class KVCacheManager:
         self.block_size = block_size
         self.model_fingerprint = model_fingerprint
         self.tenant_salt = tenant_salt
+        # The disk tier behind the pool (``enable_disk_tier``): sessions whose KV only the
+        # disk holds, the sessions saved since the engine last took them (to write
+        # behind), and what became of evicted sessions.
+        self.disk = DiskSessions()
+        self.disk_tier = False
+        self.to_write: list[KVSession] = []
+        self.num_offloaded = 0  # evicted from the pool, kept on disk
+        self.num_lost = 0  # evicted before the write-behind made them durable
+        self.num_disk_loads = 0
+        self.num_quarantined_loads = 0
 
     # -- figures
     @property
@@ -101,6 +126,11 @@ class KVCacheManager:
             "kv_session_tenant_max_sessions": sessions.tenant_max_sessions,
             "kv_session_tenant_max_blocks": sessions.tenant_max_blocks,
             "kv_sessions_expired_over_share": sessions.num_expired_over_share,
+            "kv_disk_sessions": len(self.disk),
+            "kv_sessions_offloaded": self.num_offloaded,
+            "kv_sessions_lost": self.num_lost,
+            "kv_disk_loads": self.num_disk_loads,
+            "kv_disk_quarantined_loads": self.num_quarantined_loads,
         }
 
     def extra_keys(self, tenant: str) -> ExtraKeys:
@@ -116,15 +146,27 @@ class KVCacheManager:
         if not load_session and seq.match_session:
             # The tenant's session with the deepest shared prefix; never past the block
             # that holds the last prompt token (its logits are needed).
-            found = self.sessions.deepest_match(seq.tenant, seq.block_hashes,
-                                                (seq.num_tokens - 1) // bs)
+            max_blocks = (seq.num_tokens - 1) // bs
+            found, depth = self.sessions.deepest_match(seq.tenant, seq.block_hashes, max_blocks)
+            on_disk, disk_depth = self.disk.deepest_match(seq.tenant, seq.block_hashes, max_blocks)
+            if on_disk is not None and disk_depth > max(depth, len(hits)):
+                # Only the disk holds this much of the prompt: read it back first.
+                return ComputedBlocks(tuple(hits), len(hits) * bs,
+                                      session_outcome=SessionOutcome.ON_DISK, disk_session=on_disk)
             load_session = found.session_id if found is not None else None
         if not load_session:
             return ComputedBlocks(tuple(hits), len(hits) * bs)
         session = self.sessions.get(load_session)
         if session is None:
-            return ComputedBlocks(tuple(hits), len(hits) * bs,
-                                  session_outcome=SessionOutcome.NOT_FOUND)
+            on_disk = self.disk.get(load_session)
+            if (on_disk is not None and on_disk.tenant == seq.tenant
+                    and min(common_prefix_len(on_disk.token_ids, seq.token_ids),
+                            seq.num_tokens - 1) // bs > len(hits)):
+                return ComputedBlocks(tuple(hits), len(hits) * bs,
+                                      session_outcome=SessionOutcome.ON_DISK, disk_session=on_disk)
+            outcome = (SessionOutcome.TENANT_MISMATCH if on_disk is not None and on_disk.tenant != seq.tenant
+                       else SessionOutcome.NOT_FOUND)
+            return ComputedBlocks(tuple(hits), len(hits) * bs, session_outcome=outcome)
         if session.tenant != seq.tenant:
             return ComputedBlocks(tuple(hits), len(hits) * bs,
                                   session_outcome=SessionOutcome.TENANT_MISMATCH)
@@ -169,6 +211,7 @@ class KVCacheManager:
             expired = self.sessions.reclaim(needed, keep, tenant)
             if expired:
                 log.info("kv_sessions_expired_for_room", expired=expired, blocks_needed=needed)
+                self._take_evictions()
         # Re-counted: a reclaim may have put some of the hits back in the free queue.
         if not self.pool.can_allocate(num_new + self.pool.num_evictable_in(hits)):
             return False
@@ -210,7 +253,12 @@ class KVCacheManager:
         findable by its block hashes (``known_hashes``: a prefix of them already computed)."""
         hashes = block_hashes_for(token_ids, self.block_size, self.extra_keys(tenant),
                                   (known_hashes or [])[:len(blocks)])
-        return self.sessions.save(session_id, tenant, token_ids, blocks, hashes)
+        session = self.sessions.save(session_id, tenant, token_ids, blocks, hashes)
+        self.disk.remove(session_id)  # a new save of an id replaces its copy on disk
+        if self.disk_tier:
+            self.to_write.append(session)
+        self._take_evictions()
+        return session
 
     def pin_sequence(self, session_id: str, seq: Sequence, num_tokens: int) -> int:
         """Pin the full blocks of ``seq``'s first ``num_tokens`` computed tokens; -> tokens pinned."""
@@ -221,7 +269,10 @@ class KVCacheManager:
         return n * self.block_size
 
     def unpin(self, session_id: str) -> bool:
-        return self.sessions.delete(session_id)
+        """Delete a session, from the pool and the disk tier's index (the engine deletes
+        its files)."""
+        on_disk = self.disk.remove(session_id) is not None
+        return self.sessions.delete(session_id) or on_disk
 
     def load_into(self, seq: Sequence, session: KVSession) -> int:
         """Give an empty ``seq`` (its tokens are the session's) the session's blocks, shared
@@ -264,6 +315,67 @@ class KVCacheManager:
         for i, (block, block_hash) in enumerate(zip(blocks, hashes)):
             self.pool.cache_full_block(block, block_hash, token_ids[i * bs:(i + 1) * bs])
         return self.pin(session_id, tenant, token_ids, blocks, hashes)
+
+    # -- the disk tier
+    def enable_disk_tier(self, sessions: Seq[DiskSession] = ()) -> None:
+        """Keep evicted durable sessions on disk from now on; ``sessions``: the tier's
+        index as the station's start found it."""
+        self.disk_tier = True
+        self.disk.add_all(sessions)
+
+    def take_writes(self) -> list[KVSession]:
+        """Sessions saved since the last call that are still resident (to write behind)."""
+        writes = [s for s in self.to_write if self.sessions.get(s.session_id) is s]
+        self.to_write = []
+        return writes
+
+    def _take_evictions(self) -> None:
+        for session in self.sessions.evicted:
+            if self.disk_tier and session.durable:
+                self.disk.add(DiskSession(session.session_id, session.tenant, session.token_ids,
+                                          session.block_hashes, session.file_hashes,
+                                          session.last_used))
+                self.num_offloaded += 1
+            else:
+                self.num_lost += 1
+        self.sessions.evicted = []
+
+    def begin_load(self, on_disk: DiskSession) -> LoadPlan | None:
+        """Fresh blocks for a disk session's KV (expiring pool sessions to make room, the
+        durable ones to disk); None when the pool cannot hold it now."""
+        n = len(on_disk.block_hashes)
+        if not self.pool.can_allocate(n):
+            self.sessions.reclaim(n, None, on_disk.tenant)
+            self._take_evictions()
+        if not self.pool.can_allocate(n):
+            return None
+        on_disk.loading = True
+        return LoadPlan(on_disk, tuple(self.pool.allocate(n)))
+
+    def finish_load(self, plan: LoadPlan, ok: bool) -> KVSession | None:
+        """The loader filled ``plan.blocks`` (``ok``) or found a bad file: cache and pin the
+        blocks as the session again, or forget the session. -> the resident session."""
+        on_disk = plan.session
+        on_disk.loading = False
+        current = self.disk.get(on_disk.session_id) is on_disk
+        if not ok or not current:  # quarantined, or deleted / saved again meanwhile
+            self.pool.free(plan.blocks)
+            if not ok:
+                self.disk.remove(on_disk.session_id)
+                self.num_quarantined_loads += 1
+            return None
+        self.disk.remove(on_disk.session_id)
+        bs = self.block_size
+        for i, (block, block_hash) in enumerate(zip(plan.blocks, on_disk.block_hashes)):
+            self.pool.cache_full_block(block, block_hash, on_disk.token_ids[i * bs:(i + 1) * bs])
+        session = self.sessions.save(on_disk.session_id, on_disk.tenant, on_disk.token_ids,
+                                     plan.blocks, on_disk.block_hashes)
+        session.durable = True
+        session.file_hashes = on_disk.file_hashes
+        self.pool.free(plan.blocks)  # the loader's references: the session's pins keep them
+        self.num_disk_loads += 1
+        self._take_evictions()
+        return session
 
     def clear(self) -> None:
         """Drop every session and every cached hash (a failed restore leaves the pool as at boot)."""

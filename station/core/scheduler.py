@@ -26,8 +26,9 @@ touches tensors.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
-from station.core.kv_manager import KVCacheManager
+from dataclasses import dataclass, field, replace
+
+from station.core.kv_manager import KVCacheManager, LoadPlan, SessionOutcome
 from station.core.sequence import Sequence, SequenceStatus
 from station.core.sessions import KVSession
 
@@ -38,6 +39,7 @@ class SchedulerOutput:
     prefills: list[tuple[Sequence, int]] = field(default_factory=list)  # (seq, tokens this step)
     preempted: list[Sequence] = field(default_factory=list)
     finished: list[Sequence] = field(default_factory=list)  # ended by the scheduler (no room)
+    loads: list[LoadPlan] = field(default_factory=list)  # disk sessions to read back
 
     @property
     def is_empty(self) -> bool:
@@ -67,6 +69,18 @@ class Scheduler:
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
+
+    def has_runnable(self) -> bool:
+        """Work a step can do now: not only sequences waiting for a disk read."""
+        return bool(self.running) or any(s.awaiting_load is None for s in self.waiting)
+
+    def on_load_done(self, plan: LoadPlan, ok: bool) -> None:
+        """A disk session was read back (or failed its checks): its waiters may be admitted."""
+        for seq in self.waiting:
+            if seq.awaiting_load is plan.session:
+                seq.awaiting_load = None
+                seq.loaded_from_disk = ok
+                seq.load_failed = not ok
 
     def get(self, seq_id: str) -> Sequence | None:
         for seq in (*self.running, *self.waiting):
@@ -142,12 +156,17 @@ class Scheduler:
             out.prefills.append((seq, n))
             budget -= n
         # Admit new work only when nothing had to be preempted this step.
-        while (not out.preempted and budget > 0 and self.waiting
+        i = 0
+        while (not out.preempted and budget > 0 and i < len(self.waiting)
                and len(self.running) < self.max_batch_size):
-            seq = self.waiting[0]
-            if not self._admit(seq):
+            seq = self.waiting[i]
+            if seq.awaiting_load is None and self._admit(seq, out):
+                del self.waiting[i]
+            elif seq.awaiting_load is not None:
+                i += 1  # its session is being read from disk: the others go past it
+                continue
+            else:
                 break
-            self.waiting.popleft()
             self.running.append(seq)
             n = min(seq.num_uncomputed_tokens, budget)
             out.prefills.append((seq, n))
@@ -164,13 +183,28 @@ class Scheduler:
             self.kv.cache_full_blocks(seq)
 
     # -- internals
-    def _admit(self, seq: Sequence) -> bool:
+    def _admit(self, seq: Sequence, out: SchedulerOutput) -> bool:
         first_admission = seq.num_preemptions == 0
         computed = self.kv.find_computed_blocks(seq, seq.load_session)
+        if computed.session_outcome is SessionOutcome.ON_DISK:
+            on_disk = computed.disk_session
+            plan = None if on_disk.loading else self.kv.begin_load(on_disk)
+            if on_disk.loading:  # being read back, for this sequence or another
+                if plan is not None:
+                    out.loads.append(plan)
+                seq.awaiting_load = on_disk
+                return False
+            # The pool cannot hold it now: start without it (a miss) rather than wait.
+            computed = replace(computed, session_outcome=None, disk_session=None)
         if first_admission:  # the prefill event reports the first admission
-            seq.session_outcome = computed.session_outcome
+            outcome = computed.session_outcome
+            if seq.load_failed and outcome in (None, SessionOutcome.NOT_FOUND):
+                outcome = SessionOutcome.QUARANTINED
+            seq.session_outcome = outcome
             seq.num_session_tokens = computed.num_session_tokens
             seq.loaded_session = computed.session.session_id if computed.session else None
+            if computed.session is not None:
+                seq.session_tier = "disk" if seq.loaded_from_disk else "pool"
         if not self.kv.allocate_slots(seq, seq.num_tokens - computed.num_cached_tokens, computed):
             return False
         seq.num_computed_tokens = computed.num_cached_tokens

@@ -43,6 +43,12 @@ class KVSession:
     blocks: list[KVBlock]
     last_used: float  # wall clock seconds, for listings
     block_hashes: tuple[BlockHash, ...] = ()  # the chained (tenant-keyed) hash of each block
+    durable: bool = False  # the disk tier holds all of it (write-behind confirmed)
+    file_hashes: tuple[BlockHash, ...] = ()  # its block files' names, once durable
+
+    def __post_init__(self) -> None:
+        if not self.file_hashes:
+            self.file_hashes = self.block_hashes
 
     @property
     def num_tokens(self) -> int:
@@ -69,6 +75,9 @@ class SessionRegistry:
         # chains every block before it, so one hit names a whole shared prefix)
         self._by_hash: dict[BlockHash, dict[str, KVSession]] = {}
         self.num_expired = 0
+        # Sessions expired (budget or reclaim) since the KV cache manager last took them:
+        # it moves the durable ones to the disk tier's index instead of losing them.
+        self.evicted: list[KVSession] = []
         self.num_expired_over_share = 0  # of num_expired: victims whose tenant was over its share
 
     def __len__(self) -> int:
@@ -145,12 +154,12 @@ class SessionRegistry:
         return session
 
     def deepest_match(self, tenant: str, block_hashes: Sequence[BlockHash],
-                      max_blocks: int) -> KVSession | None:
+                      max_blocks: int) -> tuple[KVSession | None, int]:
         """``tenant``'s session sharing the most leading blocks (at most ``max_blocks``)
         with a prompt whose block hashes are ``block_hashes``; the most recently used of
-        equals. O(prompt blocks): walks the prompt from its deepest block up and stops at
-        the first hash a session of the tenant holds. Hashes only: the caller compares
-        tokens before it trusts the match."""
+        equals, and how many blocks it shares. O(prompt blocks): walks the prompt from its
+        deepest block up and stops at the first hash a session of the tenant holds. Hashes
+        only: the caller compares tokens before it trusts the match."""
         for depth in range(min(len(block_hashes), max_blocks) - 1, -1, -1):
             holders = self._by_hash.get(block_hashes[depth])
             if not holders:
@@ -160,8 +169,8 @@ class SessionRegistry:
                 if session.tenant == tenant and (best is None or session.last_used > best.last_used):
                     best = session
             if best is not None:
-                return best
-        return None
+                return best, depth + 1
+        return None, 0
 
     def use(self, session: KVSession) -> None:
         """Mark a session used (a load): it becomes the most recently used."""
@@ -283,6 +292,9 @@ class SessionRegistry:
             del self._tenants[session.tenant]
 
     def _expire(self, session_id: str, over_share: bool = False) -> None:
+        session = self._sessions.get(session_id)
+        if session is not None:
+            self.evicted.append(session)
         self.delete(session_id)
         self.num_expired += 1
         self.num_expired_over_share += over_share

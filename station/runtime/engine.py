@@ -44,6 +44,7 @@ from station.core.requests import (CallDone, EngineCallHandler, EngineEvent, Eve
                                    Finished, GenerationRequest, Prefill, SequenceLimits, Token)
 from station.runtime.engine_calls import EngineCalls, RequestState, answer, session_fields
 from station.runtime.kv_cache import KVCache, KVCacheShape, num_blocks_for
+from station.runtime.kv_tier import DiskTier
 from station.runtime.model_runner import ModelRunner
 from station.runtime.sampling import make_generator, sample
 from station.core.kv_manager import KVCacheManager
@@ -88,6 +89,7 @@ class PagedEngine:
         self._known: set[str] = set()  # queued or running ids (duplicate check)
         self._stopping = False
         self._thread: threading.Thread | None = None
+        self.tier: DiskTier | None = None  # attach_disk_tier
         self.num_steps = 0
         log.info("kv_pool_ready", num_blocks=num_blocks, block_size=self.block_size,
                  bytes_per_block=shape.bytes_per_block, bytes_total=self.kv_cache.bytes_total)
@@ -106,12 +108,25 @@ class PagedEngine:
         self._thread = threading.current_thread()
         self._run()
 
-    def shutdown(self) -> None:
+    def attach_disk_tier(self, store: Any, sessions: list[Any]) -> None:
+        """Put the disk tier behind the pool (before ``start``): evicted durable sessions
+        stay on disk, ``sessions`` (the tier's index at start) can be read back."""
+        self.tier = DiskTier(store, self.kv, self.kv_cache.kv, self._wake)
+        self.kv.enable_disk_tier(sessions)
+
+    def _wake(self) -> None:
+        with self._cond:
+            self._cond.notify_all()
+
+    def shutdown(self, flush_tier: bool = True) -> None:
         with self._cond:
             self._stopping = True
             self._cond.notify_all()
         if self._thread is not None:
             self._thread.join()
+        if self.tier is not None:
+            self.tier.before_step(self.scheduler.on_load_done)  # take the last saves
+            self.tier.close(flush=flush_tier)
         with self._cond:
             leftovers = [*self._inbox, *self.scheduler.running, *self.scheduler.waiting]
             calls = list(self._call_queue)
@@ -221,19 +236,21 @@ class PagedEngine:
             "host_sequences": len(self.calls.seqs),
             "embed_calls": len(self.calls.embeds),
             "embed_inputs": self.calls.embed_inputs_done,
+            **(self.tier.stats() if self.tier is not None else {}),
         }
 
     def capabilities(self) -> dict[str, bool]:
         return {"paged_kv": True, "prefix_cache": True, "continuous_batching": True,
-                "kv_persistence": bool(self.settings.kv_persistence)}
+                "kv_persistence": bool(self.settings.kv_persistence),
+                "kv_disk_tier": self.tier is not None}
 
     # -- engine thread
     def _run(self) -> None:
         while True:
             with self._cond:
                 while not (self._stopping or self._inbox or self._aborts or self._call_queue
-                           or self._cancels or self.scheduler.has_unfinished()
-                           or self.calls.embeds):
+                           or self._cancels or self.scheduler.has_runnable()
+                           or self.calls.embeds or (self.tier and self.tier.has_answers())):
                     self._cond.wait()
                 if self._stopping:
                     return
@@ -260,7 +277,9 @@ class PagedEngine:
                 self.calls.run(handler, owner, done, kwargs)
             if cancels:
                 self.calls.cancel(cancels)
-            if self.scheduler.has_unfinished():
+            if self.tier is not None:
+                self.tier.before_step(self.scheduler.on_load_done)
+            if self.scheduler.has_runnable():
                 self.step()
             if self.calls.embeds:
                 self.calls.embed_step(self.settings.prefill_chunk_tokens)
@@ -269,12 +288,15 @@ class PagedEngine:
         """schedule -> run -> postprocess (engine thread only)."""
         sched = self.scheduler
         out = sched.schedule()
+        if self.tier is not None:
+            self.tier.submit_loads(out.loads)
         for seq in out.finished:
             self._finished(seq)
         if out.is_empty:
-            if sched.waiting and not sched.running:
+            head = next((s for s in sched.waiting if s.awaiting_load is None), None)
+            if head is not None and not sched.running and not (self.tier and self.tier.busy()):
                 # Nothing runs and the head still does not fit: pinned blocks hold the pool.
-                seq = sched.waiting[0]
+                seq = head
                 sched.finish(seq, "capacity")
                 self._end(seq, ErrorCode.CAPACITY, "no free KV blocks for this prompt")
             return

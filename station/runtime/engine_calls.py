@@ -338,6 +338,7 @@ def session_fields(seq: Sequence) -> dict[str, Any]:
     loaded = seq.session_outcome == SessionOutcome.LOADED
     return {"session_loaded": loaded, "session_id": seq.loaded_session,
             "session_tokens": seq.num_session_tokens if loaded else 0,
+            "session_tier": seq.session_tier if loaded else None,
             "session_error": None if loaded or seq.session_outcome is None
             else str(seq.session_outcome)}
 

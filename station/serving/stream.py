@@ -117,6 +117,7 @@ class GenerateStream:
                     "session_loaded": event.session_loaded,
                     "session_id": event.session_id,
                     "session_tokens": event.session_tokens,
+                    "session_tier": event.session_tier,
                     "session_error": event.session_error,
                     "saved": event.saved, "save_error": event.save_error}))
                 return None

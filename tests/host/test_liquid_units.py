@@ -76,7 +76,7 @@ def test_disabled_outcome_and_telemetry_names():
     assert liquid.gnosis_block(outcome, prompt_tokens=4, completion_tokens=2, cached_tokens=0,
                                ttft_ms=1.23456, tokens_per_second=None) == {
         "liquid_memory": "disabled", "liquid_kv_saved": False, "liquid_miss_reason": "why",
-        "path": "native", "cached_tokens": 0, "prompt_tokens": 4, "completion_tokens": 2,
+        "path": "native", "tier": None, "cached_tokens": 0, "prompt_tokens": 4, "completion_tokens": 2,
         "ttft_ms": 1.235, "tokens_per_second": None}
     assert liquid.headers(outcome) == {"X-Thoth-Liquid-Memory": "disabled",
                                        "X-Thoth-Liquid-KV-Saved": "false"}

@@ -1,0 +1,97 @@
+"""KV sessions that live only in the disk tier (pure Python: no torch here).
+
+A resident session (``station.core.sessions``) pins its blocks in the pool. When the pool
+or the session budget needs room, a session whose KV the write-behind has made durable is
+not lost: the KV cache manager moves its record here, with no block, and the station can
+load it back when a prompt asks for it (explicitly, or by ``match_session``). A session
+that was not durable yet is lost as before (at most the write-behind delay's worth).
+
+The records keep what matching and loading need: the tokens, the chained block hashes of
+this run (for ``deepest_match``, like the resident registry) and the names of the block
+files on disk (``file_hashes``: the same hashes unless the tenant salt changed since they
+were written). ``loading`` marks a record whose blocks are being read back, so a second
+request for it waits for that load instead of starting another.
+
+Thread-safety: none. Every call happens on the engine thread.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Sequence
+
+from station.core.block_pool import BlockHash
+
+
+@dataclass(slots=True, eq=False)
+class DiskSession:
+    session_id: str
+    tenant: str
+    token_ids: tuple[int, ...]  # full blocks only
+    block_hashes: tuple[BlockHash, ...]  # this run's chained hashes (matching, the cache)
+    file_hashes: tuple[BlockHash, ...]  # the names of its block files
+    last_used: float
+    loading: bool = False
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+class DiskSessions:
+    """The disk tier's session index: by id, and by block hash for matching."""
+
+    def __init__(self) -> None:
+        self._sessions: dict[str, DiskSession] = {}
+        self._by_hash: dict[BlockHash, dict[str, DiskSession]] = {}
+
+    def __len__(self) -> int:
+        return len(self._sessions)
+
+    def __contains__(self, session_id: object) -> bool:
+        return session_id in self._sessions
+
+    def get(self, session_id: str) -> DiskSession | None:
+        return self._sessions.get(session_id)
+
+    def sessions(self) -> list[DiskSession]:
+        return list(self._sessions.values())
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_tokens for s in self._sessions.values())
+
+    def add(self, session: DiskSession) -> None:
+        self.remove(session.session_id)
+        self._sessions[session.session_id] = session
+        for block_hash in session.block_hashes:
+            self._by_hash.setdefault(block_hash, {})[session.session_id] = session
+
+    def add_all(self, sessions: Iterable[DiskSession]) -> None:
+        for session in sessions:
+            self.add(session)
+
+    def remove(self, session_id: str) -> DiskSession | None:
+        session = self._sessions.pop(session_id, None)
+        if session is None:
+            return None
+        for block_hash in session.block_hashes:
+            holders = self._by_hash.get(block_hash)
+            if holders is not None and holders.get(session_id) is session:
+                del holders[session_id]
+                if not holders:
+                    del self._by_hash[block_hash]
+        return session
+
+    def deepest_match(self, tenant: str, block_hashes: Sequence[BlockHash],
+                      max_blocks: int) -> tuple[DiskSession | None, int]:
+        """``tenant``'s session sharing the most leading blocks (at most ``max_blocks``)
+        with the prompt, the most recently used of equals, and how many blocks it shares."""
+        for depth in range(min(len(block_hashes), max_blocks) - 1, -1, -1):
+            best: DiskSession | None = None
+            for session in (self._by_hash.get(block_hashes[depth]) or {}).values():
+                if session.tenant == tenant and (best is None or session.last_used > best.last_used):
+                    best = session
+            if best is not None:
+                return best, depth + 1
+        return None, 0
