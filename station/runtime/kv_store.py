@@ -1,0 +1,390 @@
+"""The KV store: liquid memory's disk tier, whose sessions survive SIGKILL and outgrow the
+KV pool.
+
+Layout under ``root`` (directories 0700, files 0600: they hold every tenant's tokens)::
+
+    blocks/<2 hex>/<block hash hex>.kvb   one KV block, named by its chained block hash
+    sessions/<sha256(session id)[:32]>.kvs  one session manifest
+    quarantine/<original name>.<UTC time>   files that failed a check, moved intact
+    lock                                     flock'd while a store has the root open
+
+A block's name is its ``block_pool.hash_block`` chain hash, which covers every token
+before it, the model fingerprint and the tenant (through the extra keys): sessions that
+share a prefix share its block files, stored once. Each file carries its own layout and a
+blake2b checksum (``station.runtime.kv_store_format``); no pickle anywhere.
+
+Crash safety. Every file is written to a temp name in its own directory, fsynced, then
+``os.replace``d over its final name. ``os.replace`` is atomic, so at every instant a final
+name holds a complete, fsynced file or nothing: a SIGKILL at any point leaves the old
+state or the new, plus perhaps a ``*.tmp`` that the next open deletes unread (a temp name
+is never trusted). Files never change after the rename. Blocks go before the manifest that
+names them, and ``write_session`` fsyncs the block directories first, so even after a power
+loss a durable manifest names durable blocks. Should a manifest name a block that is gone
+anyway (a power loss before ``sync_dirs``, a file removed by hand, a block quarantined),
+the open drops that session as *incomplete*: it deletes the manifest (its bytes are sound,
+its KV is not all there, so quarantining it would prove nothing) and counts it. Eviction
+deletes the manifest before the blocks, so a crash midway leaves orphan blocks, which the
+next ``evict_to_budget`` collects. And whatever the disk holds, every read checks every
+field (a flipped bit, a cut file, another model's file): a torn or foreign file is never
+trusted, only quarantined and counted.
+
+Opening lists the directories and stats block files, never reads one: start time grows
+with the number of files, not their bytes. Session manifests are small and read whole.
+A block is first verified when ``read_block`` loads it.
+
+Threads: one writer thread (``write_*``, ``delete_session``, ``touch_session``,
+``evict_to_budget``, ``sync_dirs``), one loader thread (``read_block``) and the engine
+thread (``has_block``, ``count_present``, ``stats``...). The in-memory index
+(``kv_store_index.StoreIndex``) locks only around dict work, never across I/O, so the
+engine's queries never wait on the disk. ``_mutate`` serialises every change on disk
+(writes, deletes, eviction, the loader's quarantines), so index and files change
+together. Blocks written since the last ``write_session`` are *pending*: eviction spares
+them although no manifest names them yet.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Sequence
+
+import torch
+
+from gnosis_daemon.logs import get_logger
+from station.core.block_pool import BlockHash
+from station.runtime.kv_store_format import (
+    BLOCK_DIR, BLOCK_NAME, HASH_BYTES, SESSION_NAME, TMP_SUFFIX, KVLayout, KVStoreError, Missing,
+    Quarantined, SessionRecord, Unreadable, block_relpath, check_hash, decode_block, decode_session,
+    encode_block, encode_session, fsync_dir, session_name, write_atomic,
+)
+from station.runtime.kv_store_index import StoreIndex
+
+__all__ = ["Evicted", "KVStore", "KVStoreError", "Missing", "Quarantined", "SessionRecord",
+           "StoreBusy", "Unreadable"]
+
+log = get_logger()
+
+
+class StoreBusy(KVStoreError):
+    """Another store (another station process) has this root open."""
+
+
+@dataclass(frozen=True, slots=True)
+class Evicted:
+    sessions: tuple[str, ...]  # least recently used first
+    blocks: tuple[BlockHash, ...]
+    bytes: int
+
+
+def _utc_stamp() -> str:
+    return time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+
+
+def _unlink(path: Path) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+
+
+class KVStore:
+    def __init__(self, root: str | os.PathLike[str], fingerprint: str, block_size: int,
+                 block_shape: tuple[int, ...], dtype: torch.dtype, disk_budget_bytes: int,
+                 clock: Callable[[], float] = time.time) -> None:
+        shape = tuple(int(d) for d in block_shape)
+        if block_size < 1 or not shape or min(shape) < 1 or disk_budget_bytes < 0:
+            raise ValueError("block_size and every block dimension must be positive, "
+                             "and the disk budget not negative")
+        self.root = Path(root)
+        self.layout = KVLayout(fingerprint, block_size, shape, dtype)
+        self.disk_budget_bytes = disk_budget_bytes
+        self.clock = clock
+        self.blocks_dir = self.root / "blocks"
+        self.sessions_dir = self.root / "sessions"
+        self.quarantine_dir = self.root / "quarantine"
+        self.index = StoreIndex()
+        self._mutate = threading.RLock()  # held by every change on disk (see module doc)
+        self._lock_fd: int | None = self._take_lock()
+        try:
+            self._open()
+        except BaseException:
+            self.close()
+            raise
+
+    # -- opening
+    def _take_lock(self) -> int:
+        self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
+        os.chmod(self.root, 0o700)
+        fd = os.open(self.root / "lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            # Two processes on one root would delete each other's temp files at open.
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise StoreBusy(f"{self.root} is open in another store") from None
+        return fd
+
+    def close(self) -> None:
+        """Release the root (the kernel does it too when the process dies)."""
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
+
+    def __enter__(self) -> KVStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _open(self) -> None:
+        started = time.monotonic()
+        for d in (self.blocks_dir, self.sessions_dir, self.quarantine_dir):
+            with contextlib.suppress(FileExistsError):
+                d.mkdir(mode=0o700)
+                self.index.mark_dirty(self.root)
+        with os.scandir(self.blocks_dir) as it:
+            subdirs = sorted(it, key=lambda e: e.name)
+        for sub in subdirs:
+            if sub.is_dir(follow_symlinks=False) and BLOCK_DIR.fullmatch(sub.name):
+                with os.scandir(sub.path) as it:
+                    for entry in it:
+                        self._index_block(sub.name, entry)
+            else:
+                self._quarantine(Path(sub.path), Quarantined("name", "not a block directory"))
+        with os.scandir(self.sessions_dir) as it:
+            entries = sorted(it, key=lambda e: e.name)
+        for entry in entries:
+            self._index_session(entry)
+        stats = self.index.stats()
+        log.info("kv_store_opened", root=str(self.root), blocks=stats["blocks"],
+                 sessions=stats["sessions"], bytes=stats["bytes"],
+                 quarantined=stats["quarantined_total"],
+                 incomplete=stats["incomplete_sessions"], tmp_removed=stats["tmp_removed"],
+                 ms=round((time.monotonic() - started) * 1000, 1))
+
+    def _index_block(self, subdir: str, entry: os.DirEntry[str]) -> None:
+        """Index one file under blocks/ by its name alone: its bytes are checked at read."""
+        if entry.name.endswith(TMP_SUFFIX):  # a write cut short: never trusted, never read
+            _unlink(Path(entry.path))
+            self.index.count(tmp_removed=1)
+        elif (BLOCK_NAME.fullmatch(entry.name) and entry.name.startswith(subdir)
+              and entry.is_file(follow_symlinks=False)):
+            self.index.add_block(BlockHash(bytes.fromhex(entry.name[:2 * HASH_BYTES])),
+                                 entry.stat(follow_symlinks=False).st_size)
+        else:
+            self._quarantine(Path(entry.path), Quarantined("name", "not a block file name"))
+
+    def _index_session(self, entry: os.DirEntry[str]) -> None:
+        path = Path(entry.path)
+        if entry.name.endswith(TMP_SUFFIX):
+            _unlink(path)
+            self.index.count(tmp_removed=1)
+            return
+        if not SESSION_NAME.fullmatch(entry.name):
+            self._quarantine(path, Quarantined("name", "not a session file name"))
+            return
+        try:
+            record, size = decode_session(path, self.layout)
+        except Quarantined as exc:
+            self._quarantine(path, exc)
+            return
+        except (Missing, Unreadable) as exc:
+            log.warning("kv_store_session_unreadable", file=entry.name, error=str(exc))
+            return
+        if self.index.count_missing(record.block_hashes):
+            # Sound bytes naming KV that is not all there: useless, and no bad file.
+            _unlink(path)
+            self.index.mark_dirty(self.sessions_dir)
+            self.index.count(incomplete_sessions=1)
+            return
+        self.index.put_session(record, size)
+
+    # -- quarantine
+    def _quarantine(self, path: Path, exc: Quarantined) -> Quarantined:
+        """Move ``path`` intact to quarantine/ and count it; returns ``exc``."""
+        with self._mutate:
+            base = self.quarantine_dir / f"{path.name}.{_utc_stamp()}"
+            target, n = base, 0
+            while os.path.lexists(target):  # os.rename would replace it silently
+                n += 1
+                target = base.with_name(f"{base.name}-{n}")
+            try:
+                os.rename(path, target)
+                exc.moved_to = target
+            except FileNotFoundError:
+                pass  # evicted meanwhile: nothing left to keep
+            except OSError as err:
+                log.error("kv_store_quarantine_failed", file=path.name, error=str(err))
+            self.index.count_quarantined(exc.reason)
+            self.index.mark_dirty(path.parent, self.quarantine_dir)
+        log.warning("kv_store_quarantined", file=path.name, reason=exc.reason,
+                    detail=exc.detail, moved_to=str(exc.moved_to) if exc.moved_to else None)
+        return exc
+
+    # -- index queries (any thread; they never touch the disk)
+    def has_block(self, block_hash: BlockHash) -> bool:
+        return self.index.has_block(block_hash)
+
+    def count_present(self, block_hashes: Sequence[BlockHash]) -> int:
+        """How many leading ``block_hashes`` have a block file (a prefix match on disk)."""
+        return self.index.count_present(block_hashes)
+
+    def has_session(self, session_id: str) -> bool:
+        return self.index.has_session(session_id)
+
+    def load_sessions(self) -> list[SessionRecord]:
+        """Every session the store holds, verified at open, least recently used first."""
+        return self.index.sessions_lru()
+
+    def stats(self) -> dict[str, object]:
+        return {**self.index.stats(), "budget_bytes": self.disk_budget_bytes}
+
+    # -- reading (the loader thread)
+    def read_block(self, block_hash: BlockHash, expected_token_ids: Sequence[int]) -> torch.Tensor:
+        """The block's KV (CPU, ``block_shape``/``dtype``), every field verified.
+
+        Raises ``Quarantined`` (the file is moved aside and counted), ``Missing`` or
+        ``Unreadable``, all ``KVStoreError``s."""
+        path = self.blocks_dir / block_relpath(block_hash)  # checks the hash
+        try:
+            tokens, tensor, size = decode_block(path, self.layout, block_hash)
+            if tokens != tuple(expected_token_ids):
+                # sha256 chains make this a wrong file, not a collision
+                raise Quarantined("tokens", "the block holds other tokens than its hash's")
+        except Quarantined as exc:
+            with self._mutate:
+                self._quarantine(path, exc)
+                self.index.forget_block(block_hash)
+            raise
+        except Missing:
+            with self._mutate:
+                if not os.path.lexists(path):  # removed behind our back: stop offering it
+                    self.index.forget_block(block_hash)
+            raise
+        self.index.count(reads=1, bytes_read=size)
+        return tensor
+
+    # -- writing (the writer thread)
+    def write_block(self, block_hash: BlockHash, token_ids: Sequence[int],
+                    tensor: torch.Tensor) -> bool:
+        """Store one block (a CPU tensor of ``block_shape``/``dtype``); False if present.
+
+        Either way the block is pending (spared by eviction) until the next
+        ``write_session``."""
+        path = self.blocks_dir / block_relpath(block_hash)  # checks the hash
+        tokens = [int(t) for t in token_ids]
+        if len(tokens) != self.layout.block_size:
+            raise ValueError(f"a block holds {self.layout.block_size} tokens, not {len(tokens)}")
+        with self._mutate:
+            if self.index.pend(block_hash):
+                return False
+            try:
+                pieces = encode_block(self.layout, block_hash, tokens, tensor)
+                with contextlib.suppress(FileExistsError):
+                    path.parent.mkdir(mode=0o700)
+                    self.index.mark_dirty(self.blocks_dir)
+                size = write_atomic(path, pieces)
+            except BaseException:
+                self.index.unpend(block_hash)
+                raise
+            self.index.add_block(block_hash, size)
+            self.index.mark_dirty(path.parent)
+            self.index.count(writes=1, bytes_written=size)
+        return True
+
+    def write_session(self, session_id: str, tenant: str, token_ids: Sequence[int],
+                      block_hashes: Sequence[BlockHash], last_used: float) -> None:
+        """Write (or replace) a session's manifest; its blocks must be in the store."""
+        if not isinstance(session_id, str) or not session_id or not isinstance(tenant, str):
+            raise ValueError("a session needs a non-empty string id and a string tenant")
+        hashes = tuple(block_hashes)
+        for h in hashes:
+            check_hash(h)
+        tokens = tuple(int(t) for t in token_ids)
+        if len(tokens) != len(hashes) * self.layout.block_size:
+            raise ValueError(f"{len(tokens)} tokens for {len(hashes)} full blocks")
+        record = SessionRecord(session_id, tenant, tokens, hashes, float(last_used),
+                               float(self.clock()))
+        with self._mutate:
+            missing = self.index.count_missing(hashes)
+            if missing:
+                raise ValueError(f"{missing} of the session's blocks are not in the store")
+            self.sync_dirs()  # the blocks' names are durable before a manifest names them
+            self._put_session(record)
+            self.index.clear_pending()  # the writer's batch is named: eviction may judge it
+
+    def _put_session(self, record: SessionRecord) -> None:
+        path = self.sessions_dir / session_name(record.session_id)
+        size = write_atomic(path, encode_session(self.layout, record))
+        self.index.put_session(record, size)
+        self.index.mark_dirty(self.sessions_dir)
+        self.index.count(writes=1, bytes_written=size)
+
+    def touch_session(self, session_id: str, last_used: float) -> bool:
+        """Record a use (rewrites the small manifest); False if there is no such session."""
+        with self._mutate:
+            record = self.index.session(session_id)
+            if record is None:
+                return False
+            self._put_session(SessionRecord(record.session_id, record.tenant, record.token_ids,
+                                            record.block_hashes, float(last_used),
+                                            record.saved_at))
+        return True
+
+    def delete_session(self, session_id: str) -> bool:
+        """Remove a session and every block no other session names (tenant data goes)."""
+        with self._mutate:
+            if not self.index.has_session(session_id):
+                return False
+            self._drop_session(session_id)
+        return True
+
+    def _drop_session(self, session_id: str) -> list[BlockHash]:
+        # The manifest goes first: a crash after it leaves orphans, never a dangling name.
+        _unlink(self.sessions_dir / session_name(session_id))
+        self.index.mark_dirty(self.sessions_dir)
+        return self._remove_blocks(self.index.remove_session(session_id))
+
+    def _remove_blocks(self, hashes: Sequence[BlockHash]) -> list[BlockHash]:
+        removed = []
+        for h in hashes:
+            if not self.index.removable(h):  # named again, or pending
+                continue
+            path = self.blocks_dir / block_relpath(h)
+            _unlink(path)
+            self.index.forget_block(h)
+            self.index.mark_dirty(path.parent)
+            removed.append(h)
+        return removed
+
+    def evict_to_budget(self) -> Evicted:
+        """Delete orphan blocks, then least recently used sessions (and the blocks only
+        they named) until the store fits ``disk_budget_bytes``. A block a remaining
+        session names, or a pending one, is never removed."""
+        with self._mutate:
+            before = self.index.bytes
+            blocks = self._remove_blocks(self.index.orphans())
+            sessions: list[str] = []
+            for record in self.index.sessions_lru():
+                if self.index.bytes <= self.disk_budget_bytes:
+                    break
+                blocks += self._drop_session(record.session_id)
+                sessions.append(record.session_id)
+            freed = before - self.index.bytes
+            self.index.count(evicted_sessions=len(sessions), evicted_blocks=len(blocks))
+        if sessions or blocks:
+            log.info("kv_store_evicted", sessions=len(sessions), blocks=len(blocks), bytes=freed)
+        return Evicted(tuple(sessions), tuple(blocks), freed)
+
+    def sync_dirs(self) -> None:
+        """fsync every directory whose names changed since the last call (once per batch)."""
+        dirty = self.index.take_dirty()
+        try:
+            for d in sorted(dirty, key=lambda p: len(p.parts), reverse=True):  # deepest first
+                fsync_dir(d)
+        except BaseException:
+            self.index.mark_dirty(*dirty)
+            raise
