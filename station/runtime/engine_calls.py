@@ -139,6 +139,9 @@ class EngineCalls:
     def kv_load(self, owner: Any, done: CallDone, session_id: str) -> dict[str, Any]:
         engine = self.engine
         session = engine.kv.get_session(session_id)
+        if session is None and session_id in engine.kv.disk:
+            raise _error(ErrorCode.NOT_FOUND, f"KV session {session_id!r} is on disk only: "
+                         f"forward or generate with load_session reads it back")
         if session is None:
             raise _error(ErrorCode.NOT_FOUND, f"no KV session {session_id!r}")
         seq = self._new_seq(owner, list(session.token_ids), session.tenant, None)
@@ -146,16 +149,26 @@ class EngineCalls:
         return {"seq_id": seq.seq_id, "num_tokens": seq.num_tokens}
 
     def kv_delete(self, owner: Any, done: CallDone, session_id: str) -> dict[str, Any]:
-        return {"deleted": self.engine.kv.unpin(session_id)}
+        deleted = self.engine.kv.unpin(session_id)
+        if self.engine.tier is not None:
+            self.engine.tier.delete(session_id)  # its manifest, after any write queued for it
+        return {"deleted": deleted}
 
     def kv_list(self, owner: Any, done: CallDone, include_tokens: bool = False) -> dict[str, Any]:
         sessions = self.engine.kv.sessions
         listed = []
         for s in reversed(sessions.sessions()):  # most recently used first
             item: dict[str, Any] = {"session_id": s.session_id, "tenant": s.tenant,
-                                    "num_tokens": s.num_tokens, "last_used": s.last_used}
+                                    "num_tokens": s.num_tokens, "last_used": s.last_used,
+                                    "tier": "pool"}
             if include_tokens:
                 item["tokens"] = list(s.token_ids)
+            listed.append(item)
+        for d in sorted(self.engine.kv.disk.sessions(), key=lambda d: -d.last_used):
+            item = {"session_id": d.session_id, "tenant": d.tenant, "num_tokens": d.num_tokens,
+                    "last_used": d.last_used, "tier": "disk"}
+            if include_tokens:
+                item["tokens"] = list(d.token_ids)
             listed.append(item)
         return {"sessions": listed, "budget": sessions.budget, "pinned_blocks": sessions.pinned_blocks}
 

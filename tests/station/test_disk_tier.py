@@ -1,0 +1,129 @@
+"""The disk tier behind the KV pool, on the tiny model: sessions that outgrow the pool come
+back from disk as hits with ``model.generate``'s exact greedy output; a restart finds
+them again without loading them; a bad file is quarantined and the request is a miss."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from gnosis_daemon.settings import Settings
+from station.core.requests import Finished, GenerationRequest, Prefill, SamplingParams
+from station.runtime.engine import PagedEngine
+from station.runtime.kv_tier import open_tier
+from station.runtime.model_loader import load_model
+from tests.support.tiny_models import build_tiny_model
+from tests.station.test_paged_engine import Collector, prompt_of, reference
+
+BS = 4
+pytestmark = pytest.mark.usefixtures("few_threads")
+
+
+class TierEngine:
+    """A ``PagedEngine`` with the disk tier, opened as the station opens it."""
+
+    def __init__(self, loaded, state, num_blocks: int, **overrides) -> None:
+        self.settings = Settings(model=loaded.path, runtime_dir=str(state.parent / "rt"),
+                                 state_dir=str(state), kv_block_size=BS, **overrides)
+        self.engine = PagedEngine(loaded, self.settings, num_blocks=num_blocks)
+        self.report = open_tier(self.engine, self.settings)
+        self.n = 0
+
+    def __enter__(self) -> TierEngine:
+        self.engine.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.engine.shutdown()
+        self.engine.tier.store.close()
+
+    def generate(self, prompt, n: int, **kwargs) -> Collector:
+        self.n += 1
+        collector = Collector()
+        self.engine.add_request(GenerationRequest(
+            f"r{self.n}", list(prompt), SamplingParams(max_tokens=n, temperature=0.0),
+            tenant="alice", **kwargs), collector)
+        return collector.wait()
+
+    def settle(self, timeout: float = 30.0) -> None:
+        """Wait until every saved session is on disk (the write-behind is idle)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            stats = self.engine.stats()
+            if stats["write_behind_queued"] == 0 and not self.engine.kv.to_write and \
+                    stats["disk_writes"] >= self.expected_writes:
+                return
+            time.sleep(0.02)
+        raise AssertionError(f"write-behind did not settle: {self.engine.stats()}")
+
+    expected_writes = 0
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    path = build_tiny_model(tmp_path_factory.mktemp("tier") / "llama", "llama")
+    return path, load_model(Settings(model=str(path),
+                                     runtime_dir=str(tmp_path_factory.mktemp("rt"))))
+
+
+def test_sessions_ten_times_the_pool_come_back_from_disk(tiny, tmp_path):
+    path, loaded = tiny
+    num_blocks = 24  # 96 tokens of KV
+    prompts = [prompt_of(700 + i, 23) for i in range(48)]  # 5 full blocks saved each: 240 blocks
+    with TierEngine(loaded, tmp_path / "state", num_blocks) as t:
+        first = []
+        for i, prompt in enumerate(prompts):
+            first.append(t.generate(prompt, 4, save_session=f"alice.p.{i}", match_session=True).tokens)
+            t.expected_writes = i + 1
+            t.settle()
+        stats = t.engine.stats()
+        assert stats["kv_sessions_offloaded"] > 0 and stats["kv_sessions_lost"] == 0
+        assert stats["kv_disk_sessions"] + stats["kv_sessions"] == len(prompts)
+        tiers = []
+        for i, prompt in enumerate(prompts):
+            again = t.generate(prompt, 4, match_session=True)
+            pre = again.one(Prefill)
+            assert (pre.session_loaded, pre.session_id, pre.session_tokens) == (True, f"alice.p.{i}", 20)
+            assert again.tokens == first[i] == reference(path, prompt, 4)
+            tiers.append(pre.session_tier)
+        assert tiers.count("disk") >= 40  # the pool holds at most 4 of these sessions
+        assert t.engine.stats()["kv_disk_loads"] == tiers.count("disk")
+
+
+def test_a_restart_finds_the_sessions_without_loading_them(tiny, tmp_path):
+    path, loaded = tiny
+    prompts = [prompt_of(800 + i, 23) for i in range(6)]
+    with TierEngine(loaded, tmp_path / "state", 64) as t:
+        for i, prompt in enumerate(prompts):
+            t.generate(prompt, 3, save_session=f"alice.p.{i}")
+    # A clean stop flushed the write-behind; the new engine reads only the manifests.
+    with TierEngine(loaded, tmp_path / "state", 64) as t:
+        assert t.report["sessions"] == len(prompts) and t.report["error"] is None
+        assert t.engine.kv.pool.num_held_blocks == 0 and len(t.engine.kv.disk) == len(prompts)
+        hit = t.generate(prompts[3] + prompt_of(9, 5), 6, match_session=True)
+        pre = hit.one(Prefill)
+        assert (pre.session_loaded, pre.session_id, pre.session_tier) == (True, "alice.p.3", "disk")
+        assert hit.tokens == reference(path, prompts[3] + prompt_of(9, 5), 6)
+        assert hit.one(Finished).cached_tokens == 20
+
+
+def test_a_corrupt_block_file_is_quarantined_and_the_request_is_a_miss(tiny, tmp_path):
+    path, loaded = tiny
+    prompt = prompt_of(900, 23)
+    with TierEngine(loaded, tmp_path / "state", 64) as t:
+        t.generate(prompt, 3, save_session="alice.p.x")
+    blocks = sorted((tmp_path / "state" / "kv-tier" / "blocks").rglob("*.kvb"))
+    assert len(blocks) == 5
+    data = bytearray(blocks[2].read_bytes())
+    data[len(data) // 2] ^= 0x40
+    blocks[2].write_bytes(bytes(data))
+    with TierEngine(loaded, tmp_path / "state", 64) as t:
+        miss = t.generate(prompt, 6, match_session=True)
+        pre = miss.one(Prefill)
+        assert (pre.session_loaded, pre.session_error, pre.cached_tokens) == (False, "quarantined", 0)
+        assert miss.tokens == reference(path, prompt, 6)
+        stats = t.engine.stats()
+        assert stats["kv_disk_quarantined_loads"] == 1 and stats["disk_quarantined"] == {"checksum": 1}
+        quarantined = list((tmp_path / "state" / "kv-tier" / "quarantine").iterdir())
+        assert len(quarantined) == 1 and quarantined[0].read_bytes() == bytes(data)
