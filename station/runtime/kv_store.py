@@ -20,8 +20,8 @@ state or the new, plus perhaps a ``*.tmp`` that the next open deletes unread (a 
 is never trusted). Files never change after the rename. Blocks go before the manifest that
 names them, and ``write_session`` fsyncs the block directories first, so even after a power
 loss a durable manifest names durable blocks. Should a manifest name a block that is gone
-anyway (a power loss before ``sync_dirs``, a file removed by hand, a block quarantined),
-the open drops that session as *incomplete*: it deletes the manifest (its bytes are sound,
+anyway (a power loss that undid an eviction's unlink of the manifest but not of its
+blocks, a file removed by hand, a block quarantined at read), the open drops that session as *incomplete*: it deletes the manifest (its bytes are sound,
 its KV is not all there, so quarantining it would prove nothing) and counts it. Eviction
 deletes the manifest before the blocks, so a crash midway leaves orphan blocks, which the
 next ``evict_to_budget`` collects. And whatever the disk holds, every read checks every
