@@ -20,8 +20,8 @@ state or the new, plus perhaps a ``*.tmp`` that the next open deletes unread (a 
 is never trusted). Files never change after the rename. Blocks go before the manifest that
 names them, and ``write_session`` fsyncs the block directories first, so even after a power
 loss a durable manifest names durable blocks. Should a manifest name a block that is gone
-anyway (a power loss before ``sync_dirs``, a file removed by hand, a block quarantined),
-the open drops that session as *incomplete*: it deletes the manifest (its bytes are sound,
+anyway (a power loss that undid an eviction's unlink of the manifest but not of its
+blocks, a file removed by hand, a block quarantined at read), the open drops that session as *incomplete*: it deletes the manifest (its bytes are sound,
 its KV is not all there, so quarantining it would prove nothing) and counts it. Eviction
 deletes the manifest before the blocks, so a crash midway leaves orphan blocks, which the
 next ``evict_to_budget`` collects. And whatever the disk holds, every read checks every
@@ -85,6 +85,10 @@ def _utc_stamp() -> str:
     return time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
 
 
+def _is_tmp(entry: os.DirEntry[str]) -> bool:
+    return entry.name.endswith(TMP_SUFFIX) and not entry.is_dir(follow_symlinks=False)
+
+
 def _unlink(path: Path) -> None:
     with contextlib.suppress(FileNotFoundError):
         os.unlink(path)
@@ -145,13 +149,15 @@ class KVStore:
             with contextlib.suppress(FileExistsError):
                 d.mkdir(mode=0o700)
                 self.index.mark_dirty(self.root)
+        # Each listing is taken whole before its entries are removed or moved.
         with os.scandir(self.blocks_dir) as it:
             subdirs = sorted(it, key=lambda e: e.name)
         for sub in subdirs:
             if sub.is_dir(follow_symlinks=False) and BLOCK_DIR.fullmatch(sub.name):
                 with os.scandir(sub.path) as it:
-                    for entry in it:
-                        self._index_block(sub.name, entry)
+                    entries = list(it)
+                for entry in entries:
+                    self._index_block(sub.name, entry)
             else:
                 self._quarantine(Path(sub.path), Quarantined("name", "not a block directory"))
         with os.scandir(self.sessions_dir) as it:
@@ -167,7 +173,7 @@ class KVStore:
 
     def _index_block(self, subdir: str, entry: os.DirEntry[str]) -> None:
         """Index one file under blocks/ by its name alone: its bytes are checked at read."""
-        if entry.name.endswith(TMP_SUFFIX):  # a write cut short: never trusted, never read
+        if _is_tmp(entry):  # a write cut short: never trusted, never read
             _unlink(Path(entry.path))
             self.index.count(tmp_removed=1)
         elif (BLOCK_NAME.fullmatch(entry.name) and entry.name.startswith(subdir)
@@ -179,7 +185,7 @@ class KVStore:
 
     def _index_session(self, entry: os.DirEntry[str]) -> None:
         path = Path(entry.path)
-        if entry.name.endswith(TMP_SUFFIX):
+        if _is_tmp(entry):
             _unlink(path)
             self.index.count(tmp_removed=1)
             return
