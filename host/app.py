@@ -48,6 +48,15 @@ from host.station_link import StationLink
 
 _HEALTH_STATS_S = 0.5
 
+
+def _session_count(stats: dict[str, Any] | None) -> int | None:
+    """KV sessions in every tier, from the station's ``stats``."""
+    try:
+        return None if stats is None else (int(stats.get("kv_sessions") or 0)
+                                           + int(stats.get("kv_disk_sessions") or 0))
+    except (TypeError, ValueError):
+        return None
+
 log = get_logger("host")
 _DRAIN_POLL_S = 0.05
 # Paths that never need a key unless health_requires_key is set.
@@ -160,19 +169,22 @@ def create_app(settings: Settings, link: StationLink,
         }
         # Liquid memory: effective state, env switch, station kv_session, reason when off.
         body.update(memory.state(connected=connected).health_fields())
-        body["liquid_sessions"] = await station_sessions() if connected else None
+        stats = await station_stats() if connected else None
+        body["liquid_sessions"] = _session_count(stats)
+        if stats is not None and isinstance(stats.get("kv_tier"), dict):
+            body["station_kv_tier"] = stats["kv_tier"]  # the tiers' fill now
         return Response(sse.encode_json(body), 200 if connected else 503,
                         content_type="application/json")
 
-    async def station_sessions() -> int | None:
-        """The KV sessions the station holds (its ``stats``), None when it does not answer
+    async def station_stats() -> dict[str, Any] | None:
+        """The station's ``stats`` (KV sessions in each tier), None when it does not answer
         within ``_HEALTH_STATS_S``: /health never waits on a busy station for long."""
         with trio.move_on_after(_HEALTH_STATS_S):
             try:
                 stats = await link.current().request("stats", {})
-                return int(stats.get("kv_sessions") or 0)
-            except (StationError, TypeError, ValueError):
+            except StationError:
                 return None
+            return stats if isinstance(stats, dict) else None
         return None
 
     @app.get("/metrics")

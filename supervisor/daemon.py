@@ -122,8 +122,10 @@ class Supervisor:
             hello = child.ready_info if running else {}
             snap["capabilities"] = {k: v for k, v in (hello.get("capabilities") or {}).items() if v}
             snap["model"] = (hello.get("model") or {}).get("id")
-            # What the station's start found in the KV disk tier: rejected or foreign tiers.
-            snap["kv_tier"] = hello.get("kv_tier")
+            # The KV tiers' fill (the latest health check's, else hello's) and what the
+            # start found: quarantined files, a disk tier that could not be opened.
+            health_tier = (child.health_info or {}).get("kv_tier") if running else None
+            snap["kv_tier"] = health_tier or hello.get("kv_tier")
             snap["health"] = child.health_info if running else {}
         else:
             latest = (child.health_info or child.ready_info) if running else {}

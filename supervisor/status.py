@@ -155,32 +155,43 @@ def render(document: dict[str, Any]) -> str:
 
 
 def _kv_tier_lines(tier: Any) -> list[str]:
-    """The station's KV disk tier as its start found it; rejected and foreign tiers loudly."""
+    """The KV tiers' fill (the pool, the disk), and loudly what needs an operator: files
+    quarantined, a disk tier that could not be opened, an old tier left unread."""
     if not isinstance(tier, dict):
         return []
+    pool = (f"pool {_fmt(tier.get('pool_sessions'))} sessions "
+            f"({_fmt(tier.get('pool_pinned_blocks'))} of {_fmt(tier.get('pool_blocks'))} blocks pinned)")
     if tier.get("enabled") is False:
-        return ["kv tier: off (kv_persistence = false)"]
-    line = (f"kv tier {tier.get('path')}: restored {_fmt(tier.get('restored_sessions'))} "
-            f"sessions ({_fmt(tier.get('restored_blocks'))} blocks)")
-    if tier.get("skipped_sessions"):
-        line += f", {tier['skipped_sessions']} not restored (session budget or KV pool)"
-    lines = [line]
-    rejections = [r for r in tier.get("rejections") or [] if isinstance(r, dict)]
-    for rejection in rejections:
-        lines.append(f"  REJECTED at start, kept at {rejection.get('path')}: "
-                     f"{rejection.get('reason')}")
-    foreign = tier.get("foreign")
-    if isinstance(foreign, dict):
-        lines.append(f"  FOREIGN tier kept in place (another model or layout; moved aside "
-                     f"before this station writes its own): {foreign.get('reason')}")
-    on_disk = tier.get("rejected_on_disk")
-    earlier = on_disk - len(rejections) if isinstance(on_disk, int) else 0
-    if earlier > 0:
-        lines.append(f"  {earlier} rejected tier(s) from earlier runs beside it "
-                     f"(*.rejected-*): inspect, then delete them")
-    if tier.get("foreign_on_disk"):
-        lines.append(f"  {tier['foreign_on_disk']} foreign tier(s) kept beside it (*.foreign-*)")
+        return [f"kv tiers: {pool}; disk off (kv_persistence = false)"]
+    lines = []
+    if tier.get("error"):
+        lines.append(f"kv tiers: {pool}; DISK TIER UNAVAILABLE at {tier.get('path')}: {tier['error']}")
+    else:
+        lag = tier.get("write_behind_lag_ms_p99")
+        lines.append(
+            f"kv tiers: {pool}; disk {_fmt(tier.get('disk_sessions'))} sessions, "
+            f"{_size(tier.get('disk_bytes'))} of {_size(tier.get('disk_budget_bytes'))} "
+            f"at {tier.get('path')}, write-behind lag p99 "
+            f"{'-' if lag is None else f'{lag:.0f} ms'}")
+    reasons = tier.get("quarantine_reasons")
+    if tier.get("quarantined"):
+        detail = ", ".join(f"{k} {v}" for k, v in sorted((reasons or {}).items()))
+        lines.append(f"  QUARANTINED {tier['quarantined']} file(s) ({detail}): kept intact in "
+                     f"{tier.get('path')}/quarantine; inspect, then delete them")
+    if tier.get("lost"):
+        lines.append(f"  {tier['lost']} session(s) evicted before the write-behind reached disk")
+    if tier.get("legacy"):
+        lines.append(f"  an earlier version's tier is kept, not read: {tier['legacy']}")
     return lines
+
+
+def _size(n: Any) -> str:
+    if not isinstance(n, (int, float)):
+        return "-"
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{int(n)} B"
 
 
 def show(settings: Any, as_json: bool = False, out: TextIO | None = None) -> int:

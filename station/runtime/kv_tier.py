@@ -257,6 +257,9 @@ class DiskTier:
             self.figures.load_ms.append(ms)
         else:
             self.figures.load_failures += 1
+            # Its KV is no longer all there: drop the manifest too (the bad file is kept,
+            # quarantined; the good blocks go with the next eviction unless shared).
+            self.delete(plan.session.session_id)
         self.kv.finish_load(plan, ok)
         if self._on_load_done is not None:
             self._on_load_done(plan, ok)
@@ -321,8 +324,26 @@ def open_tier(engine: Any, settings: Any) -> dict[str, Any]:
                                     tuple(hashes), tuple(record.block_hashes), record.last_used))
     engine.attach_disk_tier(store, sessions)
     stats = store.stats()
-    report.update(sessions=len(sessions), blocks=stats["blocks"], bytes=stats["bytes"],
-                  budget_bytes=settings.kv_disk_bytes, quarantined=stats["quarantined_total"],
-                  quarantine_reasons=stats["quarantined"],
-                  incomplete_sessions=stats["incomplete_sessions"])
+    report.update(start_sessions=len(sessions), start_bytes=stats["bytes"],
+                  start_quarantined=stats["quarantined_total"],
+                  start_incomplete=stats["incomplete_sessions"])
+    return report
+
+
+def tier_report(start: dict[str, Any], stats: dict[str, Any]) -> dict[str, Any]:
+    """``hello``/``health``/``stats``'s ``kv_tier``: what the start found (``start``, from
+    ``open_tier``) and the tiers' fill now (``stats``: the engine's)."""
+    report = dict(start)
+    report.update(
+        pool_sessions=stats.get("kv_sessions"), pool_session_budget=stats.get("kv_session_budget"),
+        pool_pinned_blocks=stats.get("pinned_blocks"), pool_blocks=stats.get("blocks_total"))
+    if "disk_bytes" in stats:
+        report.update(
+            disk_sessions=stats.get("kv_disk_sessions"), disk_bytes=stats.get("disk_bytes"),
+            disk_budget_bytes=stats.get("disk_budget_bytes"), disk_blocks=stats.get("disk_blocks"),
+            quarantined=stats.get("disk_quarantined_total"),
+            quarantine_reasons=stats.get("disk_quarantined"),
+            offloaded=stats.get("kv_sessions_offloaded"), lost=stats.get("kv_sessions_lost"),
+            write_behind_lag_ms_p99=stats.get("write_behind_lag_ms_p99"),
+            write_behind_queued=stats.get("write_behind_queued"))
     return report

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import gnosis_daemon
 from gnosis_daemon.protocol import PROTOCOL_VERSION, ErrorCode
+from station.runtime.kv_tier import tier_report
 from station.serving.connection import Connection
 from station.serving.ops import OpContext, bad
 
@@ -34,7 +35,7 @@ def hello(server: StationServer, conn: Connection, args: None) -> dict[str, Any]
         "kv_pool": {"block_size": int(server.engine.block_size),
                     "blocks_total": int(stats.get("blocks_total", 0)),
                     "blocks_free": int(stats.get("blocks_free", 0))},
-        "kv_tier": server.kv_tier,
+        "kv_tier": tier_report(server.kv_tier or {}, stats),
     }
 
 
@@ -43,11 +44,13 @@ def health(server: StationServer, conn: Connection, args: None) -> dict[str, Any
     return {"status": "shutting_down" if server.shutting_down else "ok", "pid": os.getpid(),
             "uptime_s": round(time.monotonic() - server.started, 3),
             "running": int(stats.get("running", 0)), "waiting": int(stats.get("waiting", 0)),
-            "kv_tier": server.kv_tier}
+            "kv_tier": tier_report(server.kv_tier or {}, stats)}
 
 
 def stats(server: StationServer, conn: Connection, args: None) -> dict[str, Any]:
-    return {**server.engine.stats(), "connections": server.num_connections}
+    stats = server.engine.stats()
+    return {**stats, "connections": server.num_connections,
+            "kv_tier": tier_report(server.kv_tier or {}, stats)}
 
 
 def parse_cancel(ctx: OpContext, args: dict[str, Any]) -> int | str:

@@ -99,7 +99,7 @@ def test_a_restart_finds_the_sessions_without_loading_them(tiny, tmp_path):
             t.generate(prompt, 3, save_session=f"alice.p.{i}")
     # A clean stop flushed the write-behind; the new engine reads only the manifests.
     with TierEngine(loaded, tmp_path / "state", 64) as t:
-        assert t.report["sessions"] == len(prompts) and t.report["error"] is None
+        assert t.report["start_sessions"] == len(prompts) and t.report["error"] is None
         assert t.engine.kv.pool.num_held_blocks == 0 and len(t.engine.kv.disk) == len(prompts)
         hit = t.generate(prompts[3] + prompt_of(9, 5), 6, match_session=True)
         pre = hit.one(Prefill)
