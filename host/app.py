@@ -193,7 +193,8 @@ def create_app(settings: Settings, link: StationLink,
                   "station_restarts": float(link.reconnects),
                   "model_requests_inflight": float(admission.inflight),
                   "model_requests_inflight_limit": float(admission.limit)}
-        return Response(app.gnosis_counters.render(gauges), 200,  # type: ignore[attr-defined]
+        station = await station_stats() if link.connected else None
+        return Response(app.gnosis_counters.render(gauges, station), 200,  # type: ignore[attr-defined]
                         content_type="text/plain; version=0.0.4")
 
     @app.get("/v1/models")

@@ -148,6 +148,7 @@ def _outcome(memory: LiquidMemory, prepared: Prepared, first: dict[str, Any] | N
     outcome = memory.on_prefill(prepared, prefill)
     record.liquid_memory = outcome.liquid_memory
     record.liquid_reason = outcome.miss_reason
+    record.liquid_tier = outcome.tier
     if prefill is not None:
         record.prompt_tokens = prefill.get("prompt_tokens")
         record.cached_tokens = prefill.get("cached_tokens")

@@ -37,6 +37,7 @@ class RequestRecord:
     ttft_ms: float | None = None
     liquid_memory: str | None = None  # hit | miss | capture_failed | disabled (completions)
     liquid_reason: str | None = None
+    liquid_tier: str | None = None  # a hit: the tier its session came from (pool | disk)
     outcome: str | None = None  # ok | error:<code> | client_disconnected | ...
     # Resources a streamed response holds (the station stream); run when the task ends,
     # even if the response body was never iterated.
@@ -68,6 +69,7 @@ class Counters:
         self.cached_tokens = 0
         # Completions by liquid-memory outcome; every outcome is rendered, 0 included.
         self.liquid: Counter[str] = Counter({name: 0 for name in LIQUID_OUTCOMES})
+        self.liquid_hits: Counter[str] = Counter({tier: 0 for tier in TIERS})  # hits by tier
         self.inflight = 0  # HTTP requests whose task has not ended (the drain waits for 0)
 
     def observe(self, record: RequestRecord) -> None:
@@ -77,8 +79,12 @@ class Counters:
         self.cached_tokens += record.cached_tokens or 0
         if record.liquid_memory is not None:
             self.liquid[record.liquid_memory] += 1
+        if record.liquid_tier is not None:
+            self.liquid_hits[record.liquid_tier] += 1
 
-    def render(self, gauges: dict[str, float]) -> str:
+    def render(self, gauges: dict[str, float], station: dict[str, Any] | None = None) -> str:
+        """The counters, ``gauges``, and the KV tiers' figures from the station's ``stats``
+        (absent when it did not answer)."""
         lines = ["# TYPE gnosis_http_requests_total counter"]
         for (path, status), count in sorted(self.requests.items()):
             lines.append(f'gnosis_http_requests_total{{path="{_label(path)}",status="{status}"}} '
@@ -89,11 +95,47 @@ class Counters:
         lines.append("# TYPE gnosis_liquid_memory_total counter")
         for outcome, count in sorted(self.liquid.items()):
             lines.append(f'gnosis_liquid_memory_total{{outcome="{_label(outcome)}"}} {count}')
+        lines.append("# TYPE gnosis_liquid_hits_total counter")
+        for tier, count in sorted(self.liquid_hits.items()):
+            lines.append(f'gnosis_liquid_hits_total{{tier="{_label(tier)}"}} {count}')
+        lines.extend(tier_lines(station or {}))
         gauges = {**gauges, "http_requests_inflight": float(self.inflight)}
         for name, value in sorted(gauges.items()):
             lines.append(f"# TYPE gnosis_{name} gauge")
             lines.append(f"gnosis_{name} {value:g}")
         return "\n".join(lines) + "\n"
+
+
+TIERS = ("pool", "disk")
+
+# (metric, type, {tier label or "": station stats key}): the KV tiers from ``stats``.
+_TIER_METRICS = (
+    ("kv_tier_sessions", "gauge", {"pool": "kv_sessions", "disk": "kv_disk_sessions"}),
+    ("kv_tier_bytes", "gauge", {"disk": "disk_bytes"}),
+    ("kv_tier_budget_bytes", "gauge", {"disk": "disk_budget_bytes"}),
+    ("kv_tier_loads_total", "counter", {"disk": "disk_loads"}),
+    ("kv_tier_load_ms_p50", "gauge", {"disk": "disk_load_ms_p50"}),
+    ("kv_tier_load_ms_p99", "gauge", {"disk": "disk_load_ms_p99"}),
+    ("kv_tier_writes_total", "counter", {"disk": "disk_writes"}),
+    ("kv_tier_write_behind_lag_ms_p50", "gauge", {"disk": "write_behind_lag_ms_p50"}),
+    ("kv_tier_write_behind_lag_ms_p99", "gauge", {"disk": "write_behind_lag_ms_p99"}),
+    ("kv_tier_write_behind_queued", "gauge", {"disk": "write_behind_queued"}),
+    ("kv_tier_quarantined_total", "counter", {"disk": "disk_quarantined_total"}),
+    ("kv_tier_offloaded_total", "counter", {"pool": "kv_sessions_offloaded"}),
+    ("kv_tier_lost_total", "counter", {"pool": "kv_sessions_lost"}),
+)
+
+
+def tier_lines(stats: dict[str, Any]) -> list[str]:
+    lines: list[str] = []
+    for metric, kind, keys in _TIER_METRICS:
+        values = [(tier, stats.get(key)) for tier, key in keys.items()]
+        values = [(tier, v) for tier, v in values if isinstance(v, (int, float)) and not isinstance(v, bool)]
+        if not values:
+            continue
+        lines.append(f"# TYPE gnosis_{metric} {kind}")
+        lines.extend(f'gnosis_{metric}{{tier="{tier}"}} {value:g}' for tier, value in values)
+    return lines
 
 
 def emit(record: RequestRecord, counters: Counters) -> None:

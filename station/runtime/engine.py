@@ -241,8 +241,7 @@ class PagedEngine:
 
     def capabilities(self) -> dict[str, bool]:
         return {"paged_kv": True, "prefix_cache": True, "continuous_batching": True,
-                "kv_persistence": bool(self.settings.kv_persistence),
-                "kv_disk_tier": self.tier is not None}
+                "kv_persistence": self.tier is not None, "kv_disk_tier": self.tier is not None}
 
     # -- engine thread
     def _run(self) -> None:

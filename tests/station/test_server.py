@@ -70,7 +70,8 @@ async def test_hello_fields(station, tiny_dir):
     caps = hello["capabilities"]
     assert caps["generate"] is True and set(caps.values()) == {True}  # absent, never false
     assert set(caps) == {"generate", "forward", "decode_next", "embed", "kv_session", "paged_kv",
-                         "prefix_cache", "continuous_batching", "kv_persistence", "kv_session_match"}
+                         "prefix_cache", "continuous_batching", "kv_persistence", "kv_session_match",
+                         "kv_disk_tier"}
     assert hello["kv_pool"]["blocks_total"] > 0
     assert hello["kv_pool"]["block_size"] == 16
 
