@@ -17,6 +17,7 @@ from bench.soak.measures import Fault, Record
 
 PROBE_KEY = "soak-probe-key"
 PROBE_SESSIONS = 2
+WRITE_BEHIND_WAIT_S = 2.0  # kv_write_behind_s (1 s by default) and a margin
 
 
 class Faults:
@@ -42,6 +43,8 @@ class Faults:
             await trio.sleep(max(self.warm_s, gap * (len(self.faults) + 1) - self.now()))
             fault = Fault(name, child)
             probes = await self._save_probes(len(self.faults))
+            # Past the write-behind bound, the probes are on disk: a station fault keeps them.
+            await trio.sleep(WRITE_BEHIND_WAIT_S)
             fault.old_pid = self.daemon.pids().get(child)
             fault.at, wall_at = self.now(), time.time()
             os.kill(fault.old_pid, sig)

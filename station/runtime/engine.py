@@ -111,7 +111,8 @@ class PagedEngine:
     def attach_disk_tier(self, store: Any, sessions: list[Any]) -> None:
         """Put the disk tier behind the pool (before ``start``): evicted durable sessions
         stay on disk, ``sessions`` (the tier's index at start) can be read back."""
-        self.tier = DiskTier(store, self.kv, self.kv_cache.kv, self._wake)
+        self.tier = DiskTier(store, self.kv, self.kv_cache.kv, self._wake,
+                             self.settings.kv_write_behind_s)
         self.kv.enable_disk_tier(sessions)
 
     def _wake(self) -> None:

@@ -57,9 +57,11 @@ class TierFigures:
     load_ms: collections.deque = field(default_factory=lambda: collections.deque(maxlen=_LAG_WINDOW))
     lag_ms: collections.deque = field(default_factory=lambda: collections.deque(maxlen=_LAG_WINDOW))
     queued_writes: int = 0
+    late_writes: int = 0  # made durable later than kv_write_behind_s after the save
 
     def as_dict(self) -> dict[str, Any]:
         return {"disk_writes": self.writes, "disk_write_errors": self.write_errors,
+                "write_behind_late": self.late_writes,
                 "disk_loads": self.loads, "disk_load_failures": self.load_failures,
                 "disk_load_ms_p50": _pct(self.load_ms, 0.5),
                 "disk_load_ms_p99": _pct(self.load_ms, 0.99),
@@ -79,8 +81,9 @@ class DiskTier:
     """Owned by the engine; ``before_step`` and ``submit_loads`` run on the engine thread."""
 
     def __init__(self, store: Any, kv: KVCacheManager, kv_tensor: torch.Tensor,
-                 wake: Callable[[], None]) -> None:
+                 wake: Callable[[], None], write_behind_s: float = 1.0) -> None:
         self.store = store
+        self.write_behind_s = write_behind_s
         self.kv = kv
         self.kv_tensor = kv_tensor  # [L, 2, num_blocks, block_size, H, D]
         self._wake = wake  # tells the engine thread an answer is waiting
@@ -210,7 +213,13 @@ class DiskTier:
             self.figures.write_errors += 1
             return
         self.figures.writes += 1
-        self.figures.lag_ms.append((time.perf_counter() - job.queued_at) * 1000)
+        lag_s = time.perf_counter() - job.queued_at
+        self.figures.lag_ms.append(lag_s * 1000)
+        if lag_s > self.write_behind_s:
+            # A SIGKILL in that window would have lost it: the disk is slower than the saves.
+            self.figures.late_writes += 1
+            log.warning("kv_tier_write_late", session_id=job.session.session_id,
+                        lag_s=round(lag_s, 3), bound_s=self.write_behind_s)
         if self.kv.sessions.get(job.session.session_id) is job.session and job.session.session_id not in evicted:
             job.session.durable = True
 
