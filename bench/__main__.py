@@ -30,6 +30,7 @@ from bench.common import (
     stop_station,
 )
 from bench.liquid import decode_next_figures, liquid_figures, start_host
+from bench.tier import tier_figures
 from gnosis_daemon.client import open_station_client
 from gnosis_daemon.settings import load_settings
 
@@ -74,6 +75,8 @@ def main(argv: list[str] | None = None) -> int:
             for host in hosts:
                 stop_station(host)
             stop_station(proc)
+        # 4. the disk tier behind the KV pool: stations of their own, one after another
+        tier_figures(report, settings, args, Path(tmp))
 
     report.print()
     report.write(Path(args.out), settings, args)

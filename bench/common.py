@@ -84,6 +84,7 @@ class Plain:
 def start_station(settings, runtime_dir: Path, log_path: Path) -> subprocess.Popen:
     env = settings.child_environ()
     env["GNOSIS_RUNTIME_DIR"] = str(runtime_dir)
+    env["GNOSIS_STATE_DIR"] = str(runtime_dir / "state")  # its own disk tier, never the user's
     env["GNOSIS_LOG_FORMAT"] = "json"
     with open(log_path, "ab") as log:
         proc = subprocess.Popen([sys.executable, "-m", "gnosis_daemon.cli", "station"], cwd=REPO,
@@ -123,22 +124,26 @@ def stop_station(proc: subprocess.Popen) -> None:
 class Ttft:
     ttft_s: float
     cached_tokens: int
+    prefill: dict = field(default_factory=dict)  # the prefill event as the station sent it
 
 
-async def station_ttft(conn, prompt_ids: list[int], tenant: str) -> Ttft:
-    """Time from sending a generate to its first token (max_tokens=1)."""
+async def station_ttft(conn, prompt_ids: list[int], tenant: str, **extra) -> Ttft:
+    """Time from sending a generate to its first token (max_tokens=1); ``extra``: more
+    generate arguments (``save_session``, ``match_session``...)."""
     start = time.perf_counter()
     cached = 0
+    prefill: dict = {}
     async with conn.open_stream("generate", {"tokens": prompt_ids, "max_tokens": 1, "temperature": 0,
-                                             "ignore_eos": True, "tenant": tenant}) as stream:
+                                             "ignore_eos": True, "tenant": tenant, **extra}) as stream:
         first = None
         async for event in stream:
             if event.get("type") == "prefill":
                 cached = event.get("cached_tokens", 0)
+                prefill = event
             if event.get("type") == "tokens" and first is None:
                 first = time.perf_counter() - start
     assert first is not None
-    return Ttft(ttft_s=first, cached_tokens=cached)
+    return Ttft(ttft_s=first, cached_tokens=cached, prefill=prefill)
 
 
 async def station_decode(conn, prompts: list[list[int]], decode_tokens: int) -> float:

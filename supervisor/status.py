@@ -161,9 +161,12 @@ def _kv_tier_lines(tier: Any) -> list[str]:
         return []
     pool = (f"pool {_fmt(tier.get('pool_sessions'))} sessions "
             f"({_fmt(tier.get('pool_pinned_blocks'))} of {_fmt(tier.get('pool_blocks'))} blocks pinned)")
-    if tier.get("enabled") is False:
-        return [f"kv tiers: {pool}; disk off (kv_persistence = false)"]
     lines = []
+    if tier.get("enabled") is False:
+        lines.append(f"kv tiers: {pool}; disk off (kv_persistence = false)")
+        if tier.get("legacy"):
+            lines.append(f"  an earlier version's tier is kept, not read: {tier['legacy']}")
+        return lines
     if tier.get("error"):
         lines.append(f"kv tiers: {pool}; DISK TIER UNAVAILABLE at {tier.get('path')}: {tier['error']}")
     else:

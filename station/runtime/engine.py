@@ -112,7 +112,7 @@ class PagedEngine:
         """Put the disk tier behind the pool (before ``start``): evicted durable sessions
         stay on disk, ``sessions`` (the tier's index at start) can be read back."""
         self.tier = DiskTier(store, self.kv, self.kv_cache.kv, self._wake,
-                             self.settings.kv_write_behind_s)
+                             self.scheduler.on_load_done, self.settings.kv_write_behind_s)
         self.kv.enable_disk_tier(sessions)
 
     def _wake(self) -> None:
@@ -126,7 +126,7 @@ class PagedEngine:
         if self._thread is not None:
             self._thread.join()
         if self.tier is not None:
-            self.tier.before_step(self.scheduler.on_load_done)  # take the last saves
+            self.tier.before_step()  # take the last saves
             self.tier.close(flush=flush_tier)
         with self._cond:
             leftovers = [*self._inbox, *self.scheduler.running, *self.scheduler.waiting]
@@ -250,7 +250,8 @@ class PagedEngine:
             with self._cond:
                 while not (self._stopping or self._inbox or self._aborts or self._call_queue
                            or self._cancels or self.scheduler.has_runnable()
-                           or self.calls.embeds or (self.tier and self.tier.has_answers())):
+                           or self.calls.embeds
+                           or (self.tier and (self.tier.has_answers() or self.kv.to_write))):
                     self._cond.wait()
                 if self._stopping:
                     return
@@ -278,7 +279,7 @@ class PagedEngine:
             if cancels:
                 self.calls.cancel(cancels)
             if self.tier is not None:
-                self.tier.before_step(self.scheduler.on_load_done)
+                self.tier.before_step()
             if self.scheduler.has_runnable():
                 self.step()
             if self.calls.embeds:

@@ -11,7 +11,7 @@ Layout under ``root`` (directories 0700, files 0600: they hold every tenant's to
 A block's name is its ``block_pool.hash_block`` chain hash, which covers every token
 before it, the model fingerprint and the tenant (through the extra keys): sessions that
 share a prefix share its block files, stored once. Each file carries its own layout and a
-blake2b checksum (``station.runtime.kv_store_format``); no pickle anywhere.
+xxh3-128 checksum (``station.runtime.kv_store_format``); no pickle anywhere.
 
 Crash safety. Every file is written to a temp name in its own directory, fsynced, then
 ``os.replace``d over its final name. ``os.replace`` is atomic, so at every instant a final

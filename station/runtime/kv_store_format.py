@@ -10,7 +10,7 @@ Every file, integers little-endian::
     header       header_len bytes: a JSON object, UTF-8
     payload      header["payload_bytes"] bytes: a block's KV tensor, raw, C order
                            (empty for a session manifest)
-    checksum     16 bytes: blake2b(digest_size=16) of every byte before it
+    checksum     16 bytes: xxh3-128 (xxhash) of every byte before it
 
 Block header: ``fingerprint``, ``block_size``, ``shape``, ``dtype`` (``str(torch.dtype)``),
 ``block_hash`` (hex; must equal the file's name), ``token_ids``, ``payload_bytes``.
@@ -47,6 +47,7 @@ from pathlib import Path
 from typing import Any, BinaryIO, Sequence
 
 import torch
+import xxhash
 
 from station.core.block_pool import BlockHash
 
@@ -146,7 +147,7 @@ def _pack(magic: bytes, header: dict[str, Any], payload: Any) -> list[Any]:
     header = {**header, "payload_bytes": payload.nbytes}
     raw = json.dumps(header, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
     prefix = _PREFIX.pack(magic, FORMAT_VERSION, len(raw))
-    digest = hashlib.blake2b(digest_size=CHECKSUM_BYTES)
+    digest = xxhash.xxh3_128()
     for piece in (prefix, raw, payload):
         digest.update(piece)
     return [prefix, raw, payload, digest.digest()]
@@ -261,7 +262,7 @@ def _read_checked(fh: BinaryIO, magic: bytes) -> tuple[dict[str, Any], torch.Ten
     _read_exact(fh, memoryview(payload.numpy()))
     stored = bytearray(CHECKSUM_BYTES)
     _read_exact(fh, memoryview(stored))
-    digest = hashlib.blake2b(digest_size=CHECKSUM_BYTES)
+    digest = xxhash.xxh3_128()
     for piece in (prefix, raw, payload.numpy()):
         digest.update(piece)
     if digest.digest() != stored:

@@ -18,13 +18,15 @@ answers back at its next step boundary (``before_step``), so decode never waits 
   keep decoding. A file that fails a check is quarantined by the store and the request
   runs as a miss.
 
-Threads and the GIL: file I/O and hashing (blake2b on a block's bytes) release it, so the
-writer costs decode little; the figures are in docs/benchmarks.md.
+Threads and the GIL: file I/O and hashing (xxh3-128, a block's bytes) release it, and the
+writer runs at the lowest CPU priority, so it takes the cores decode leaves; what it costs
+decode on a saturated 2-core CPU is a `make bench` row (docs/benchmarks.md).
 """
 
 from __future__ import annotations
 
 import collections
+import os
 import threading
 import time
 from dataclasses import dataclass, field
@@ -60,14 +62,25 @@ class TierFigures:
     late_writes: int = 0  # made durable later than kv_write_behind_s after the save
 
     def as_dict(self) -> dict[str, Any]:
-        return {"disk_writes": self.writes, "disk_write_errors": self.write_errors,
+        # Not "disk_*": those are the store's own figures (files written, bytes...).
+        return {"write_behind_done": self.writes, "write_behind_errors": self.write_errors,
                 "write_behind_late": self.late_writes,
-                "disk_loads": self.loads, "disk_load_failures": self.load_failures,
-                "disk_load_ms_p50": _pct(self.load_ms, 0.5),
-                "disk_load_ms_p99": _pct(self.load_ms, 0.99),
+                "read_back_done": self.loads, "read_back_failures": self.load_failures,
+                "read_back_ms_p50": _pct(self.load_ms, 0.5),
+                "read_back_ms_p99": _pct(self.load_ms, 0.99),
                 "write_behind_lag_ms_p50": _pct(self.lag_ms, 0.5),
                 "write_behind_lag_ms_p99": _pct(self.lag_ms, 0.99),
                 "write_behind_queued": self.queued_writes}
+
+
+def _yield_to_decode() -> None:
+    """Give this thread the lowest CPU priority (Linux: a thread is a task with its own nice
+    value): the write-behind takes the cores decode leaves idle and barely slows it when
+    they are busy; its lag grows instead, and is reported."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+    except (AttributeError, OSError):  # not Linux, or not allowed: run at normal priority
+        log.info("kv_writer_priority_unchanged")
 
 
 def _pct(values: collections.deque, q: float) -> float | None:
@@ -81,8 +94,10 @@ class DiskTier:
     """Owned by the engine; ``before_step`` and ``submit_loads`` run on the engine thread."""
 
     def __init__(self, store: Any, kv: KVCacheManager, kv_tensor: torch.Tensor,
-                 wake: Callable[[], None], write_behind_s: float = 1.0) -> None:
+                 wake: Callable[[], None], on_load_done: Callable[[LoadPlan, bool], None],
+                 write_behind_s: float = 1.0) -> None:
         self.store = store
+        self._on_load_done = on_load_done  # the scheduler's: admit the load's waiters
         self.write_behind_s = write_behind_s
         self.kv = kv
         self.kv_tensor = kv_tensor  # [L, 2, num_blocks, block_size, H, D]
@@ -94,7 +109,6 @@ class DiskTier:
         self._answers: collections.deque[Callable[[], None]] = collections.deque()
         self._writing = 0  # jobs taken by the writer and not answered yet
         self._loading = False  # the loader is reading a plan
-        self._on_load_done: Callable[[LoadPlan, bool], None] | None = None
         self._closing = False
         self._threads = [threading.Thread(target=self._write_loop, name="kv-writer", daemon=True),
                          threading.Thread(target=self._load_loop, name="kv-loader", daemon=True)]
@@ -102,9 +116,8 @@ class DiskTier:
             thread.start()
 
     # -- engine thread
-    def before_step(self, on_load_done: Callable[[LoadPlan, bool], None]) -> None:
+    def before_step(self) -> None:
         """Apply the threads' answers, then queue the sessions saved since the last step."""
-        self._on_load_done = on_load_done
         while True:
             with self._lock:
                 if not self._answers:
@@ -125,7 +138,7 @@ class DiskTier:
     def busy(self) -> bool:
         """Loads in flight: the scheduler's waiters will be admitted when they end."""
         with self._lock:
-            return bool(self._loads) or self._loading
+            return bool(self._loads) or self._loading or bool(self._answers)
 
     def submit_loads(self, plans: list[LoadPlan]) -> None:
         if not plans:
@@ -140,6 +153,7 @@ class DiskTier:
         with self._lock:
             job = self._writes.pop(session_id, None)
             self._writes[session_id] = _WriteJob(None, [], time.perf_counter())  # type: ignore[arg-type]
+            self.figures.queued_writes = len(self._writes) + self._writing
             self._lock.notify_all()
         if job is not None and job.session is not None:
             self.kv.pool.free([self.kv.pool.blocks[i] for i in job.block_ids])
@@ -153,7 +167,7 @@ class DiskTier:
         with self._lock:
             old = self._writes.pop(session.session_id, None)
             self._writes[session.session_id] = job
-            self.figures.queued_writes = len(self._writes)
+            self.figures.queued_writes = len(self._writes) + self._writing
             self._lock.notify_all()
         if old is not None and old.session is not None:  # superseded before it was written
             self.kv.pool.free([self.kv.pool.blocks[i] for i in old.block_ids])
@@ -171,6 +185,7 @@ class DiskTier:
 
     # -- writer thread
     def _write_loop(self) -> None:
+        _yield_to_decode()
         while True:
             with self._lock:
                 while not self._writes and not self._closing:
@@ -178,8 +193,8 @@ class DiskTier:
                 if not self._writes:
                     return
                 session_id, job = self._writes.popitem(last=False)
-                self.figures.queued_writes = len(self._writes)
                 self._writing += 1
+                self.figures.queued_writes = len(self._writes) + self._writing
             ok, evicted = self._write(session_id, job)
             self._answer(lambda job=job, ok=ok, evicted=evicted: self._write_done(job, ok, evicted))
 
@@ -205,6 +220,7 @@ class DiskTier:
     def _write_done(self, job: _WriteJob, ok: bool, evicted: tuple[str, ...]) -> None:
         with self._lock:
             self._writing -= 1
+            self.figures.queued_writes = len(self._writes) + self._writing
         self._forget_evicted(evicted)
         if job.session is None:
             return
@@ -244,9 +260,10 @@ class DiskTier:
                 self._loading = True
             ok = self._load(plan)
             ms = (time.perf_counter() - queued_at) * 1000
-            with self._lock:
+            with self._lock:  # one step: busy() never sees neither the load nor its answer
                 self._loading = False
-            self._answer(lambda plan=plan, ok=ok, ms=ms: self._load_done(plan, ok, ms))
+                self._answers.append(lambda plan=plan, ok=ok, ms=ms: self._load_done(plan, ok, ms))
+            self._wake()
 
     def _load(self, plan: LoadPlan) -> bool:
         session = plan.session
@@ -270,8 +287,7 @@ class DiskTier:
             # quarantined; the good blocks go with the next eviction unless shared).
             self.delete(plan.session.session_id)
         self.kv.finish_load(plan, ok)
-        if self._on_load_done is not None:
-            self._on_load_done(plan, ok)
+        self._on_load_done(plan, ok)
 
     def _answer(self, answer: Callable[[], None]) -> None:
         with self._lock:
@@ -280,6 +296,11 @@ class DiskTier:
 
 
 # -- the station's start
+def tier_root(state_dir: Any, fingerprint: str) -> Any:
+    """``<state_dir>/kv-tier/<first 16 hex of the model fingerprint>``."""
+    return state_dir / "kv-tier" / fingerprint[:16]
+
+
 _BUSY_WAIT_S = 10.0  # a stopping station may still hold the store's lock for a moment
 
 
@@ -292,7 +313,10 @@ def open_tier(engine: Any, settings: Any) -> dict[str, Any]:
     from station.core.disk_sessions import DiskSession
     from station.runtime.kv_store import KVStore, StoreBusy
 
-    root = settings.effective_state_dir / "kv-tier"
+    # One directory per model: another model's tier is never read, evicted or deleted, and
+    # switching models back finds it whole. Files of another model found in this one (copied
+    # in by hand) are quarantined on read like any other bad file.
+    root = tier_root(settings.effective_state_dir, engine.loaded.fingerprint)
     report: dict[str, Any] = {"path": str(root), "enabled": bool(settings.kv_persistence),
                               "error": None}
     legacy = settings.effective_state_dir / "kv-sessions"
@@ -348,7 +372,9 @@ def tier_report(start: dict[str, Any], stats: dict[str, Any]) -> dict[str, Any]:
         pool_pinned_blocks=stats.get("pinned_blocks"), pool_blocks=stats.get("blocks_total"))
     if "disk_bytes" in stats:
         report.update(
-            disk_sessions=stats.get("kv_disk_sessions"), disk_bytes=stats.get("disk_bytes"),
+            disk_sessions=stats.get("disk_sessions"),  # every session the disk holds
+            disk_only_sessions=stats.get("kv_disk_sessions"),  # of them: not in the pool
+            disk_bytes=stats.get("disk_bytes"),
             disk_budget_bytes=stats.get("disk_budget_bytes"), disk_blocks=stats.get("disk_blocks"),
             quarantined=stats.get("disk_quarantined_total"),
             quarantine_reasons=stats.get("disk_quarantined"),

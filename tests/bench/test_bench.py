@@ -41,6 +41,11 @@ FIGURES = [
     "decode tok/s liquid path / native path",
     "A/A control: slowest / fastest native round",
     "second-turn TTFT / first-turn TTFT (96-token first turn)",
+    "disk-tier hit TTFT / cold-prefill TTFT (96-token prompt)",
+    "station start with a 10x-pool disk tier / with an empty tier",
+    "decode tok/s of another stream while the writer is busy / idle",
+    "A/A control: slowest / fastest idle decode round",
+    "write-behind lag p99 under load (ms)",
 ]
 
 
@@ -62,5 +67,9 @@ def test_bench_runs_every_figure_on_a_tiny_model(tmp_path):
     assert all(value > 0 for value, _ in rows.values())
     # 96 prompt tokens = 6 blocks of 16; the last token is always recomputed: 5 blocks hit
     assert "(cached 80)" in rows[FIGURES[0]][1]
-    assert "(hit, cached" in rows[FIGURES[-1]][1]
-    assert f"{sum(r.startswith(('ok', 'MISS')) for r in proc.stdout.splitlines())}" == "8"
+    assert "(hit, cached" in rows[FIGURES[7]][1]
+    # the disk tier's figures: a hit read back from disk after a restart, a tier of 10x the pool
+    assert "(session_tier disk, cached 80," in rows[FIGURES[8]][1]
+    assert re.search(r"= (\d+\.\d)x the", rows[FIGURES[9]][1])
+    assert float(re.search(r"= (\d+\.\d)x the", rows[FIGURES[9]][1])[1]) >= 10
+    assert f"{sum(r.startswith(('ok', 'MISS')) for r in proc.stdout.splitlines())}" == f"{len(FIGURES)}"

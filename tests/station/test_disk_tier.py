@@ -1,6 +1,8 @@
 """The disk tier behind the KV pool, on the tiny model: sessions that outgrow the pool come
 back from disk as hits with ``model.generate``'s exact greedy output; a restart finds
-them again without loading them; a bad file is quarantined and the request is a miss."""
+them again without loading them; a bad file is quarantined and the request is a miss;
+another model's station on the same state dir keeps to its own directory, and never
+reads, evicts or deletes a file of this model's tier."""
 
 from __future__ import annotations
 
@@ -11,8 +13,9 @@ import pytest
 from gnosis_daemon.settings import Settings
 from station.core.requests import Finished, GenerationRequest, Prefill, SamplingParams
 from station.runtime.engine import PagedEngine
-from station.runtime.kv_tier import open_tier
+from station.runtime.kv_tier import open_tier, tier_report
 from station.runtime.model_loader import load_model
+from tests.support.kv_tier import tier_dir, tree
 from tests.support.tiny_models import build_tiny_model
 from tests.station.test_paged_engine import Collector, prompt_of, reference
 
@@ -47,12 +50,15 @@ class TierEngine:
         return collector.wait()
 
     def settle(self, timeout: float = 30.0) -> None:
-        """Wait until every saved session is on disk (the write-behind is idle)."""
+        """Wait until every saved session is on disk (the write-behind is idle): its
+        ``expected_writes``-th session write answered. (``stats()``'s ``disk_writes`` counts
+        the store's file writes, blocks too, and ``write_behind_queued`` drops as the writer
+        takes a job, before it is written: neither tells that a session is on disk.)"""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             stats = self.engine.stats()
             if stats["write_behind_queued"] == 0 and not self.engine.kv.to_write and \
-                    stats["disk_writes"] >= self.expected_writes:
+                    self.engine.tier.figures.writes >= self.expected_writes:
                 return
             time.sleep(0.02)
         raise AssertionError(f"write-behind did not settle: {self.engine.stats()}")
@@ -63,6 +69,14 @@ class TierEngine:
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     path = build_tiny_model(tmp_path_factory.mktemp("tier") / "llama", "llama")
+    return path, load_model(Settings(model=str(path),
+                                     runtime_dir=str(tmp_path_factory.mktemp("rt"))))
+
+
+@pytest.fixture(scope="module")
+def other(tmp_path_factory):
+    """Another tiny model (qwen2): the same KV shape as ``tiny``'s, another fingerprint."""
+    path = build_tiny_model(tmp_path_factory.mktemp("tier-other") / "qwen2", "qwen2")
     return path, load_model(Settings(model=str(path),
                                      runtime_dir=str(tmp_path_factory.mktemp("rt"))))
 
@@ -113,7 +127,8 @@ def test_a_corrupt_block_file_is_quarantined_and_the_request_is_a_miss(tiny, tmp
     prompt = prompt_of(900, 23)
     with TierEngine(loaded, tmp_path / "state", 64) as t:
         t.generate(prompt, 3, save_session="alice.p.x")
-    blocks = sorted((tmp_path / "state" / "kv-tier" / "blocks").rglob("*.kvb"))
+    root = tier_dir(tmp_path / "state", loaded.fingerprint)
+    blocks = sorted((root / "blocks").rglob("*.kvb"))
     assert len(blocks) == 5
     data = bytearray(blocks[2].read_bytes())
     data[len(data) // 2] ^= 0x40
@@ -125,5 +140,59 @@ def test_a_corrupt_block_file_is_quarantined_and_the_request_is_a_miss(tiny, tmp
         assert miss.tokens == reference(path, prompt, 6)
         stats = t.engine.stats()
         assert stats["kv_disk_quarantined_loads"] == 1 and stats["disk_quarantined"] == {"checksum": 1}
-        quarantined = list((tmp_path / "state" / "kv-tier" / "quarantine").iterdir())
+        quarantined = list((root / "quarantine").iterdir())
         assert len(quarantined) == 1 and quarantined[0].read_bytes() == bytes(data)
+
+
+def test_another_models_station_never_touches_this_models_tier(tiny, other, tmp_path):
+    path, loaded = tiny
+    _, b_loaded = other
+    state = tmp_path / "state"
+    ours, theirs = tier_dir(state, loaded.fingerprint), tier_dir(state, b_loaded.fingerprint)
+    assert ours != theirs and ours.parent == theirs.parent == state / "kv-tier"
+    prompts = [prompt_of(1000 + i, 23) for i in range(6)]  # 5 full blocks saved each
+    with TierEngine(loaded, state, 64) as t:
+        first = [t.generate(prompt, 4, save_session=f"alice.p.{i}").tokens
+                 for i, prompt in enumerate(prompts)]
+        t.expected_writes = len(prompts)
+        t.settle()
+        # All six on disk, all six still in the pool: none is on disk only.
+        report = tier_report(t.report, t.engine.stats())
+        assert (report["path"], report["pool_sessions"], report["disk_sessions"],
+                report["disk_only_sessions"]) == (str(ours), 6, 6, 0)
+    before = tree(ours)
+    assert sorted(name.rsplit(".", 1)[-1] for name in before if "." in name) == \
+        ["kvb"] * 30 + ["kvs"] * 6
+
+    # Model B, same state dir, the same session ids and prompts, a disk budget of about
+    # two sessions: every save runs eviction, and it evicts (B's own sessions).
+    with TierEngine(b_loaded, state, 64, kv_disk_bytes=30_000) as t:
+        assert (t.report["path"], t.report["start_sessions"], t.report["start_quarantined"],
+                t.report["error"]) == (str(theirs), 0, 0, None)
+        for i, prompt in enumerate(prompts):
+            assert t.generate(prompt, 4, save_session=f"alice.p.{i}").one(Prefill).saved
+            t.expected_writes = i + 1
+            t.settle()
+        stats = t.engine.stats()
+        assert stats["disk_evicted_sessions"] > 0 and stats["disk_evicted_blocks"] > 0
+        assert stats["disk_quarantined_total"] == 0 and stats["disk_reads"] == 0
+    assert sorted(p.name for p in (state / "kv-tier").iterdir()) == sorted([ours.name, theirs.name])
+    assert list((theirs / "sessions").glob("*.kvs"))  # B's tier is in its own directory
+    assert tree(ours) == before  # not one file of A's read into quarantine, evicted, rewritten
+
+    # Model A again: every session is there, on disk only, and a hit with the same output.
+    with TierEngine(loaded, state, 64) as t:
+        assert (t.report["path"], t.report["start_sessions"], t.report["start_quarantined"],
+                t.report["start_incomplete"], t.report["error"]) == (str(ours), 6, 0, 0, None)
+        report = tier_report(t.report, t.engine.stats())
+        assert (report["pool_sessions"], report["disk_sessions"],
+                report["disk_only_sessions"]) == (0, 6, 6)
+        for i, prompt in enumerate(prompts):
+            again = t.generate(prompt, 4, match_session=True)
+            pre = again.one(Prefill)
+            assert (pre.session_loaded, pre.session_id, pre.session_tier, pre.session_tokens) == (
+                True, f"alice.p.{i}", "disk", 20), (i, pre)
+            assert again.tokens == first[i], i
+        assert first[0] == reference(path, prompts[0], 4)
+        stats = t.engine.stats()
+        assert (stats["kv_disk_loads"], stats["disk_quarantined_total"]) == (6, 0)

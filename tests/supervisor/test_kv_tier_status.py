@@ -1,21 +1,49 @@
-"""A bad KV disk tier is published: the station's report reaches the status file,
-``gnosis-daemon status`` and the host's ``/health``, and the daemon serves regardless."""
+"""The KV tiers as an operator sees them, and the disk tier through the whole daemon.
+
+``gnosis-daemon status`` renders the station's ``kv_tier`` report: the tiers' fill, and
+loudly what needs an operator (quarantined files, a disk tier that could not be opened, an
+earlier version's tier left unread). Through a real supervisor: liquid sessions saved over
+the OpenAI API survive a SIGKILL of the station, and come back as hits from disk with the
+same answers; a corrupt file found at start is published in the status file, ``status``
+and the host's ``/health``, and the daemon serves on its first start.
+"""
 
 from __future__ import annotations
 
 import json
+import os
+import signal
+import time
 
 import httpx
+from openai import OpenAI
 
 from supervisor.status import render
-from tests.support.kv_tier import write_torn_tier
-from tests.supervisor.conftest import MODEL_NAME, cli, start_daemon, stop_daemon
+from tests.supervisor.conftest import MODEL_NAME, both_running, cli, start_daemon, stop_daemon
+from tests.support.kv_tier import (flip_token_digit, model_layout, quarantined, tier_dir,
+                                   write_session_files)
+
+BS = 16  # the daemon's default block size
 
 
 def tier_report(**fields) -> dict:
-    report = {"path": "/s/kv-sessions", "enabled": True, "restored_sessions": 0,
-              "restored_blocks": 0, "skipped_sessions": 0, "bad_sessions": 0, "rejected": 0,
-              "rejections": [], "foreign": None, "rejected_on_disk": 0, "foreign_on_disk": 0}
+    """A station's ``kv_tier`` (``kv_tier.tier_report``) with a healthy disk tier."""
+    report = {"path": "/s/kv-tier", "enabled": True, "error": None, "start_sessions": 40,
+              "start_bytes": 1 << 20, "start_quarantined": 0, "start_incomplete": 0,
+              "pool_sessions": 3, "pool_session_budget": 256, "pool_pinned_blocks": 9,
+              "pool_blocks": 1024, "disk_sessions": 40, "disk_only_sessions": 37,
+              "disk_bytes": 3 << 19,
+              "disk_budget_bytes": 8 << 30, "disk_blocks": 120, "quarantined": 0,
+              "quarantine_reasons": {}, "offloaded": 0, "lost": 0,
+              "write_behind_lag_ms_p99": 12.4, "write_behind_queued": 0}
+    report.update(fields)
+    return report
+
+
+def no_disk(**fields) -> dict:
+    """The report of a station without a disk tier: the start's fields and the pool's."""
+    report = {"path": "/s/kv-tier", "enabled": True, "error": None, "pool_sessions": 2,
+              "pool_session_budget": 256, "pool_pinned_blocks": 6, "pool_blocks": 1024}
     report.update(fields)
     return report
 
@@ -34,59 +62,155 @@ def tier_lines(kv_tier) -> list[str]:
     return render(document(kv_tier)).splitlines()[4:]  # after the header and the table
 
 
-def test_status_text_shows_rejected_and_foreign_tiers():
+HEALTHY = ("kv tiers: pool 3 sessions (9 of 1024 blocks pinned); disk 40 sessions, "
+           "1.5 MiB of 8.0 GiB at /s/kv-tier, write-behind lag p99 12 ms")
+
+
+def test_status_text_without_a_report_or_a_disk_tier():
     assert tier_lines(None) == []
-    assert tier_lines(tier_report(enabled=False)) == ["kv tier: off (kv_persistence = false)"]
-    assert tier_lines(tier_report(restored_sessions=3, restored_blocks=13)) == [
-        "kv tier /s/kv-sessions: restored 3 sessions (13 blocks)"]
-    bad = tier_report(
-        restored_sessions=1, restored_blocks=7, skipped_sessions=2, bad_sessions=2, rejected=1,
-        rejections=[{"path": "/s/kv-sessions.rejected-20261130T121314Z",
-                     "reason": "2 of 3 session entries refused: ..."}],
-        rejected_on_disk=3, foreign_on_disk=1)
+    assert tier_lines(no_disk(enabled=False)) == [
+        "kv tiers: pool 2 sessions (6 of 1024 blocks pinned); disk off (kv_persistence = false)"]
+
+
+def test_status_text_of_a_healthy_tier():
+    assert tier_lines(tier_report()) == [HEALTHY]
+    # No write yet: no lag to show; sizes under a KiB in bytes.
+    fresh = tier_report(write_behind_lag_ms_p99=None, disk_bytes=512, disk_sessions=0,
+                        disk_only_sessions=0)
+    assert tier_lines(fresh) == [
+        "kv tiers: pool 3 sessions (9 of 1024 blocks pinned); disk 0 sessions, "
+        "512 B of 8.0 GiB at /s/kv-tier, write-behind lag p99 -"]
+
+
+def test_status_text_shows_quarantined_files_loudly():
+    reasons = {"truncated": 1, "checksum": 2, "fingerprint": 1, "block_size": 1}
+    bad = tier_report(quarantined=5, quarantine_reasons=reasons, start_quarantined=2)
     assert tier_lines(bad) == [
-        "kv tier /s/kv-sessions: restored 1 sessions (7 blocks), 2 not restored "
-        "(session budget or KV pool)",
-        "  REJECTED at start, kept at /s/kv-sessions.rejected-20261130T121314Z: "
-        "2 of 3 session entries refused: ...",
-        "  2 rejected tier(s) from earlier runs beside it (*.rejected-*): inspect, then "
-        "delete them",
-        "  1 foreign tier(s) kept beside it (*.foreign-*)"]
-    foreign = tier_report(foreign={"path": "/s/kv-sessions",
-                                   "reason": "written by another model or KV layout: block_size 4 (here 16)"})
-    assert tier_lines(foreign)[1] == (
-        "  FOREIGN tier kept in place (another model or layout; moved aside before this "
-        "station writes its own): written by another model or KV layout: block_size 4 (here 16)")
+        HEALTHY,
+        "  QUARANTINED 5 file(s) (block_size 1, checksum 2, fingerprint 1, truncated 1): kept "
+        "intact in /s/kv-tier/quarantine; inspect, then delete them"]
+    assert tier_lines(tier_report(lost=2)) == [
+        HEALTHY, "  2 session(s) evicted before the write-behind reached disk"]
 
 
-def test_a_corrupt_tier_at_start_is_published_and_the_daemon_serves(tiny_model_dir, tmp_path):
-    tier = tmp_path / "run" / "state" / "kv-sessions"
-    write_torn_tier(tiny_model_dir, tier, block_size=16)  # the daemon's default block size
-    before = {p.name: p.read_bytes() for p in tier.iterdir()}
+def test_status_text_shows_a_disk_tier_that_could_not_be_opened():
+    error = "FileExistsError: [Errno 17] File exists: '/s/kv-tier'"
+    assert tier_lines(no_disk(error=error)) == [
+        "kv tiers: pool 2 sessions (6 of 1024 blocks pinned); DISK TIER UNAVAILABLE at "
+        "/s/kv-tier: FileExistsError: [Errno 17] File exists: '/s/kv-tier'"]
+
+
+def test_status_text_shows_an_earlier_versions_tier():
+    assert tier_lines(tier_report(legacy="/s/kv-sessions")) == [
+        HEALTHY, "  an earlier version's tier is kept, not read: /s/kv-sessions"]
+    # With the disk tier off too: the old tier is still there for the operator to see.
+    assert tier_lines(no_disk(enabled=False, legacy="/s/kv-sessions")) == [
+        "kv tiers: pool 2 sessions (6 of 1024 blocks pinned); disk off (kv_persistence = false)",
+        "  an earlier version's tier is kept, not read: /s/kv-sessions"]
+
+
+# -- through the daemon
+def openai_client(daemon) -> OpenAI:
+    return OpenAI(base_url=f"{daemon.base_url}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def chat(client: OpenAI, content: str) -> tuple[str, dict, int]:
+    """-> (the answer, its ``_gnosis`` block, its prompt tokens)."""
+    resp = client.chat.completions.create(model=MODEL_NAME, max_tokens=4, temperature=0,
+                                          messages=[{"role": "user", "content": content}])
+    return resp.choices[0].message.content, resp.model_extra["_gnosis"], resp.usage.prompt_tokens
+
+
+def wait_until(predicate, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.1)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+def host_health(daemon) -> dict:
+    response = httpx.get(f"{daemon.base_url}/health", timeout=10)
+    return response.json() if response.status_code == 200 else {}
+
+
+def test_liquid_sessions_survive_a_station_sigkill(tiny_model_dir, tmp_path):
+    # 19 chat-template tokens around 43 bytes of content: 62 tokens, 3 full blocks saved.
+    prompts = [f"Q{i:02d}: what is written on page {i:02d} of the log?" for i in range(20)]
+    assert {len(p) for p in prompts} == {43}
+    fingerprint = model_layout(tiny_model_dir, BS).fingerprint
+    daemon = start_daemon(tiny_model_dir, tmp_path)
+    root = tier_dir(daemon.runtime_dir / "state", fingerprint)
+    try:
+        client = openai_client(daemon)
+        first = []
+        for prompt in prompts:
+            answer, gnosis, prompt_tokens = chat(client, prompt)
+            assert (gnosis["liquid_memory"], gnosis["liquid_kv_saved"], gnosis["tier"],
+                    gnosis["cached_tokens"], prompt_tokens) == ("miss", True, None, 0, 62), gnosis
+            first.append(answer)
+        # Each completion saved its prompt's session and its prompt + answer's: 40
+        # manifests, each on disk whole (written under a temp name, fsynced, renamed).
+        wait_until(lambda: len(list((root / "sessions").glob("*.kvs"))) == 40, 30,
+                   "the write-behind")
+        station = daemon.child("station")
+        assert (station["state"], station["restarts"]) == ("running", 0)
+        os.kill(station["pid"], signal.SIGKILL)
+
+        status = daemon.wait(lambda s: both_running(s) and s["children"]["station"]["pid"]
+                             not in (None, station["pid"]), 90, "the station restarted")
+        new = status["children"]["station"]
+        assert new["restarts"] == 1 and new["last_exit"]["signal_name"] == "SIGKILL"
+        tier = new["kv_tier"]
+        assert (tier["path"], tier["start_sessions"], tier["start_quarantined"],
+                tier["start_incomplete"], tier["error"]) == (str(root), 40, 0, 0, None)
+        health = wait_until(lambda: (h := host_health(daemon)).get("station_pid") == new["pid"]
+                            and h["liquid_memory"] is True and h, 60, "the host reconnected")
+        assert health["station_kv_tier"]["start_sessions"] == 40
+
+        for i, prompt in enumerate(prompts):
+            answer, gnosis, prompt_tokens = chat(client, prompt)
+            assert (gnosis["liquid_memory"], gnosis["tier"], gnosis["cached_tokens"]) == (
+                "hit", "disk", 48), (i, gnosis)
+            assert answer == first[i], i
+        assert daemon.child("station")["pid"] == new["pid"]  # no restart since
+    finally:
+        stop_daemon(daemon)
+
+
+def test_a_corrupt_file_at_start_is_published_and_the_daemon_serves(tiny_model_dir, tmp_path):
+    layout = model_layout(tiny_model_dir, BS)
+    root = tier_dir(tmp_path / "run" / "state", layout.fingerprint)
+    files = write_session_files(root, layout, "anon.p.x", list(range(1, 33)))
+    bad = flip_token_digit(files.manifest)  # only the checksum can tell
     daemon = start_daemon(tiny_model_dir, tmp_path)
     try:
-        [moved] = tier.parent.glob("kv-sessions.rejected-*")
-        assert {p.name: p.read_bytes() for p in moved.iterdir()} == before
         status = daemon.wait(lambda s: s["children"]["station"]["health"].get("kv_tier"), 30,
                              "a station health check")
         station = status["children"]["station"]
-        report = station["kv_tier"]
-        assert report["rejected"] == 1 and report["rejections"][0]["path"] == str(moved)
-        assert report["rejections"][0]["reason"].startswith("kv.pt cannot be loaded: ")
-        assert station["health"]["kv_tier"] == report
         assert station["restarts"] == 0  # it booted the first time
+        report = station["kv_tier"]
+        assert report == station["health"]["kv_tier"]
+        assert (report["path"], report["error"], report["start_sessions"],
+                report["start_quarantined"], report["quarantined"],
+                report["quarantine_reasons"]) == (str(root), None, 0, 1, 1, {"checksum": 1})
+        assert quarantined(root) == {files.manifest.name: bad}  # kept, byte for byte
 
-        status = cli("status", "--json", runtime_dir=daemon.runtime_dir)
-        assert json.loads(status.stdout)["children"]["station"]["kv_tier"] == report
+        published = json.loads(cli("status", "--json", runtime_dir=daemon.runtime_dir).stdout)
+        tier = published["children"]["station"]["kv_tier"]
+        assert (tier["quarantined"], tier["quarantine_reasons"]) == (1, {"checksum": 1})
         table = cli("status", runtime_dir=daemon.runtime_dir)
         assert table.returncode == 0
-        assert f"  REJECTED at start, kept at {moved}: kv.pt cannot be loaded: " in table.stdout
+        assert (f"  QUARANTINED 1 file(s) (checksum 1): kept intact in {root}/quarantine; "
+                f"inspect, then delete them") in table.stdout.splitlines()
 
-        health = httpx.get(f"{daemon.base_url}/health", timeout=10).json()
-        assert health["station_kv_tier"] == report
-        answer = httpx.post(f"{daemon.base_url}/v1/chat/completions", timeout=60, json={
-            "model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}],
-            "max_tokens": 4, "temperature": 0})
-        assert answer.status_code == 200, answer.text
+        health = host_health(daemon)
+        assert (health["station_kv_tier"]["quarantined"],
+                health["station_kv_tier"]["quarantine_reasons"]) == (1, {"checksum": 1})
+        answer, gnosis, _ = chat(openai_client(daemon), "hi")  # a 200, or the client raises
+        assert gnosis["liquid_memory"] == "miss" and isinstance(answer, str)
+        assert daemon.child("station")["restarts"] == 0
     finally:
         stop_daemon(daemon)
