@@ -32,6 +32,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+import numpy
 import torch
 
 from gnosis_daemon.logs import get_logger
@@ -75,8 +76,10 @@ class TierFigures:
 
 def _yield_to_decode() -> None:
     """Give this thread the lowest CPU priority (Linux: a thread is a task with its own nice
-    value): the write-behind takes the cores decode leaves idle and barely slows it when
-    they are busy; its lag grows instead, and is reported."""
+    value): the write-behind takes the cores decode leaves idle. Measured on 2 cores with
+    decode saturating both (`make bench`'s busy row): nice 0 kept the lag under 1 s and cut
+    decode to 0.58x, nice 10 0.91x, nice 19 0.97x with the lag growing to seconds (counted
+    as late writes). Decode comes first; with idle cores (a GPU host) the lag is tens of ms."""
     try:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
     except (AttributeError, OSError):  # not Linux, or not allowed: run at normal priority
@@ -101,6 +104,13 @@ class DiskTier:
         self.write_behind_s = write_behind_s
         self.kv = kv
         self.kv_tensor = kv_tensor  # [L, 2, num_blocks, block_size, H, D]
+        # On CPU the threads copy blocks through numpy, never a torch op: a torch copy of
+        # that size runs an OpenMP parallel region, and libgomp then keeps a second thread
+        # pool for the writer, more threads than cores, which throttles every parallel op
+        # of the decode step (measured: decode beside the writer 0.72-0.80x idle through
+        # torch copies; an external writer process doing the same I/O, 0.98x).
+        self._kv_bytes = (kv_tensor.view(torch.uint8).numpy()
+                          if kv_tensor.device.type == "cpu" else None)
         self._wake = wake  # tells the engine thread an answer is waiting
         self.figures = TierFigures()
         self._lock = threading.Condition()
@@ -183,6 +193,20 @@ class DiskTier:
         for thread in self._threads:
             thread.join()
 
+    def _block_copy(self, block_id: int) -> torch.Tensor:
+        """One block's KV as a contiguous CPU tensor (writer thread)."""
+        if self._kv_bytes is None:  # CUDA: a device-to-host copy, no OpenMP
+            return self.kv_tensor[:, :, block_id].to("cpu", copy=True)
+        raw = numpy.ascontiguousarray(self._kv_bytes[:, :, block_id])
+        return torch.from_numpy(raw).view(self.kv_tensor.dtype)
+
+    def _block_fill(self, block_id: int, data: torch.Tensor) -> None:
+        """Write one block's KV into the pool (loader thread; the block is the plan's alone)."""
+        if self._kv_bytes is None:
+            self.kv_tensor[:, :, block_id].copy_(data)
+            return
+        self._kv_bytes[:, :, block_id] = data.contiguous().view(torch.uint8).numpy()
+
     # -- writer thread
     def _write_loop(self) -> None:
         _yield_to_decode()
@@ -208,7 +232,7 @@ class DiskTier:
             bs = self.kv.block_size
             for i, (block_id, file_hash) in enumerate(zip(job.block_ids, session.file_hashes)):
                 if not self.store.has_block(file_hash):
-                    data = self.kv_tensor[:, :, block_id].to("cpu", copy=True)
+                    data = self._block_copy(block_id)
                     self.store.write_block(file_hash, session.token_ids[i * bs:(i + 1) * bs], data)
             self.store.write_session(session.session_id, session.tenant, session.token_ids,
                                      session.file_hashes, session.last_used)
@@ -271,7 +295,7 @@ class DiskTier:
         try:
             for i, (block, file_hash) in enumerate(zip(plan.blocks, session.file_hashes)):
                 data = self.store.read_block(file_hash, session.token_ids[i * bs:(i + 1) * bs])
-                self.kv_tensor[:, :, block.block_id].copy_(data)
+                self._block_fill(block.block_id, data)
             return True
         except Exception as exc:  # the store quarantined the bad file and said why
             log.warning("kv_tier_load_failed", session_id=session.session_id, error=str(exc))
