@@ -19,7 +19,7 @@ from gnosis_daemon.logs import configure_logging, get_logger
 from gnosis_daemon.settings import Settings
 from station.runtime.model_loader import LoadedModel, ModelLoadError, load_model
 from station.runtime.engine import PagedEngine
-from station.runtime.kv_tier import open_tier
+from station.runtime.kv_tier_start import open_tier
 from station.serving.server import StationServer
 
 log = get_logger(__name__)

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import gnosis_daemon
 from gnosis_daemon.protocol import PROTOCOL_VERSION, ErrorCode
-from station.runtime.kv_tier import tier_report
+from station.runtime.kv_tier_start import tier_report
 from station.serving.connection import Connection
 from station.serving.ops import OpContext, bad
 

@@ -80,7 +80,7 @@ class StationServer:
         self.shutting_down = False
         self._text_limiter = trio.CapacityLimiter(TEXT_THREADS)
 
-    # What the start found in the KV disk tier (``kv_tier.open_tier``), set by
+    # What the start found in the KV disk tier (``kv_tier_start.open_tier``), set by
     # ``serve``; hello and health publish it so a rejected or foreign tier is never silent.
     kv_tier: dict[str, Any] | None = None
 

@@ -13,7 +13,7 @@ import pytest
 from gnosis_daemon.settings import Settings
 from station.core.requests import Finished, GenerationRequest, Prefill, SamplingParams
 from station.runtime.engine import PagedEngine
-from station.runtime.kv_tier import open_tier, tier_report
+from station.runtime.kv_tier_start import open_tier, tier_report
 from station.runtime.model_loader import load_model
 from tests.support.kv_tier import tier_dir, tree
 from tests.support.tiny_models import build_tiny_model

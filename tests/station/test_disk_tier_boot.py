@@ -1,7 +1,7 @@
 """The disk tier at the station's start, through its real boot in this process
 (``station.main._TorchThread``: load the model, build the engine, open the tier, run the
 engine loop), and the ``kv_tier`` report hello, health and stats build from it
-(``kv_tier.tier_report``).
+(``kv_tier_start.tier_report``).
 
 A tier that cannot be opened (its path is a file; another station holds it) leaves a
 station that serves from the pool alone and says why; ``kv_persistence = false`` opens
@@ -22,9 +22,9 @@ import torch
 from gnosis_daemon.settings import Settings
 from station.core.requests import Finished, GenerationRequest, Prefill, SamplingParams
 from station.main import _TorchThread
-from station.runtime import kv_store, kv_tier
+from station.runtime import kv_store, kv_tier_start
 from station.runtime.kv_store import KVStore
-from station.runtime.kv_tier import tier_report
+from station.runtime.kv_tier_start import tier_report
 from supervisor.status import _kv_tier_lines
 from tests.station.test_paged_engine import Collector, prompt_of, reference
 from tests.support.kv_tier import model_layout, tier_dir, tree, write_session_files
@@ -106,7 +106,7 @@ def test_a_tier_path_that_is_not_a_directory_leaves_the_station_serving(tiny_dir
 
 
 def test_a_tier_another_station_holds_is_not_shared(tiny_dir, layout, tmp_path, monkeypatch):
-    monkeypatch.setattr(kv_tier, "_BUSY_WAIT_S", 0.3)  # the wait for a stopping station
+    monkeypatch.setattr(kv_tier_start, "_BUSY_WAIT_S", 0.3)  # the wait for a stopping station
     state = tmp_path / "state"
     root = tier_dir(state, layout.fingerprint)
     holder = KVStore(root, layout.fingerprint, BS, layout.shape, getattr(torch, layout.dtype),

@@ -27,7 +27,7 @@ BS = 16  # the daemon's default block size
 
 
 def tier_report(**fields) -> dict:
-    """A station's ``kv_tier`` (``kv_tier.tier_report``) with a healthy disk tier."""
+    """A station's ``kv_tier`` (``kv_tier_start.tier_report``) with a healthy disk tier."""
     report = {"path": "/s/kv-tier", "enabled": True, "error": None, "start_sessions": 40,
               "start_bytes": 1 << 20, "start_quarantined": 0, "start_incomplete": 0,
               "pool_sessions": 3, "pool_session_budget": 256, "pool_pinned_blocks": 9,

@@ -52,8 +52,8 @@ class SessionFiles:
 def tier_dir(state_dir: Path, fingerprint: str) -> Path:
     """The disk tier of the model with ``fingerprint`` (hello's ``model.fingerprint``,
     ``model_layout(...).fingerprint``) under a station's state dir (``<runtime_dir>/state``
-    by default): the directory ``kv_tier.open_tier`` opens."""
-    from station.runtime.kv_tier import tier_root
+    by default): the directory ``kv_tier_start.open_tier`` opens."""
+    from station.runtime.kv_tier_start import tier_root
 
     return tier_root(Path(state_dir), fingerprint)
 

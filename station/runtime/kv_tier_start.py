@@ -1,0 +1,103 @@
+"""The disk tier at the station's start, and how it is reported.
+
+``open_tier`` opens ``<state_dir>/kv-tier/<model>`` and puts it behind the engine's pool
+(``station.runtime.kv_tier.DiskTier``); ``tier_report`` is the ``kv_tier`` object of
+``hello``, ``health`` and ``stats``.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from gnosis_daemon.logs import get_logger
+
+log = get_logger(__name__)
+
+
+def tier_root(state_dir: Any, fingerprint: str) -> Any:
+    """``<state_dir>/kv-tier/<first 16 hex of the model fingerprint>``."""
+    return state_dir / "kv-tier" / fingerprint[:16]
+
+
+_BUSY_WAIT_S = 10.0  # a stopping station may still hold the store's lock for a moment
+
+
+def open_tier(engine: Any, settings: Any) -> dict[str, Any]:
+    """Open ``<state_dir>/kv-tier`` and put it behind the engine's pool (before the engine
+    runs). Never raises for what is on disk: bad files are quarantined by the store; a
+    store that cannot be opened at all leaves the station without a disk tier, and the
+    report (``hello``'s ``kv_tier``) says why."""
+    from station.core.block_pool import block_hashes_for, hash_block
+    from station.core.disk_sessions import DiskSession
+    from station.runtime.kv_store import KVStore, StoreBusy
+
+    # One directory per model: another model's tier is never read, evicted or deleted, and
+    # switching models back finds it whole. Files of another model found in this one (copied
+    # in by hand) are quarantined on read like any other bad file.
+    root = tier_root(settings.effective_state_dir, engine.loaded.fingerprint)
+    report: dict[str, Any] = {"path": str(root), "enabled": bool(settings.kv_persistence),
+                              "error": None}
+    legacy = settings.effective_state_dir / "kv-sessions"
+    if legacy.exists():  # the clean-stop-only tier of earlier versions: kept, not read
+        report["legacy"] = str(legacy)
+    if not settings.kv_persistence:
+        return report
+    shape = engine.kv_cache.shape
+    block_shape = (shape.num_layers, 2, shape.block_size, shape.num_kv_heads, shape.head_dim)
+    deadline = time.monotonic() + _BUSY_WAIT_S
+    while True:
+        try:
+            store = KVStore(root, engine.loaded.fingerprint, shape.block_size, block_shape,
+                            shape.dtype, settings.kv_disk_bytes)
+            break
+        except StoreBusy as exc:
+            if time.monotonic() > deadline:
+                report["error"] = str(exc)
+                return report
+            time.sleep(0.2)
+        except Exception as exc:  # an unusable directory: serve without the tier, say so
+            log.exception("kv_tier_open_failed", path=str(root))
+            report["error"] = f"{type(exc).__name__}: {exc}"
+            return report
+    kv = engine.kv
+    bs = shape.block_size
+    sessions = []
+    for record in store.load_sessions():
+        if not record.block_hashes:
+            continue
+        extra = kv.extra_keys(record.tenant)
+        # Files are named by the hashes of the run that wrote them; the tenant salt may
+        # have changed since, so check the first and re-key the rest only when it did.
+        first = hash_block(None, record.token_ids[:bs], extra)
+        hashes = (record.block_hashes if first == record.block_hashes[0]
+                  else tuple(block_hashes_for(record.token_ids, bs, extra)))
+        sessions.append(DiskSession(record.session_id, record.tenant, record.token_ids,
+                                    tuple(hashes), tuple(record.block_hashes), record.last_used))
+    engine.attach_disk_tier(store, sessions)
+    stats = store.stats()
+    report.update(start_sessions=len(sessions), start_bytes=stats["bytes"],
+                  start_quarantined=stats["quarantined_total"],
+                  start_incomplete=stats["incomplete_sessions"])
+    return report
+
+
+def tier_report(start: dict[str, Any], stats: dict[str, Any]) -> dict[str, Any]:
+    """``hello``/``health``/``stats``'s ``kv_tier``: what the start found (``start``, from
+    ``open_tier``) and the tiers' fill now (``stats``: the engine's)."""
+    report = dict(start)
+    report.update(
+        pool_sessions=stats.get("kv_sessions"), pool_session_budget=stats.get("kv_session_budget"),
+        pool_pinned_blocks=stats.get("pinned_blocks"), pool_blocks=stats.get("blocks_total"))
+    if "disk_bytes" in stats:
+        report.update(
+            disk_sessions=stats.get("disk_sessions"),  # every session the disk holds
+            disk_only_sessions=stats.get("kv_disk_sessions"),  # of them: not in the pool
+            disk_bytes=stats.get("disk_bytes"),
+            disk_budget_bytes=stats.get("disk_budget_bytes"), disk_blocks=stats.get("disk_blocks"),
+            quarantined=stats.get("disk_quarantined_total"),
+            quarantine_reasons=stats.get("disk_quarantined"),
+            offloaded=stats.get("kv_sessions_offloaded"), lost=stats.get("kv_sessions_lost"),
+            write_behind_lag_ms_p99=stats.get("write_behind_lag_ms_p99"),
+            write_behind_queued=stats.get("write_behind_queued"))
+    return report
