@@ -15,7 +15,8 @@ Modelled on vLLM v1's ``KVCacheManager``: the scheduler decides *who* runs, this
 
 Sessions are pinned here too (``pin`` / ``unpin`` / ``load_into``), ``resident_blocks``
 answers "is the KV of these tokens still in the pool" for ``kv_session.save`` of a token
-list, and ``restore_session`` re-keys and pins the blocks the disk tier copied back.
+list, and ``begin_load`` / ``finish_load`` bring a disk-tier session back into fresh
+blocks (``station.runtime.kv_tier`` reads its files between the two).
 
 Thread-safety: none. Every call happens on the engine thread (``stats`` only reads ints).
 """
@@ -298,24 +299,6 @@ class KVCacheManager:
             blocks.append(block)
         return blocks
 
-    # -- the disk tier's restore (boot, before any request)
-    def allocate_blocks(self, num_blocks: int) -> list[KVBlock]:
-        """Fresh blocks with one reference each, for the restore to copy KV into."""
-        return self.pool.allocate(num_blocks)
-
-    def free_blocks(self, blocks: Seq[KVBlock]) -> None:
-        self.pool.free(blocks)
-
-    def restore_session(self, session_id: str, tenant: str, token_ids: Seq[int],
-                        blocks: Seq[KVBlock]) -> KVSession:
-        """Pin restored blocks as a session, re-keyed under this run's salt first, so the
-        automatic prefix cache hits them too."""
-        bs = self.block_size
-        hashes = block_hashes_for(token_ids, bs, self.extra_keys(tenant))
-        for i, (block, block_hash) in enumerate(zip(blocks, hashes)):
-            self.pool.cache_full_block(block, block_hash, token_ids[i * bs:(i + 1) * bs])
-        return self.pin(session_id, tenant, token_ids, blocks, hashes)
-
     # -- the disk tier
     def enable_disk_tier(self, sessions: Seq[DiskSession] = ()) -> None:
         """Keep evicted durable sessions on disk from now on; ``sessions``: the tier's
@@ -376,8 +359,3 @@ class KVCacheManager:
         self.num_disk_loads += 1
         self._take_evictions()
         return session
-
-    def clear(self) -> None:
-        """Drop every session and every cached hash (a failed restore leaves the pool as at boot)."""
-        self.sessions.clear()
-        self.pool.reset_prefix_cache()

@@ -185,10 +185,6 @@ class SessionRegistry:
         self.pool.unpin(session.blocks)
         return True
 
-    def clear(self) -> None:
-        for session_id in list(self._sessions):
-            self.delete(session_id)
-
     def reclaim(self, num_blocks: int, keep: str | None = None, tenant: str | None = None) -> int:
         """Expire sessions until ``num_blocks`` can be allocated; returns how many expired.
 
