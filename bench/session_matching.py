@@ -151,8 +151,8 @@ def part1(sessions: int, session_tokens: int, repeats: int, seed: int) -> list[t
         kv, saved = build(layout, sessions, session_tokens, random.Random(seed))
         built_s, rss1 = time.perf_counter() - t0, _rss_mib()
         grew = f"{rss1 - rss0:.0f} MiB RSS" if rss0 is not None and rss1 is not None else "RSS n/a"
-        index = kv.sessions._by_hash  # the hash index's own dicts (the hashes are shared)
-        index_mib = (sys.getsizeof(index) + sum(map(sys.getsizeof, index.values()))) / 2**20
+        index = kv.sessions._by_hash
+        index_mib = index.sizeof() / 2**20
         print(f"\n[1] layout {layout}: {sessions} sessions x {session_tokens:,} tokens, "
               f"{kv.sessions.pinned_blocks:,} pinned blocks of a {kv.num_blocks:,}-block pool; "
               f"built in {built_s:.2f} s, {grew} (pool, sessions, prefix cache and index); "

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Iterable, Sequence
 
 from station.core.block_pool import BlockHash
+from station.core.hash_index import HashIndex
 
 
 @dataclass(slots=True, eq=False)
@@ -43,7 +44,7 @@ class DiskSessions:
 
     def __init__(self) -> None:
         self._sessions: dict[str, DiskSession] = {}
-        self._by_hash: dict[BlockHash, dict[str, DiskSession]] = {}
+        self._by_hash = HashIndex()
 
     def __len__(self) -> int:
         return len(self._sessions)
@@ -57,15 +58,10 @@ class DiskSessions:
     def sessions(self) -> list[DiskSession]:
         return list(self._sessions.values())
 
-    @property
-    def num_tokens(self) -> int:
-        return sum(s.num_tokens for s in self._sessions.values())
-
     def add(self, session: DiskSession) -> None:
         self.remove(session.session_id)
         self._sessions[session.session_id] = session
-        for block_hash in session.block_hashes:
-            self._by_hash.setdefault(block_hash, {})[session.session_id] = session
+        self._by_hash.add(session)
 
     def add_all(self, sessions: Iterable[DiskSession]) -> None:
         for session in sessions:
@@ -75,23 +71,10 @@ class DiskSessions:
         session = self._sessions.pop(session_id, None)
         if session is None:
             return None
-        for block_hash in session.block_hashes:
-            holders = self._by_hash.get(block_hash)
-            if holders is not None and holders.get(session_id) is session:
-                del holders[session_id]
-                if not holders:
-                    del self._by_hash[block_hash]
+        self._by_hash.remove(session)
         return session
 
     def deepest_match(self, tenant: str, block_hashes: Sequence[BlockHash],
                       max_blocks: int) -> tuple[DiskSession | None, int]:
-        """``tenant``'s session sharing the most leading blocks (at most ``max_blocks``)
-        with the prompt, the most recently used of equals, and how many blocks it shares."""
-        for depth in range(min(len(block_hashes), max_blocks) - 1, -1, -1):
-            best: DiskSession | None = None
-            for session in (self._by_hash.get(block_hashes[depth]) or {}).values():
-                if session.tenant == tenant and (best is None or session.last_used > best.last_used):
-                    best = session
-            if best is not None:
-                return best, depth + 1
-        return None, 0
+        """``HashIndex.deepest_match`` over the disk tier's sessions."""
+        return self._by_hash.deepest_match(tenant, block_hashes, max_blocks)

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterable, Sequence
 
 from station.core.block_pool import BlockHash, BlockPool, KVBlock
+from station.core.hash_index import HashIndex
 
 
 @dataclass(slots=True, eq=False)
@@ -73,7 +74,7 @@ class SessionRegistry:
         self._tenants: dict[str, _TenantUsage] = {}  # only tenants that hold a session
         # block hash -> the sessions holding a block of that hash at that depth (the hash
         # chains every block before it, so one hit names a whole shared prefix)
-        self._by_hash: dict[BlockHash, dict[str, KVSession]] = {}
+        self._by_hash = HashIndex()
         self.num_expired = 0
         # Sessions expired (budget or reclaim) since the KV cache manager last took them:
         # it moves the durable ones to the disk tier's index instead of losing them.
@@ -155,22 +156,8 @@ class SessionRegistry:
 
     def deepest_match(self, tenant: str, block_hashes: Sequence[BlockHash],
                       max_blocks: int) -> tuple[KVSession | None, int]:
-        """``tenant``'s session sharing the most leading blocks (at most ``max_blocks``)
-        with a prompt whose block hashes are ``block_hashes``; the most recently used of
-        equals, and how many blocks it shares. O(prompt blocks): walks the prompt from its
-        deepest block up and stops at the first hash a session of the tenant holds. Hashes
-        only: the caller compares tokens before it trusts the match."""
-        for depth in range(min(len(block_hashes), max_blocks) - 1, -1, -1):
-            holders = self._by_hash.get(block_hashes[depth])
-            if not holders:
-                continue
-            best: KVSession | None = None
-            for session in holders.values():
-                if session.tenant == tenant and (best is None or session.last_used > best.last_used):
-                    best = session
-            if best is not None:
-                return best, depth + 1
-        return None, 0
+        """``HashIndex.deepest_match`` over the pool's sessions."""
+        return self._by_hash.deepest_match(tenant, block_hashes, max_blocks)
 
     def use(self, session: KVSession) -> None:
         """Mark a session used (a load): it becomes the most recently used."""
@@ -270,14 +257,10 @@ class SessionRegistry:
         if usage is None:
             usage = self._tenants[session.tenant] = _TenantUsage()
         usage.sessions += sign
-        for block_hash in session.block_hashes:
-            holders = self._by_hash.setdefault(block_hash, {})
-            if sign > 0:
-                holders[session.session_id] = session
-            elif holders.get(session.session_id) is session:  # not its replacement's entry
-                del holders[session.session_id]
-            if not holders:
-                del self._by_hash[block_hash]
+        if sign > 0:
+            self._by_hash.add(session)
+        else:
+            self._by_hash.remove(session)  # not its replacement's entries
         for block in session.blocks:
             pins = usage.blocks.get(block.block_id, 0) + sign
             if pins:
