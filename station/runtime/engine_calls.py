@@ -156,20 +156,17 @@ class EngineCalls:
 
     def kv_list(self, owner: Any, done: CallDone, include_tokens: bool = False) -> dict[str, Any]:
         sessions = self.engine.kv.sessions
+        pool = reversed(sessions.sessions())  # most recently used first
+        disk = sorted(self.engine.kv.disk.sessions(), key=lambda d: -d.last_used)
         listed = []
-        for s in reversed(sessions.sessions()):  # most recently used first
-            item: dict[str, Any] = {"session_id": s.session_id, "tenant": s.tenant,
-                                    "num_tokens": s.num_tokens, "last_used": s.last_used,
-                                    "tier": "pool"}
-            if include_tokens:
-                item["tokens"] = list(s.token_ids)
-            listed.append(item)
-        for d in sorted(self.engine.kv.disk.sessions(), key=lambda d: -d.last_used):
-            item = {"session_id": d.session_id, "tenant": d.tenant, "num_tokens": d.num_tokens,
-                    "last_used": d.last_used, "tier": "disk"}
-            if include_tokens:
-                item["tokens"] = list(d.token_ids)
-            listed.append(item)
+        for tier, tier_sessions in (("pool", pool), ("disk", disk)):
+            for s in tier_sessions:
+                item: dict[str, Any] = {"session_id": s.session_id, "tenant": s.tenant,
+                                        "num_tokens": s.num_tokens, "last_used": s.last_used,
+                                        "tier": tier}
+                if include_tokens:
+                    item["tokens"] = list(s.token_ids)
+                listed.append(item)
         return {"sessions": listed, "budget": sessions.budget, "pinned_blocks": sessions.pinned_blocks}
 
     # -- held sequences

@@ -165,8 +165,8 @@ class DiskTier:
             self._writes[session_id] = _WriteJob(None, [], time.perf_counter())  # type: ignore[arg-type]
             self.figures.queued_writes = len(self._writes) + self._writing
             self._lock.notify_all()
-        if job is not None and job.session is not None:
-            self.kv.pool.free([self.kv.pool.blocks[i] for i in job.block_ids])
+        if job is not None:
+            self._release(job)
 
     def _queue_write(self, session: KVSession) -> None:
         if not session.blocks:  # nothing to keep (a probe's empty session)
@@ -179,8 +179,12 @@ class DiskTier:
             self._writes[session.session_id] = job
             self.figures.queued_writes = len(self._writes) + self._writing
             self._lock.notify_all()
-        if old is not None and old.session is not None:  # superseded before it was written
-            self.kv.pool.free([self.kv.pool.blocks[i] for i in old.block_ids])
+        if old is not None:  # superseded before it was written
+            self._release(old)
+
+    def _release(self, job: _WriteJob) -> None:
+        """Drop the references a write job held on its blocks (engine thread)."""
+        self.kv.pool.free([self.kv.pool.blocks[i] for i in job.block_ids])
 
     def close(self, flush: bool) -> None:
         """Stop the threads; with ``flush``, after every queued write reached disk (a clean
@@ -248,7 +252,7 @@ class DiskTier:
         self._forget_evicted(evicted)
         if job.session is None:
             return
-        self.kv.pool.free([self.kv.pool.blocks[i] for i in job.block_ids])
+        self._release(job)
         if not ok:
             self.figures.write_errors += 1
             return

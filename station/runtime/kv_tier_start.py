@@ -8,14 +8,18 @@
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from typing import Any
 
 from gnosis_daemon.logs import get_logger
+from station.core.block_pool import block_hashes_for, hash_block
+from station.core.disk_sessions import DiskSession
+from station.runtime.kv_store import KVStore, StoreBusy
 
 log = get_logger(__name__)
 
 
-def tier_root(state_dir: Any, fingerprint: str) -> Any:
+def tier_root(state_dir: Path, fingerprint: str) -> Path:
     """``<state_dir>/kv-tier/<first 16 hex of the model fingerprint>``."""
     return state_dir / "kv-tier" / fingerprint[:16]
 
@@ -28,9 +32,6 @@ def open_tier(engine: Any, settings: Any) -> dict[str, Any]:
     runs). Never raises for what is on disk: bad files are quarantined by the store; a
     store that cannot be opened at all leaves the station without a disk tier, and the
     report (``hello``'s ``kv_tier``) says why."""
-    from station.core.block_pool import block_hashes_for, hash_block
-    from station.core.disk_sessions import DiskSession
-    from station.runtime.kv_store import KVStore, StoreBusy
 
     # One directory per model: another model's tier is never read, evicted or deleted, and
     # switching models back finds it whole. Files of another model found in this one (copied
