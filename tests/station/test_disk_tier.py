@@ -23,6 +23,15 @@ BS = 4
 pytestmark = pytest.mark.usefixtures("few_threads")
 
 
+def generate(engine: PagedEngine, request_id: str, prompt, n: int, **kwargs) -> Collector:
+    """One greedy request of tenant alice, to its end (``kwargs``: the session arguments)."""
+    collector = Collector()
+    engine.add_request(GenerationRequest(
+        request_id, list(prompt), SamplingParams(max_tokens=n, temperature=0.0),
+        tenant="alice", **kwargs), collector)
+    return collector.wait()
+
+
 class TierEngine:
     """A ``PagedEngine`` with the disk tier, opened as the station opens it."""
 
@@ -43,11 +52,7 @@ class TierEngine:
 
     def generate(self, prompt, n: int, **kwargs) -> Collector:
         self.n += 1
-        collector = Collector()
-        self.engine.add_request(GenerationRequest(
-            f"r{self.n}", list(prompt), SamplingParams(max_tokens=n, temperature=0.0),
-            tenant="alice", **kwargs), collector)
-        return collector.wait()
+        return generate(self.engine, f"r{self.n}", prompt, n, **kwargs)
 
     def settle(self, timeout: float = 30.0) -> None:
         """Wait until every saved session is on disk (the write-behind is idle): its

@@ -20,12 +20,13 @@ import pytest
 import torch
 
 from gnosis_daemon.settings import Settings
-from station.core.requests import Finished, GenerationRequest, Prefill, SamplingParams
+from station.core.requests import Finished, Prefill
 from station.main import _TorchThread
 from station.runtime import kv_store, kv_tier_start
 from station.runtime.kv_store import KVStore
 from station.runtime.kv_tier_start import tier_report
 from supervisor.status import _kv_tier_lines
+from tests.station.test_disk_tier import generate
 from tests.station.test_paged_engine import Collector, prompt_of, reference
 from tests.support.kv_tier import model_layout, tier_dir, tree, write_session_files
 
@@ -58,11 +59,7 @@ class Station:
 
     def generate(self, prompt, n: int = 3, **kwargs) -> Collector:
         self.n += 1
-        collector = Collector()
-        self.engine.add_request(GenerationRequest(
-            f"r{self.n}", list(prompt), SamplingParams(max_tokens=n, temperature=0.0),
-            tenant="alice", **kwargs), collector)
-        return collector.wait()
+        return generate(self.engine, f"r{self.n}", prompt, n, **kwargs)
 
     def stop(self) -> None:
         self.engine.shutdown()
