@@ -88,6 +88,10 @@ class Settings:
     kv_persistence: bool = True
     kv_disk_bytes: int = 8 * 1024 ** 3  # the disk tier's budget (LRU sessions past it go)
     kv_write_behind_s: float = 1.0  # a saved session should be on disk within this; later is counted
+    # The tier's I/O process reads and writes KV blocks in shared memory. CUDA: a staging
+    # area of pinned host RAM between the GPU pool and the disk (0: 1 GiB). CPU: 0 shares
+    # the pool itself (no copy); > 0 stages through an area of that size, as CUDA does.
+    kv_host_bytes: int = 0
     # -- timeouts and supervision (seconds)
     request_timeout_s: float = 600.0
     station_start_timeout_s: float = 300.0
@@ -124,6 +128,8 @@ class Settings:
                      "max_waiting_requests", "kv_disk_bytes"):
             value = getattr(self, name)
             _check(value, value > 0, name, "a positive integer")
+        _check(self.kv_host_bytes, self.kv_host_bytes >= 0, "kv_host_bytes",
+               "0 (the default size) or a number of bytes")
         _check(self.kv_write_behind_s, self.kv_write_behind_s > 0, "kv_write_behind_s",
                "a positive number of seconds")
         _check(self.kv_cache_gpu_fraction, 0 < self.kv_cache_gpu_fraction <= 1,

@@ -19,6 +19,7 @@ from gnosis_daemon.logs import configure_logging, get_logger
 from gnosis_daemon.settings import Settings
 from station.runtime.model_loader import LoadedModel, ModelLoadError, load_model
 from station.runtime.engine import PagedEngine
+from station.runtime.kv_io_process import KVIOProcess
 from station.runtime.kv_tier_start import open_tier
 from station.serving.server import StationServer
 
@@ -62,6 +63,9 @@ class _TorchThread:
 
     def _main(self) -> None:
         try:
+            # The tier's I/O process imports torch while the model loads.
+            io = KVIOProcess(self.settings.log_level, self.settings.log_format) \
+                if self.settings.kv_persistence else None
             loaded = load_model(self.settings)
             log.info("model_loaded", model=loaded.served_id, path=loaded.path,
                      loaded_from=loaded.loaded_from, device=str(loaded.device),
@@ -69,7 +73,7 @@ class _TorchThread:
             engine = PagedEngine(loaded, self.settings)
             # Never raises for what is on disk: bad files are quarantined and counted. The
             # tier's index is rebuilt from its files; no KV is read until a request asks.
-            self.tier_report = open_tier(engine, self.settings)
+            self.tier_report = open_tier(engine, self.settings, io)
         except BaseException as exc:  # noqa: BLE001 - handed to the main thread
             self._booted.put(exc)
             return

@@ -47,6 +47,7 @@ class SessionOutcome(enum.StrEnum):
     TENANT_MISMATCH = "tenant_mismatch"
     NO_COMMON_PREFIX = "no_common_prefix"
     QUARANTINED = "quarantined"  # it was on disk, and a file failed its checks on load
+    UNREADABLE = "unreadable"  # it was on disk, and could not be read (file gone, I/O error, tier down)
     ON_DISK = "on_disk"  # not an outcome: the session must be read back first (begin_load)
 
 
@@ -92,10 +93,12 @@ class KVCacheManager:
         self.disk = DiskSessions()
         self.disk_tier = False
         self.to_write: list[KVSession] = []
+        self.to_touch: dict[str, float] = {}  # durable sessions used since: id -> last_used
         self.num_offloaded = 0  # evicted from the pool, kept on disk
         self.num_lost = 0  # evicted before the write-behind made them durable
         self.num_disk_loads = 0
         self.num_quarantined_loads = 0
+        self.num_unreadable_loads = 0
 
     # -- figures
     @property
@@ -132,6 +135,7 @@ class KVCacheManager:
             "kv_sessions_lost": self.num_lost,
             "kv_disk_loads": self.num_disk_loads,
             "kv_disk_quarantined_loads": self.num_quarantined_loads,
+            "kv_disk_unreadable_loads": self.num_unreadable_loads,
         }
 
     def extra_keys(self, tenant: str) -> ExtraKeys:
@@ -201,7 +205,7 @@ class KVCacheManager:
             hits = computed.blocks
             num_held = len(hits)
             if computed.session is not None:
-                self.sessions.use(computed.session)
+                self._use(computed.session)
         num_new = self.num_blocks_for(start + num_new_tokens) - num_held
         if num_new <= 0 and computed is None:
             return True
@@ -282,8 +286,13 @@ class KVCacheManager:
         self.pool.touch(session.blocks)
         seq.blocks = list(session.blocks)
         seq.num_registered_blocks = len(session.blocks)
-        self.sessions.use(session)
+        self._use(session)
         return session.num_tokens
+
+    def _use(self, session: KVSession) -> None:
+        self.sessions.use(session)
+        if session.durable:  # the disk's LRU learns of it too
+            self.to_touch[session.session_id] = session.last_used
 
     def resident_blocks(self, token_ids: Seq[int], tenant: str) -> list[KVBlock]:
         """The cached blocks holding the longest resident prefix of ``token_ids``'s full
@@ -312,6 +321,11 @@ class KVCacheManager:
         self.to_write = []
         return writes
 
+    def take_touches(self) -> dict[str, float]:
+        """Durable sessions used since the last call (their files' last use to update)."""
+        touches, self.to_touch = self.to_touch, {}
+        return touches
+
     def _take_evictions(self) -> None:
         for session in self.sessions.evicted:
             if self.disk_tier and session.durable:
@@ -335,17 +349,21 @@ class KVCacheManager:
         on_disk.loading = True
         return LoadPlan(on_disk, tuple(self.pool.allocate(n)))
 
-    def finish_load(self, plan: LoadPlan, ok: bool) -> KVSession | None:
-        """The loader filled ``plan.blocks`` (``ok``) or found a bad file: cache and pin the
-        blocks as the session again, or forget the session. -> the resident session."""
+    def finish_load(self, plan: LoadPlan, error: SessionOutcome | None) -> KVSession | None:
+        """The loader filled ``plan.blocks`` (``error`` None) or could not (``QUARANTINED``: a
+        file failed a check; ``UNREADABLE``): cache and pin the blocks as the session again,
+        or forget the session. -> the resident session."""
         on_disk = plan.session
         on_disk.loading = False
         current = self.disk.get(on_disk.session_id) is on_disk
-        if not ok or not current:  # quarantined, or deleted / saved again meanwhile
+        if error is not None or not current:  # failed, or deleted / saved again meanwhile
             self.pool.free(plan.blocks)
-            if not ok:
+            if error is not None:
                 self.disk.remove(on_disk.session_id)
-                self.num_quarantined_loads += 1
+                if error is SessionOutcome.QUARANTINED:
+                    self.num_quarantined_loads += 1
+                else:
+                    self.num_unreadable_loads += 1
             return None
         self.disk.remove(on_disk.session_id)
         bs = self.block_size
@@ -355,6 +373,7 @@ class KVCacheManager:
                                      plan.blocks, on_disk.block_hashes)
         session.durable = True
         session.file_hashes = on_disk.file_hashes
+        self.to_touch[session.session_id] = session.last_used
         self.pool.free(plan.blocks)  # the loader's references: the session's pins keep them
         self.num_disk_loads += 1
         self._take_evictions()

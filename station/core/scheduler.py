@@ -74,13 +74,13 @@ class Scheduler:
         """Work a step can do now: not only sequences waiting for a disk read."""
         return bool(self.running) or any(s.awaiting_load is None for s in self.waiting)
 
-    def on_load_done(self, plan: LoadPlan, ok: bool) -> None:
-        """A disk session was read back (or failed its checks): its waiters may be admitted."""
+    def on_load_done(self, plan: LoadPlan, error: SessionOutcome | None) -> None:
+        """A disk session was read back (or could not be, ``error``): its waiters may be admitted."""
         for seq in self.waiting:
             if seq.awaiting_load is plan.session:
                 seq.awaiting_load = None
-                seq.loaded_from_disk = ok
-                seq.load_failed = not ok
+                seq.loaded_from_disk = error is None
+                seq.load_error = error
 
     def get(self, seq_id: str) -> Sequence | None:
         for seq in (*self.running, *self.waiting):
@@ -198,8 +198,8 @@ class Scheduler:
             computed = replace(computed, session_outcome=None, disk_session=None)
         if first_admission:  # the prefill event reports the first admission
             outcome = computed.session_outcome
-            if seq.load_failed and outcome in (None, SessionOutcome.NOT_FOUND):
-                outcome = SessionOutcome.QUARANTINED
+            if seq.load_error is not None and outcome in (None, SessionOutcome.NOT_FOUND):
+                outcome = SessionOutcome(seq.load_error)
             seq.session_outcome = outcome
             seq.num_session_tokens = computed.num_session_tokens
             seq.loaded_session = computed.session.session_id if computed.session else None

@@ -50,7 +50,7 @@ class Sequence:
     # sequence waits, others are admitted past it); or that read failed its checks.
     awaiting_load: Any = None  # the DiskSession being read back
     loaded_from_disk: bool = False
-    load_failed: bool = False
+    load_error: str | None = None  # its disk session could not be read back (a SessionOutcome)
     status: SequenceStatus = SequenceStatus.WAITING
     prefill_reported: bool = False  # PREFILL is sent once, not again after a preemption
     finish_reason: str | None = None

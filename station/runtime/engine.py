@@ -38,8 +38,7 @@ from typing import Any
 import torch
 
 from gnosis_daemon.logs import get_logger
-from gnosis_daemon.protocol import ErrorCode
-from gnosis_daemon.protocol import OpError
+from gnosis_daemon.protocol import ErrorCode, OpError
 from station.core.requests import (CallDone, EngineCallHandler, EngineEvent, EventCallback, Failed,
                                    Finished, GenerationRequest, Prefill, SequenceLimits, Token)
 from station.runtime.engine_calls import EngineCalls, RequestState, answer, session_fields
@@ -68,9 +67,10 @@ class PagedEngine:
         shape = KVCacheShape.from_config(loaded.model.config, self.block_size, loaded.dtype)
         if num_blocks is None:
             num_blocks = num_blocks_for(shape, settings, device)
-        self.kv_cache = KVCache(shape, num_blocks, device)
-        self.limits = SequenceLimits(loaded.max_model_len, loaded.vocab_size, self.block_size,
-                                     num_blocks)
+        # In shared memory for the disk tier's I/O process (a CPU pool that does not stage).
+        self.kv_cache = KVCache(shape, num_blocks, device,
+                                shared=settings.kv_persistence and not settings.kv_host_bytes)
+        self.limits = SequenceLimits(loaded.max_model_len, loaded.vocab_size, self.block_size, num_blocks)
         self.kv = KVCacheManager(num_blocks, self.block_size, settings.kv_session_budget,
                                  tenant_share=settings.kv_session_tenant_share,
                                  model_fingerprint=loaded.fingerprint,
@@ -108,10 +108,11 @@ class PagedEngine:
         self._thread = threading.current_thread()
         self._run()
 
-    def attach_disk_tier(self, store: Any, sessions: list[Any]) -> None:
+    def attach_disk_tier(self, io: Any, store_stats: dict[str, Any], slots: Any,
+                         sessions: list[Any]) -> None:
         """Put the disk tier behind the pool (before ``start``): evicted durable sessions
         stay on disk, ``sessions`` (the tier's index at start) can be read back."""
-        self.tier = DiskTier(store, self.kv, self.kv_cache.kv, self._wake,
+        self.tier = DiskTier(io, store_stats, self.kv, slots, self._wake,
                              self.scheduler.on_load_done, self.settings.kv_write_behind_s)
         self.kv.enable_disk_tier(sessions)
 
@@ -126,7 +127,6 @@ class PagedEngine:
         if self._thread is not None:
             self._thread.join()
         if self.tier is not None:
-            self.tier.before_step()  # take the last saves
             self.tier.close(flush=flush_tier)
         with self._cond:
             leftovers = [*self._inbox, *self.scheduler.running, *self.scheduler.waiting]
@@ -251,7 +251,7 @@ class PagedEngine:
                 while not (self._stopping or self._inbox or self._aborts or self._call_queue
                            or self._cancels or self.scheduler.has_runnable()
                            or self.calls.embeds
-                           or (self.tier and (self.tier.has_answers() or self.kv.to_write))):
+                           or (self.tier and self.tier.has_work())):
                     self._cond.wait()
                 if self._stopping:
                     return

@@ -7,11 +7,20 @@ are what attention writes through a slot mapping.
 
 Sizing: CPU uses ``settings.kv_cache_bytes``; CUDA uses ``settings.kv_cache_gpu_fraction``
 of the memory still free after the weights are loaded.
+
+Shared memory: with the disk tier on a CPU pool, the pool lives in an anonymous shared
+memory file (``SharedBlocks``, a memfd) that the tier's I/O process maps too, so it copies
+blocks to and from disk without a byte passing through the station's Python (see
+``station.runtime.kv_tier``). A CUDA pool cannot be shared that way: there the I/O process
+maps a staging area of pinned host memory instead, of ``kv_host_bytes``.
 """
 
 from __future__ import annotations
 
+import mmap
+import os
 from dataclasses import dataclass
+from math import prod
 
 import torch
 
@@ -59,16 +68,43 @@ def num_blocks_for(shape: KVCacheShape, settings, device: torch.device) -> int:
     return num_blocks
 
 
+class SharedBlocks:
+    """``num_blocks`` KV blocks ([L, 2, num_blocks, block_size, H, D], zeros) in a memfd that
+    another process can map (``fd``, passed over a Unix socket); ``pin`` registers them with
+    CUDA as pinned host memory (a staging area's fast, asynchronous copies)."""
+
+    def __init__(self, shape: KVCacheShape, num_blocks: int, pin: bool = False) -> None:
+        dims = (shape.num_layers, 2, num_blocks, shape.block_size, shape.num_kv_heads, shape.head_dim)
+        self.num_blocks = num_blocks
+        self.nbytes = prod(dims) * torch.empty((), dtype=shape.dtype).element_size()
+        self.fd = os.memfd_create("gnosis-kv-blocks", os.MFD_CLOEXEC)
+        os.ftruncate(self.fd, self.nbytes)  # reads as zeros until written
+        self._map = mmap.mmap(self.fd, self.nbytes)
+        self.tensor = torch.frombuffer(self._map, dtype=torch.uint8).view(shape.dtype).view(dims)
+        self.pinned = False
+        if pin and torch.cuda.is_available():
+            err = torch.cuda.cudart().cudaHostRegister(self.tensor.data_ptr(), self.nbytes, 0)
+            self.pinned = int(err) == 0
+
+    def layout(self) -> dict[str, int]:
+        """What the other process needs to map the blocks (``kv_io_worker``)."""
+        return {"num_blocks": self.num_blocks, "nbytes": self.nbytes}
+
+
 class KVCache:
-    def __init__(self, shape: KVCacheShape, num_blocks: int, device: torch.device) -> None:
+    def __init__(self, shape: KVCacheShape, num_blocks: int, device: torch.device,
+                 shared: bool = False) -> None:
         self.shape = shape
         self.num_blocks = num_blocks
         self.block_size = shape.block_size
         self.device = device
+        # ``shared`` (a CPU pool only): the blocks in shared memory, for the tier's I/O process.
+        self.shared = SharedBlocks(shape, num_blocks) if shared and device.type == "cpu" else None
         # Zeros, not empty: padded gathers read unused slots under a -inf mask, and
         # 0 * NaN garbage would still poison the weighted sum.
-        self.kv = torch.zeros(shape.num_layers, 2, num_blocks, shape.block_size, shape.num_kv_heads,
-                              shape.head_dim, dtype=shape.dtype, device=device)
+        self.kv = (self.shared.tensor if self.shared is not None else
+                   torch.zeros(shape.num_layers, 2, num_blocks, shape.block_size, shape.num_kv_heads,
+                               shape.head_dim, dtype=shape.dtype, device=device))
         # [L, 2, num_blocks * block_size, H, D]: slot-addressed views for writes.
         self.flat = self.kv.view(shape.num_layers, 2, num_blocks * shape.block_size,
                                  shape.num_kv_heads, shape.head_dim)

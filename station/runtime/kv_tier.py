@@ -1,43 +1,48 @@
-"""The disk tier's engine side: write-behind and read-back threads around ``KVStore``.
+"""The disk tier's engine side: write-behind and read-back through the I/O process.
 
-The engine thread never touches a file. It hands work to two threads and takes their
-answers back at its next step boundary (``before_step``), so decode never waits on disk:
+The engine thread never touches a file, nor copies a block to or from one: the tier's I/O
+process (``station.runtime.kv_io_worker``) does, on KV blocks in shared memory
+(``kv_cache.SharedBlocks``): a CPU pool itself, or on CUDA a staging area of pinned host
+RAM (``kv_host_bytes``) that the engine thread fills from the GPU and empties into it. The
+engine hands jobs over and takes the answers back at its next step boundary
+(``before_step``), so decode never waits on a disk:
 
-* **write-behind** (``Writer``): every saved session (``KVCacheManager.take_writes``) is
-  queued at once. For as long as the job is queued the engine holds one reference on each of
-  its blocks, so a block the writer has not read yet is never reused, however soon the
-  session is evicted. The writer copies each block the store does not have yet (blocks are
+* **write-behind**: every saved session (``KVCacheManager.take_writes``) is queued at
+  once. For as long as the job is queued or in flight the engine holds one reference on
+  each of its blocks, so a block not read yet is never reused, however soon the session
+  is evicted. The process writes each block the store does not have yet (blocks are
   content-addressed: a conversation's shared prefix is written once), then the session's
   manifest, each file fsynced and renamed into place. When the job is done the engine
   marks the session ``durable``: from then on an eviction moves it to the disk index
   instead of losing it. A newer save of a session id replaces a job still queued for it.
-  The delay from save to durable is the write-behind lag, reported as p50/p99.
-* **read-back** (``Loader``): a request whose session only the disk holds waits in the
-  scheduler while its blocks are read, checked (every file's checksum, model fingerprint,
-  block size, shape, dtype and tokens) and copied into fresh pool blocks; other requests
-  keep decoding. A file that fails a check is quarantined by the store and the request
-  runs as a miss.
+  The delay from save to durable is the write-behind lag, reported as p50/p99 and counted
+  as late past ``kv_write_behind_s``. Uses of a durable session reach the files too
+  (``touch``), so the disk budget evicts the least recently *used* session.
+* **read-back**: a request whose session only the disk holds waits in the scheduler while
+  its blocks are read, checked (every file's checksum, model fingerprint, block size,
+  shape, dtype and tokens) and copied into fresh pool blocks; other requests keep
+  decoding. A file that fails a check is quarantined by the store and the request runs as
+  a miss.
 
-Threads and the GIL: file I/O and hashing (xxh3-128, a block's bytes) release it, and the
-writer runs at the lowest CPU priority, so it takes the cores decode leaves; what it costs
-decode on a saturated 2-core CPU is a `make bench` row (docs/benchmarks.md).
+Jobs run one at a time in order (writes, deletes and touches in one queue; loads in
+another, never behind a write). Through a staging area a job moves in parts of at most
+half the area. If the I/O process dies the tier is down: jobs in flight fail (a load's
+request runs as a miss), sessions stay in the pool only, and ``stats`` says so.
 """
 
 from __future__ import annotations
 
 import collections
-import os
 import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-import numpy
-import torch
-
 from gnosis_daemon.logs import get_logger
-from station.core.kv_manager import KVCacheManager, LoadPlan
+from station.core.kv_manager import KVCacheManager, LoadPlan, SessionOutcome
 from station.core.sessions import KVSession
+from station.runtime.kv_io_process import CLOSE_TIMEOUT_S, IOProcessGone, KVIOProcess
+from station.runtime.kv_tier_slots import PoolSlots, StagingSlots
 
 log = get_logger(__name__)
 
@@ -45,10 +50,25 @@ _LAG_WINDOW = 4096  # write-behind lags kept for the percentiles
 
 
 @dataclass(slots=True)
-class _WriteJob:
-    session: KVSession
-    block_ids: list[int]
+class _Job:
+    op: str  # write | delete | touch
+    session_id: str
     queued_at: float
+    session: KVSession | None = None  # a write's
+    block_ids: list[int] = field(default_factory=list)  # a write's (referenced until done)
+    last_used: float = 0.0  # a touch's
+    sent: int = 0  # blocks handed over so far
+    slots: list[int] = field(default_factory=list)  # the part in flight
+    cancelled: bool = False  # deleted while in flight: no further part
+
+
+@dataclass(slots=True)
+class _Load:
+    plan: LoadPlan
+    queued_at: float
+    sent: int = 0
+    slots: list[int] = field(default_factory=list)
+    block_ids: list[int] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -61,6 +81,7 @@ class TierFigures:
     lag_ms: collections.deque = field(default_factory=lambda: collections.deque(maxlen=_LAG_WINDOW))
     queued_writes: int = 0
     late_writes: int = 0  # made durable later than kv_write_behind_s after the save
+    touches: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         # Not "disk_*": those are the store's own figures (files written, bytes...).
@@ -71,19 +92,7 @@ class TierFigures:
                 "read_back_ms_p99": _pct(self.load_ms, 0.99),
                 "write_behind_lag_ms_p50": _pct(self.lag_ms, 0.5),
                 "write_behind_lag_ms_p99": _pct(self.lag_ms, 0.99),
-                "write_behind_queued": self.queued_writes}
-
-
-def _yield_to_decode() -> None:
-    """Give this thread the lowest CPU priority (Linux: a thread is a task with its own nice
-    value): the write-behind takes the cores decode leaves idle. Measured on 2 cores with
-    decode saturating both (`make bench`'s busy row): nice 0 kept the lag under 1 s and cut
-    decode to 0.58x, nice 10 0.91x, nice 19 0.97x with the lag growing to seconds (counted
-    as late writes). Decode comes first; with idle cores (a GPU host) the lag is tens of ms."""
-    try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-    except (AttributeError, OSError):  # not Linux, or not allowed: run at normal priority
-        log.info("kv_writer_priority_unchanged")
+                "write_behind_queued": self.queued_writes, "disk_touches": self.touches}
 
 
 def _pct(values: collections.deque, q: float) -> float | None:
@@ -94,166 +103,225 @@ def _pct(values: collections.deque, q: float) -> float | None:
 
 
 class DiskTier:
-    """Owned by the engine; ``before_step`` and ``submit_loads`` run on the engine thread."""
+    """Owned by the engine; its methods run on the engine thread (``close`` after it stopped)."""
 
-    def __init__(self, store: Any, kv: KVCacheManager, kv_tensor: torch.Tensor,
-                 wake: Callable[[], None], on_load_done: Callable[[LoadPlan, bool], None],
-                 write_behind_s: float = 1.0) -> None:
-        self.store = store
-        self._on_load_done = on_load_done  # the scheduler's: admit the load's waiters
-        self.write_behind_s = write_behind_s
+    def __init__(self, io: KVIOProcess, store_stats: dict[str, Any], kv: KVCacheManager,
+                 slots: PoolSlots | StagingSlots, wake: Callable[[], None],
+                 on_load_done: Callable[[LoadPlan, SessionOutcome | None], None], write_behind_s: float = 1.0) -> None:
+        self.io = io
         self.kv = kv
-        self.kv_tensor = kv_tensor  # [L, 2, num_blocks, block_size, H, D]
-        # On CPU the threads copy blocks through numpy, never a torch op: a torch copy of
-        # that size runs an OpenMP parallel region, and libgomp then keeps a second thread
-        # pool for the writer, more threads than cores, which throttles every parallel op
-        # of the decode step (measured: decode beside the writer 0.72-0.80x idle through
-        # torch copies; an external writer process doing the same I/O, 0.98x).
-        self._kv_bytes = (kv_tensor.view(torch.uint8).numpy()
-                          if kv_tensor.device.type == "cpu" else None)
+        self.slots = slots
+        self.write_behind_s = write_behind_s
         self._wake = wake  # tells the engine thread an answer is waiting
+        self._on_load_done = on_load_done  # the scheduler's: admit the load's waiters
         self.figures = TierFigures()
+        self.store_stats = store_stats  # the store's, as of the process's last answer
+        self.down: str | None = None  # why the I/O process is gone
         self._lock = threading.Condition()
-        self._writes: collections.OrderedDict[str, _WriteJob] = collections.OrderedDict()
-        self._loads: collections.deque[tuple[LoadPlan, float]] = collections.deque()
-        self._answers: collections.deque[Callable[[], None]] = collections.deque()
-        self._writing = 0  # jobs taken by the writer and not answered yet
-        self._loading = False  # the loader is reading a plan
-        self._closing = False
-        self._threads = [threading.Thread(target=self._write_loop, name="kv-writer", daemon=True),
-                         threading.Thread(target=self._load_loop, name="kv-loader", daemon=True)]
-        for thread in self._threads:
-            thread.start()
+        self._answers: collections.deque[dict[str, Any] | None] = collections.deque()
+        self._jobs: collections.OrderedDict[tuple[str, str], _Job] = collections.OrderedDict()
+        self._job: _Job | None = None  # in flight
+        self._loads: collections.deque[_Load] = collections.deque()
+        self._load: _Load | None = None  # in flight
+        self._next_id = 0
+        self._closed = False
+        self._reader = threading.Thread(target=self._read_loop, name="kv-io-reader", daemon=True)
+        self._reader.start()
 
     # -- engine thread
     def before_step(self) -> None:
-        """Apply the threads' answers, then queue the sessions saved since the last step."""
+        """Apply the I/O process's answers, queue the sessions saved (and used) since the
+        last step, and hand over the next jobs."""
         while True:
             with self._lock:
                 if not self._answers:
                     break
                 answer = self._answers.popleft()
-            answer()
+            self._apply(answer)
         for session in self.kv.take_writes():
             self._queue_write(session)
+        for session_id, last_used in self.kv.take_touches().items():
+            if ("write", session_id) not in self._jobs:  # a queued write carries the use
+                self._queue(_Job("touch", session_id, time.perf_counter(), last_used=last_used))
+        self._pump()
 
     def stats(self) -> dict[str, Any]:
         """The tier's figures for ``stats`` (another thread may read them)."""
-        return {**self.figures.as_dict(), **{f"disk_{k}": v for k, v in self.store.stats().items()}}
+        return {**self.figures.as_dict(), "kv_io_down": self.down,
+                **{f"disk_{k}": v for k, v in self.store_stats.items()}}
 
-    def has_answers(self) -> bool:
+    def has_work(self) -> bool:
+        """Answers to apply, or sessions saved or used to hand over."""
         with self._lock:
-            return bool(self._answers)
+            if self._answers:
+                return True
+        return bool(self.kv.to_write or self.kv.to_touch)
 
     def busy(self) -> bool:
         """Loads in flight: the scheduler's waiters will be admitted when they end."""
         with self._lock:
-            return bool(self._loads) or self._loading or bool(self._answers)
+            return bool(self._loads) or self._load is not None or bool(self._answers)
 
     def submit_loads(self, plans: list[LoadPlan]) -> None:
-        if not plans:
-            return
         now = time.perf_counter()
+        if self.down:  # the requests run as misses
+            for plan in plans:
+                self._answer_load(_Load(plan, now), SessionOutcome.UNREADABLE)
+            return
         with self._lock:
-            self._loads.extend((plan, now) for plan in plans)
-            self._lock.notify_all()
+            self._loads.extend(_Load(plan, now) for plan in plans)
+        self._pump()
 
     def delete(self, session_id: str) -> None:
-        """Forget a session's files (``kv_session.delete``), after any queued write of it."""
-        with self._lock:
-            job = self._writes.pop(session_id, None)
-            self._writes[session_id] = _WriteJob(None, [], time.perf_counter())  # type: ignore[arg-type]
-            self.figures.queued_writes = len(self._writes) + self._writing
-            self._lock.notify_all()
-        if job is not None:
-            self._release(job)
-
-    def _queue_write(self, session: KVSession) -> None:
-        if not session.blocks:  # nothing to keep (a probe's empty session)
-            return
-        blocks = list(session.blocks)
-        self.kv.pool.touch(blocks)  # the writer's references: these blocks stay as they are
-        job = _WriteJob(session, [b.block_id for b in blocks], time.perf_counter())
-        with self._lock:
-            old = self._writes.pop(session.session_id, None)
-            self._writes[session.session_id] = job
-            self.figures.queued_writes = len(self._writes) + self._writing
-            self._lock.notify_all()
-        if old is not None:  # superseded before it was written
-            self._release(old)
-
-    def _release(self, job: _WriteJob) -> None:
-        """Drop the references a write job held on its blocks (engine thread)."""
-        self.kv.pool.free([self.kv.pool.blocks[i] for i in job.block_ids])
+        """Forget a session's files (``kv_session.delete``), after any write in flight of it."""
+        for op in ("write", "touch"):
+            job = self._jobs.pop((op, session_id), None)
+            if job is not None:
+                self._release(job)
+        if self._job is not None and self._job.session_id == session_id:
+            self._job.cancelled = True
+        self._queue(_Job("delete", session_id, time.perf_counter()))
+        self._pump()
 
     def close(self, flush: bool) -> None:
-        """Stop the threads; with ``flush``, after every queued write reached disk (a clean
-        stop). The engine thread has stopped: answers are dropped, nothing is freed."""
-        with self._lock:
-            if not flush:
-                self._writes.clear()
-            self._closing = True
-            self._lock.notify_all()
-        for thread in self._threads:
-            thread.join()
-
-    def _block_copy(self, block_id: int) -> torch.Tensor:
-        """One block's KV as a contiguous CPU tensor (writer thread)."""
-        if self._kv_bytes is None:  # CUDA: a device-to-host copy, no OpenMP
-            return self.kv_tensor[:, :, block_id].to("cpu", copy=True)
-        raw = numpy.ascontiguousarray(self._kv_bytes[:, :, block_id])
-        return torch.from_numpy(raw).view(self.kv_tensor.dtype)
-
-    def _block_fill(self, block_id: int, data: torch.Tensor) -> None:
-        """Write one block's KV into the pool (loader thread; the block is the plan's alone)."""
-        if self._kv_bytes is None:
-            self.kv_tensor[:, :, block_id].copy_(data)
-            return
-        self._kv_bytes[:, :, block_id] = data.contiguous().view(torch.uint8).numpy()
-
-    # -- writer thread
-    def _write_loop(self) -> None:
-        _yield_to_decode()
-        while True:
+        """Stop the I/O process; with ``flush``, after every queued write reached disk (a
+        clean stop). The engine thread has stopped: this thread applies the last answers."""
+        deadline = time.monotonic() + CLOSE_TIMEOUT_S
+        self.before_step()  # the last saves
+        if not flush:
+            for job in self._jobs.values():
+                self._release(job)
+            self._jobs.clear()
+        while not self.down and (self._jobs or self._job is not None) and time.monotonic() < deadline:
+            self.before_step()
             with self._lock:
-                while not self._writes and not self._closing:
-                    self._lock.wait()
-                if not self._writes:
-                    return
-                session_id, job = self._writes.popitem(last=False)
-                self._writing += 1
-                self.figures.queued_writes = len(self._writes) + self._writing
-            ok, evicted = self._write(session_id, job)
-            self._answer(lambda job=job, ok=ok, evicted=evicted: self._write_done(job, ok, evicted))
-
-    def _write(self, session_id: str, job: _WriteJob) -> tuple[bool, tuple[str, ...]]:
-        """Write one job; -> (done, the sessions the disk budget then removed)."""
+                if not self._answers and (self._jobs or self._job is not None):
+                    self._lock.wait(0.5)
+        self._closed = True
         try:
-            if job.session is None:
-                self.store.delete_session(session_id)
-                return True, ()
-            session = job.session
-            bs = self.kv.block_size
-            for i, (block_id, file_hash) in enumerate(zip(job.block_ids, session.file_hashes)):
-                if not self.store.has_block(file_hash):
-                    data = self._block_copy(block_id)
-                    self.store.write_block(file_hash, session.token_ids[i * bs:(i + 1) * bs], data)
-            self.store.write_session(session.session_id, session.tenant, session.token_ids,
-                                     session.file_hashes, session.last_used)
-            return True, self.store.evict_to_budget().sessions
-        except Exception:  # a full disk or a dead one: the session stays in the pool only
-            log.exception("kv_tier_write_failed", session_id=session_id)
-            return False, ()
+            self.io.send({"op": "close", "flush": flush})
+        except IOProcessGone:
+            pass
+        self.io.stop(max(1.0, deadline - time.monotonic()))
+        self._reader.join(5.0)
 
-    def _write_done(self, job: _WriteJob, ok: bool, evicted: tuple[str, ...]) -> None:
-        with self._lock:
-            self._writing -= 1
-            self.figures.queued_writes = len(self._writes) + self._writing
-        self._forget_evicted(evicted)
-        if job.session is None:
+    # -- the queue
+    def _queue_write(self, session: KVSession) -> None:
+        if not session.blocks or self.down:  # nothing to keep, or nowhere to keep it
             return
+        blocks = list(session.blocks)
+        self.kv.pool.touch(blocks)  # the job's references: these blocks stay as they are
+        self._jobs.pop(("touch", session.session_id), None)
+        self._queue(_Job("write", session.session_id, time.perf_counter(), session=session,
+                         block_ids=[b.block_id for b in blocks]))
+
+    def _queue(self, job: _Job) -> None:
+        if self.down:
+            return
+        old = self._jobs.pop((job.op, job.session_id), None)
+        self._jobs[(job.op, job.session_id)] = job
+        if old is not None:  # superseded before it was sent
+            self._release(old)
+        self.figures.queued_writes = len(self._jobs) + (self._job is not None)
+
+    def _release(self, job: _Job) -> None:
+        """Drop the references a write job held on its blocks."""
+        if job.block_ids:
+            self.kv.pool.free([self.kv.pool.blocks[i] for i in job.block_ids])
+            job.block_ids = []
+
+    def _pump(self) -> None:
+        """Hand the next write part and the next load part over, when none is in flight."""
+        if self.down or self._closed:
+            return
+        try:
+            if self._job is None and self._jobs:
+                _key, self._job = self._jobs.popitem(last=False)
+                self._send_part(self._job)
+            if self._load is None and self._loads:
+                with self._lock:
+                    self._load = self._loads.popleft()
+                self._send_load_part(self._load)
+        except IOProcessGone as exc:
+            self._io_gone(str(exc))
+
+    def _send_part(self, job: _Job) -> None:
+        self._next_id += 1
+        message: dict[str, Any] = {"op": job.op, "job": self._next_id, "session_id": job.session_id}
+        job.slots = []
+        if job.op == "touch":
+            message["last_used"] = job.last_used
+        elif job.op == "write":
+            session, bs = job.session, self.kv.block_size
+            n = min(len(job.block_ids) - job.sent, self.slots.part_blocks, self.slots.room())
+            job.slots = self.slots.stage_out(job.block_ids[job.sent:job.sent + n])
+            message.update(slots=job.slots, hashes=list(session.file_hashes[job.sent:job.sent + n]),
+                           tokens=list(session.token_ids[job.sent * bs:(job.sent + n) * bs]))
+            job.sent += n
+            message["final"] = job.sent == len(job.block_ids)
+            if message["final"]:
+                message["session"] = {"session_id": session.session_id, "tenant": session.tenant,
+                                      "token_ids": list(session.token_ids),
+                                      "hashes": list(session.file_hashes),
+                                      "last_used": session.last_used}
+        self.io.send(message)
+
+    def _send_load_part(self, load: _Load) -> None:
+        on_disk, bs = load.plan.session, self.kv.block_size
+        blocks = load.plan.blocks
+        n = min(len(blocks) - load.sent, self.slots.part_blocks, self.slots.room())
+        load.block_ids = [b.block_id for b in blocks[load.sent:load.sent + n]]
+        load.slots = self.slots.take(load.block_ids)
+        self.io.send({"op": "load", "load": id(load), "slots": load.slots,
+                      "hashes": list(on_disk.file_hashes[load.sent:load.sent + n]),
+                      "tokens": list(on_disk.token_ids[load.sent * bs:(load.sent + n) * bs])})
+        load.sent += n
+
+    # -- answers (engine thread)
+    def _apply(self, answer: dict[str, Any] | None) -> None:
+        if answer is None:
+            self._io_gone("the KV I/O process exited")
+        elif answer["kind"] == "written" and self._job is not None:
+            self._write_answer(self._job, answer)
+        elif answer["kind"] == "loaded" and self._load is not None:
+            load = self._load
+            if answer["ok"]:
+                self.slots.stage_in(load.slots, load.block_ids)
+            self.slots.release(load.slots)
+            if answer["ok"] and load.sent < len(load.plan.blocks):
+                self._pump_next_load_part(load)
+            else:
+                self._load = None
+                error = (None if answer["ok"] else SessionOutcome.QUARANTINED
+                         if answer.get("quarantined") else SessionOutcome.UNREADABLE)
+                self._answer_load(load, error)
+        self._pump()
+
+    def _pump_next_load_part(self, load: _Load) -> None:
+        try:
+            self._send_load_part(load)
+        except IOProcessGone as exc:
+            self._io_gone(str(exc))
+
+    def _write_answer(self, job: _Job, answer: dict[str, Any]) -> None:
+        self.slots.release(job.slots)
+        job.slots = []
+        if answer["ok"] and not answer["final"] and not job.cancelled:
+            try:
+                self._send_part(job)
+            except IOProcessGone as exc:
+                self._io_gone(str(exc))
+            return
+        self._job = None
+        self.figures.queued_writes = len(self._jobs)
+        evicted = answer.get("evicted", [])
+        self._forget_evicted(evicted)
         self._release(job)
-        if not ok:
+        if job.op == "touch":
+            self.figures.touches += answer["ok"]
+        if job.op != "write" or job.cancelled:
+            return
+        if not answer["ok"]:
             self.figures.write_errors += 1
             return
         self.figures.writes += 1
@@ -262,12 +330,12 @@ class DiskTier:
         if lag_s > self.write_behind_s:
             # A SIGKILL in that window would have lost it: the disk is slower than the saves.
             self.figures.late_writes += 1
-            log.warning("kv_tier_write_late", session_id=job.session.session_id,
+            log.warning("kv_tier_write_late", session_id=job.session_id,
                         lag_s=round(lag_s, 3), bound_s=self.write_behind_s)
-        if self.kv.sessions.get(job.session.session_id) is job.session and job.session.session_id not in evicted:
+        if self.kv.sessions.get(job.session_id) is job.session and job.session_id not in evicted:
             job.session.durable = True
 
-    def _forget_evicted(self, evicted: tuple[str, ...]) -> None:
+    def _forget_evicted(self, evicted: list[str]) -> None:
         """Sessions the disk budget removed are gone from the disk index, and a resident
         one is no longer durable."""
         for session_id in evicted:
@@ -276,48 +344,53 @@ class DiskTier:
             if resident is not None:
                 resident.durable = False
 
-    # -- loader thread
-    def _load_loop(self) -> None:
-        while True:
-            with self._lock:
-                while not self._loads and not self._closing:
-                    self._lock.wait()
-                if self._closing:
-                    return
-                plan, queued_at = self._loads.popleft()
-                self._loading = True
-            ok = self._load(plan)
-            ms = (time.perf_counter() - queued_at) * 1000
-            with self._lock:  # one step: busy() never sees neither the load nor its answer
-                self._loading = False
-                self._answers.append(lambda plan=plan, ok=ok, ms=ms: self._load_done(plan, ok, ms))
-            self._wake()
-
-    def _load(self, plan: LoadPlan) -> bool:
-        session = plan.session
-        bs = self.kv.block_size
-        try:
-            for i, (block, file_hash) in enumerate(zip(plan.blocks, session.file_hashes)):
-                data = self.store.read_block(file_hash, session.token_ids[i * bs:(i + 1) * bs])
-                self._block_fill(block.block_id, data)
-            return True
-        except Exception as exc:  # the store quarantined the bad file and said why
-            log.warning("kv_tier_load_failed", session_id=session.session_id, error=str(exc))
-            return False
-
-    def _load_done(self, plan: LoadPlan, ok: bool, ms: float) -> None:
-        if ok:
+    def _answer_load(self, load: _Load, error: SessionOutcome | None) -> None:
+        if error is None:
             self.figures.loads += 1
-            self.figures.load_ms.append(ms)
+            self.figures.load_ms.append((time.perf_counter() - load.queued_at) * 1000)
         else:
             self.figures.load_failures += 1
-            # Its KV is no longer all there: drop the manifest too (the bad file is kept,
-            # quarantined; the good blocks go with the next eviction unless shared).
-            self.delete(plan.session.session_id)
-        self.kv.finish_load(plan, ok)
-        self._on_load_done(plan, ok)
+            if not self.down:
+                # Its KV is no longer all there: drop the manifest too (the bad file is kept,
+                # quarantined; the good blocks go with the next eviction unless shared).
+                self.delete(load.plan.session.session_id)
+        self.kv.finish_load(load.plan, error)
+        self._on_load_done(load.plan, error)
 
-    def _answer(self, answer: Callable[[], None]) -> None:
+    def _io_gone(self, why: str) -> None:
+        """The I/O process is gone: fail what it held; the pool serves on without a tier."""
+        if self.down:
+            return
+        self.down = why
+        if not self._closed:
+            log.error("kv_tier_down", reason=why)
+        job, self._job = self._job, None
+        for pending in ([job] if job is not None else []) + list(self._jobs.values()):
+            self._release(pending)
+            self.figures.write_errors += pending.op == "write"
+        self._jobs.clear()
+        self.figures.queued_writes = 0
         with self._lock:
-            self._answers.append(answer)
-        self._wake()
+            loads = ([self._load] if self._load is not None else []) + list(self._loads)
+            self._load = None
+            self._loads.clear()
+        for load in loads:
+            self._answer_load(load, SessionOutcome.UNREADABLE)
+        for on_disk in list(self.kv.disk.sessions()):  # none can be read back now
+            self.kv.disk.remove(on_disk.session_id)
+
+    # -- reader thread
+    def _read_loop(self) -> None:
+        while True:
+            message = self.io.receive()
+            if message is not None:
+                if isinstance(message.get("stats"), dict) and message["stats"]:
+                    self.store_stats = message["stats"]
+                if message["kind"] == "closed":
+                    message = None
+            with self._lock:
+                self._answers.append(message)
+                self._lock.notify_all()
+            self._wake()
+            if message is None:
+                return

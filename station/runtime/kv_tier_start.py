@@ -1,20 +1,20 @@
 """The disk tier at the station's start, and how it is reported.
 
-``open_tier`` opens ``<state_dir>/kv-tier/<model>`` and puts it behind the engine's pool
-(``station.runtime.kv_tier.DiskTier``); ``tier_report`` is the ``kv_tier`` object of
+``open_tier`` opens ``<state_dir>/kv-tier/<model>`` in the tier's I/O process and puts it
+behind the engine's pool (``station.runtime.kv_tier.DiskTier``); ``tier_report`` is the ``kv_tier`` object of
 ``hello``, ``health`` and ``stats``.
 """
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 from typing import Any
 
 from gnosis_daemon.logs import get_logger
 from station.core.block_pool import block_hashes_for, hash_block
 from station.core.disk_sessions import DiskSession
-from station.runtime.kv_store import KVStore, StoreBusy
+from station.runtime.kv_io_process import KVIOProcess, TierOpenFailed
+from station.runtime.kv_tier_slots import tier_slots
 
 log = get_logger(__name__)
 
@@ -24,14 +24,14 @@ def tier_root(state_dir: Path, fingerprint: str) -> Path:
     return state_dir / "kv-tier" / fingerprint[:16]
 
 
-_BUSY_WAIT_S = 10.0  # a stopping station may still hold the store's lock for a moment
+_BUSY_WAIT_S = 10.0  # a station that just died may leave its I/O process finishing a job
 
 
-def open_tier(engine: Any, settings: Any) -> dict[str, Any]:
-    """Open ``<state_dir>/kv-tier`` and put it behind the engine's pool (before the engine
-    runs). Never raises for what is on disk: bad files are quarantined by the store; a
-    store that cannot be opened at all leaves the station without a disk tier, and the
-    report (``hello``'s ``kv_tier``) says why."""
+def open_tier(engine: Any, settings: Any, io: KVIOProcess | None = None) -> dict[str, Any]:
+    """Open ``<state_dir>/kv-tier`` in the I/O process (``io``, started here if not given)
+    and put it behind the engine's pool (before the engine runs). Never raises for what is
+    on disk: bad files are quarantined by the store; a store that cannot be opened at all
+    leaves the station without a disk tier, and the report (``hello``'s ``kv_tier``) says why."""
 
     # One directory per model: another model's tier is never read, evicted or deleted, and
     # switching models back finds it whole. Files of another model found in this one (copied
@@ -43,28 +43,26 @@ def open_tier(engine: Any, settings: Any) -> dict[str, Any]:
     if legacy.exists():  # the clean-stop-only tier of earlier versions: kept, not read
         report["legacy"] = str(legacy)
     if not settings.kv_persistence:
+        if io is not None:
+            io.abandon()
         return report
     shape = engine.kv_cache.shape
     block_shape = (shape.num_layers, 2, shape.block_size, shape.num_kv_heads, shape.head_dim)
-    deadline = time.monotonic() + _BUSY_WAIT_S
-    while True:
-        try:
-            store = KVStore(root, engine.loaded.fingerprint, shape.block_size, block_shape,
-                            shape.dtype, settings.kv_disk_bytes)
-            break
-        except StoreBusy as exc:
-            if time.monotonic() > deadline:
-                report["error"] = str(exc)
-                return report
-            time.sleep(0.2)
-        except Exception as exc:  # an unusable directory: serve without the tier, say so
-            log.exception("kv_tier_open_failed", path=str(root))
-            report["error"] = f"{type(exc).__name__}: {exc}"
-            return report
+    try:
+        io = io or KVIOProcess(settings.log_level, settings.log_format)
+        area, slots = tier_slots(engine, settings)
+        records, stats = io.open(root, engine.loaded.fingerprint, shape.block_size, block_shape,
+                                 str(shape.dtype), settings.kv_disk_bytes, area, _BUSY_WAIT_S)
+    except Exception as exc:  # an unusable directory, or no process: serve without the tier
+        log.exception("kv_tier_open_failed", path=str(root))
+        report["error"] = str(exc) if isinstance(exc, TierOpenFailed) else f"{type(exc).__name__}: {exc}"
+        if io is not None:
+            io.abandon()
+        return report
     kv = engine.kv
     bs = shape.block_size
     sessions = []
-    for record in store.load_sessions():
+    for record in records:
         if not record.block_hashes:
             continue
         extra = kv.extra_keys(record.tenant)
@@ -75,8 +73,7 @@ def open_tier(engine: Any, settings: Any) -> dict[str, Any]:
                   else tuple(block_hashes_for(record.token_ids, bs, extra)))
         sessions.append(DiskSession(record.session_id, record.tenant, record.token_ids,
                                     tuple(hashes), tuple(record.block_hashes), record.last_used))
-    engine.attach_disk_tier(store, sessions)
-    stats = store.stats()
+    engine.attach_disk_tier(io, stats, slots, sessions)
     report.update(start_sessions=len(sessions), start_bytes=stats["bytes"],
                   start_quarantined=stats["quarantined_total"],
                   start_incomplete=stats["incomplete_sessions"])

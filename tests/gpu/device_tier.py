@@ -202,8 +202,6 @@ class TierEngine:
 
         def stop() -> None:
             self.engine.shutdown()
-            if self.engine.tier is not None:
-                self.engine.tier.store.close()
 
         call_with_timeout(stop, SHUTDOWN_TIMEOUT_S, "engine shutdown")
 

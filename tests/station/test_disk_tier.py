@@ -47,8 +47,7 @@ class TierEngine:
         return self
 
     def __exit__(self, *exc) -> None:
-        self.engine.shutdown()
-        self.engine.tier.store.close()
+        self.engine.shutdown()  # flushes the write-behind, stops the tier's I/O process
 
     def generate(self, prompt, n: int, **kwargs) -> Collector:
         self.n += 1
@@ -73,6 +72,11 @@ class TierEngine:
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
+    return tier_model(tmp_path_factory)
+
+
+def tier_model(tmp_path_factory):
+    """The tiny llama and its ``load_model`` (for a module's ``tiny`` fixture)."""
     path = build_tiny_model(tmp_path_factory.mktemp("tier") / "llama", "llama")
     return path, load_model(Settings(model=str(path),
                                      runtime_dir=str(tmp_path_factory.mktemp("rt"))))

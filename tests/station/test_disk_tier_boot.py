@@ -64,8 +64,6 @@ class Station:
     def stop(self) -> None:
         self.engine.shutdown()
         self.torch.thread.join()
-        if self.engine.tier is not None:
-            self.engine.tier.store.close()
 
 
 def serves_from_the_pool(station: Station, model) -> None:
@@ -209,16 +207,26 @@ def test_a_later_formats_manifest_is_quarantined_under_a_free_name(tiny_dir, lay
     taken = root / "quarantine" / f"{files.manifest.name}.20261130T121314Z"
     taken.write_bytes(b"older")  # os.rename would replace it silently
     taken.with_name(taken.name + "-1").write_bytes(b"older still")
+    # The store opens as the station's I/O process opens it (here, where the clock is fixed).
+    with KVStore(root, layout.fingerprint, BS, layout.shape, getattr(torch, layout.dtype), 1 << 30) as store:
+        assert (store.load_sessions(), store.stats()["quarantined"]) == ([], {"version": 1})
+    assert sorted(p.name for p in (root / "quarantine").iterdir()) == [
+        taken.name, taken.name + "-1", taken.name + "-2"]
+    assert taken.with_name(taken.name + "-2").read_bytes() == bytes(data)
+    assert taken.read_bytes() == b"older"
+    assert taken.with_name(taken.name + "-1").read_bytes() == b"older still"
+    # The station's own open quarantines such a file just the same, and the request misses.
+    files = write_session_files(root, layout, "alice.v2", PROMPT, tenant="alice")
+    files.manifest.write_bytes(bytes(data))
     station = Station(tiny_dir, state)
     try:
         report = station.report
         assert (report["start_sessions"], report["start_quarantined"],
                 report["quarantine_reasons"]) == (0, 1, {"version": 1})
-        assert sorted(p.name for p in (root / "quarantine").iterdir()) == [
-            taken.name, taken.name + "-1", taken.name + "-2"]
-        assert taken.with_name(taken.name + "-2").read_bytes() == bytes(data)
-        assert taken.read_bytes() == b"older"
-        assert taken.with_name(taken.name + "-1").read_bytes() == b"older still"
+        moved = [p for p in (root / "quarantine").iterdir()
+                 if p.name.startswith(files.manifest.name) and p.name not in
+                 (taken.name, taken.name + "-1", taken.name + "-2")]
+        assert [p.read_bytes() for p in moved] == [bytes(data)]
         miss = station.generate(PROMPT, 4, match_session=True)
         assert miss.one(Prefill).session_loaded is False
         assert miss.tokens == reference(tiny_dir, PROMPT, 4)

@@ -1,0 +1,245 @@
+"""The disk tier's I/O process (``python -m station.runtime.kv_io_worker FD LEVEL FORMAT``).
+
+The station starts it beside itself (``station.runtime.kv_io_process``) and it owns the
+tier's ``KVStore``: every file read, written, hashed, fsynced, evicted or quarantined is
+its work, on its own CPU time and its own GIL. KV bytes never cross the socket: the
+station passes, once, a memfd of KV blocks (its CPU pool itself, or the staging area in
+front of a GPU pool) and each job names slots of it.
+
+Messages are msgpack maps over the Unix socket FD (the station's end sends, with ``open``,
+the memfd). Jobs, in order:
+
+* ``open`` -> ``sessions`` (chunks of the index the files give) then ``opened``;
+* ``write`` parts: the blocks of the named slots the store lacks, and with the ``final``
+  part the session's manifest, then the disk budget -> ``written`` (``evicted`` sessions);
+* ``delete``, ``touch`` (a use, for the disk LRU) -> ``written``;
+* ``load``: the named blocks, each verified, into the named slots -> ``loaded``;
+* ``close`` (``flush``: after every write sent before it) -> ``closed``, and the process exits.
+
+Writes, deletes and touches run in order on one thread, loads on another, so a read-back
+never waits behind a long write. At EOF (the station died, a SIGKILL included) the jobs
+already received are finished, then the store closes: a crash loses only what was never
+sent. SIGTERM and SIGINT are ignored: a service manager signalling the whole group must
+not cut a clean stop's flush short; the station's ``close`` (or EOF) ends the process.
+"""
+
+from __future__ import annotations
+
+import collections
+import mmap
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+from typing import Any
+
+import numpy
+import torch
+
+from gnosis_daemon.logs import configure_logging, get_logger
+from gnosis_daemon.protocol import FrameDecoder, encode
+from station.core.block_pool import BlockHash
+from station.runtime.kv_store import KVStore, Quarantined, StoreBusy
+
+log = get_logger(__name__)
+
+MAX_FRAME_BYTES = 256 * 1024 * 1024  # a part names block slots and tokens, never KV bytes
+SESSIONS_PER_FRAME = 256
+
+
+def dtype_named(name: str) -> torch.dtype:
+    dtype = getattr(torch, name.removeprefix("torch."), None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"not a torch dtype: {name!r}")
+    return dtype
+
+
+class Worker:
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self._send_lock = threading.Lock()
+        self._fds: list[int] = []
+        self.store: KVStore | None = None
+        self.area: numpy.ndarray | None = None  # [L, 2, slots, bytes of a block's layer half]
+        self.block_shape: tuple[int, ...] = ()
+        self.dtype = torch.float32
+        self._cond = threading.Condition()
+        self._jobs: collections.deque[dict[str, Any]] = collections.deque()  # writer's, in order
+        self._loads: collections.deque[dict[str, Any]] = collections.deque()
+        self._eof = False
+
+    def send(self, message: dict[str, Any]) -> None:
+        data = encode(message)
+        with self._send_lock:
+            try:
+                self.sock.sendall(data)
+            except OSError:  # the station is gone: nobody is waiting for the answer
+                pass
+
+    def stats(self) -> dict[str, Any]:
+        return self.store.stats() if self.store is not None else {}
+
+    # -- the socket (main thread)
+    def run(self) -> None:
+        writer = threading.Thread(target=self._write_loop, name="kv-io-writer")
+        loader = threading.Thread(target=self._load_loop, name="kv-io-loader", daemon=True)
+        writer.start()
+        loader.start()
+        decoder = FrameDecoder(MAX_FRAME_BYTES)
+        while True:
+            try:
+                data, fds, _flags, _addr = socket.recv_fds(self.sock, 1 << 20, 4)
+            except OSError:
+                data, fds = b"", []
+            self._fds.extend(fds)
+            if not data:
+                break
+            for message in decoder.feed(data):
+                if message.get("op") == "open":
+                    self._open(message)
+                elif message.get("op") == "load":
+                    with self._cond:
+                        self._loads.append(message)
+                        self._cond.notify_all()
+                else:
+                    with self._cond:
+                        self._jobs.append(message)
+                        self._cond.notify_all()
+                    if message.get("op") == "close":
+                        writer.join()
+                        return
+        with self._cond:  # EOF: finish what was sent, then close the store
+            self._eof = True
+            self._cond.notify_all()
+        writer.join()
+
+    def _open(self, message: dict[str, Any]) -> None:
+        try:
+            self.block_shape = tuple(message["block_shape"])
+            self.dtype = dtype_named(message["dtype"])
+            fd = self._fds.pop(0)
+            mapped = mmap.mmap(fd, message["area_bytes"])
+            os.close(fd)
+            layers = self.block_shape[0]
+            self.area = numpy.frombuffer(mapped, dtype=numpy.uint8).reshape(
+                layers, 2, message["area_blocks"], -1)
+            deadline = time.monotonic() + message["busy_wait_s"]
+            while True:
+                try:
+                    self.store = KVStore(message["root"], message["fingerprint"],
+                                         message["block_size"], self.block_shape, self.dtype,
+                                         message["budget"])
+                    break
+                except StoreBusy:
+                    if time.monotonic() > deadline:
+                        raise
+                    time.sleep(0.2)
+        except Exception as exc:  # an unusable directory: the station serves without the tier
+            log.exception("kv_tier_open_failed", path=message.get("root"))
+            error = str(exc) if isinstance(exc, StoreBusy) else f"{type(exc).__name__}: {exc}"
+            self.send({"kind": "opened", "error": error, "stats": {}})
+            return
+        records = [[r.session_id, r.tenant, list(r.token_ids), list(r.block_hashes), r.last_used]
+                   for r in self.store.load_sessions()]
+        for i in range(0, len(records), SESSIONS_PER_FRAME):
+            self.send({"kind": "sessions", "records": records[i:i + SESSIONS_PER_FRAME]})
+        self.send({"kind": "opened", "error": None, "stats": self.stats()})
+
+    # -- writes, deletes, touches (writer thread)
+    def _write_loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._jobs and not self._eof:
+                    self._cond.wait()
+                if not self._jobs:  # EOF and nothing left
+                    break
+                job = self._jobs.popleft()
+            if job["op"] == "close":
+                if not job.get("flush"):
+                    with self._cond:
+                        self._jobs.clear()
+                break
+            self.send(self._do_write(job))
+        if self.store is not None:
+            stats = self.stats()
+            self.store.close()
+            self.send({"kind": "closed", "stats": stats})
+
+    def _do_write(self, job: dict[str, Any]) -> dict[str, Any]:
+        reply: dict[str, Any] = {"kind": "written", "job": job["job"], "final": job.get("final", True),
+                                 "ok": False, "evicted": []}
+        store = self.store
+        try:
+            if store is None:
+                raise RuntimeError("the store is not open")
+            if job["op"] == "delete":
+                store.delete_session(job["session_id"])
+            elif job["op"] == "touch":
+                store.touch_session(job["session_id"], job["last_used"])
+            elif job["op"] == "write":
+                bs = store.layout.block_size
+                tokens = job["tokens"]
+                for i, (slot, block_hash) in enumerate(zip(job["slots"], job["hashes"])):
+                    if not store.has_block(BlockHash(block_hash)):
+                        store.write_block(BlockHash(block_hash), tokens[i * bs:(i + 1) * bs],
+                                          self._block(slot))
+                session = job.get("session")
+                if session is not None:
+                    store.write_session(session["session_id"], session["tenant"],
+                                        session["token_ids"],
+                                        [BlockHash(h) for h in session["hashes"]],
+                                        session["last_used"])
+                    reply["evicted"] = list(store.evict_to_budget().sessions)
+            else:
+                raise ValueError(f"unknown job {job['op']!r}")
+            reply["ok"] = True
+        except Exception as exc:  # a full or dead disk: the station keeps the session in the pool
+            log.exception("kv_tier_write_failed", op=job.get("op"), session_id=job.get("session_id"))
+            reply["error"] = f"{type(exc).__name__}: {exc}"
+        reply["stats"] = self.stats()
+        return reply
+
+    def _block(self, slot: int) -> torch.Tensor:
+        raw = numpy.ascontiguousarray(self.area[:, :, slot])
+        return torch.from_numpy(raw).view(self.dtype).view(self.block_shape)
+
+    # -- loads (loader thread)
+    def _load_loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._loads:
+                    self._cond.wait()
+                job = self._loads.popleft()
+            reply: dict[str, Any] = {"kind": "loaded", "load": job["load"], "ok": False}
+            try:
+                if self.store is None:
+                    raise RuntimeError("the store is not open")
+                bs = self.store.layout.block_size
+                tokens = job["tokens"]
+                for i, (slot, block_hash) in enumerate(zip(job["slots"], job["hashes"])):
+                    data = self.store.read_block(BlockHash(block_hash), tokens[i * bs:(i + 1) * bs])
+                    self.area[:, :, slot] = data.contiguous().view(torch.uint8).numpy().reshape(
+                        self.area.shape[0], 2, -1)
+                reply["ok"] = True
+            except Exception as exc:  # a bad file is quarantined by the store, which says why
+                log.warning("kv_tier_load_failed", error=str(exc))
+                reply["error"] = f"{type(exc).__name__}: {exc}"
+                reply["quarantined"] = isinstance(exc, Quarantined)
+            reply["stats"] = self.stats()
+            self.send(reply)
+
+
+def main(argv: list[str]) -> int:
+    sock_fd, level, fmt = int(argv[1]), argv[2], argv[3]
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, signal.SIG_IGN)
+    configure_logging("kv-io", level, fmt)
+    torch.set_num_threads(1)  # it copies and hashes; the station's decode owns the cores
+    Worker(socket.socket(fileno=sock_fd)).run()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))

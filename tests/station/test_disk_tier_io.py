@@ -1,0 +1,110 @@
+"""The disk tier's I/O process, on the tiny model: sessions pass through a staging area
+smaller than one session (the CUDA path, run on the CPU); the disk's LRU learns of the
+uses of a session, not only of its saves; and a dead I/O process leaves the station
+serving, every request with the right output."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from station.core.requests import Finished, Prefill
+from station.runtime.kv_cache import KVCacheShape
+from station.runtime.kv_store_format import session_name
+from tests.station.test_disk_tier import TierEngine, tier_model
+from tests.station.test_paged_engine import prompt_of, reference
+from tests.support.kv_tier import tier_dir
+
+BS = 4
+pytestmark = pytest.mark.usefixtures("few_threads")
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return tier_model(tmp_path_factory)
+
+
+def wait_for(predicate, what: str, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.02)
+
+
+def test_sessions_beyond_the_pool_pass_through_a_staging_area_smaller_than_a_session(tiny, tmp_path):
+    path, loaded = tiny
+    block_bytes = KVCacheShape.from_config(loaded.model.config, BS, loaded.dtype).bytes_per_block
+    prompts = [prompt_of(1200 + i, 23) for i in range(12)]  # 5 full blocks saved each
+    # Three slots: a write or a load moves one block at a time through them.
+    with TierEngine(loaded, tmp_path / "state", 24, kv_host_bytes=3 * block_bytes) as t:
+        assert t.engine.kv_cache.shared is None and t.engine.tier.slots.part_blocks == 1
+        first = []
+        for i, prompt in enumerate(prompts):
+            first.append(t.generate(prompt, 4, save_session=f"alice.s.{i}").tokens)
+            t.expected_writes = i + 1
+            t.settle()
+        assert t.engine.stats()["kv_sessions_lost"] == 0
+        tiers = []
+        for i, prompt in enumerate(prompts):
+            again = t.generate(prompt, 4, match_session=True)
+            pre = again.one(Prefill)
+            assert (pre.session_loaded, pre.session_id, pre.session_tokens) == (True, f"alice.s.{i}", 20)
+            assert again.tokens == first[i] == reference(path, prompt, 4)
+            tiers.append(pre.session_tier)
+        assert tiers.count("disk") >= 8  # the pool holds at most 4 of these sessions
+        assert t.engine.tier.slots.room() == 3  # every slot given back
+
+
+def test_the_disk_lru_evicts_the_least_recently_used_session_not_the_oldest_save(tiny, tmp_path):
+    path, loaded = tiny
+    prompts = {name: prompt_of(1300 + i, 23) for i, name in enumerate("ABCD")}
+    with TierEngine(loaded, tmp_path / "probe", 64) as t:  # the bytes one session takes on disk
+        t.generate(prompts["A"], 2, save_session="alice.A")
+        t.expected_writes = 1
+        t.settle()
+        one = t.engine.stats()["disk_bytes"]
+    state = tmp_path / "state"
+    root = tier_dir(state, loaded.fingerprint)
+    with TierEngine(loaded, state, 64, kv_disk_bytes=int(3.5 * one)) as t:
+        for i, name in enumerate("ABC"):
+            t.generate(prompts[name], 2, save_session=f"alice.{name}")
+            t.expected_writes = i + 1
+            t.settle()
+        # A, the oldest save, is used again (a hit from the pool): its manifest learns of it.
+        hit = t.generate(prompts["A"] + prompt_of(7, 3), 2, match_session=True)
+        assert hit.one(Prefill).session_id == "alice.A"
+        wait_for(lambda: t.engine.stats()["disk_touches"] >= 1, "the use to reach the disk")
+        t.generate(prompts["D"], 2, save_session="alice.D")  # past the budget: one must go
+        t.expected_writes = 4
+        t.settle()
+        assert t.engine.stats()["disk_evicted_sessions"] == 1
+    on_disk = {p.name for p in (root / "sessions").iterdir()}
+    assert on_disk == {session_name(f"alice.{n}") for n in "ACD"}  # B went, not A
+
+
+def test_a_dead_io_process_leaves_the_station_serving(tiny, tmp_path):
+    path, loaded = tiny
+    kept, other_prompt = prompt_of(1400, 23), prompt_of(1401, 23)
+    with TierEngine(loaded, tmp_path / "state", 64) as t:
+        t.generate(kept, 3, save_session="alice.kept")
+    with TierEngine(loaded, tmp_path / "state", 64) as t:
+        assert len(t.engine.kv.disk) == 1  # alice.kept: on disk only
+        t.engine.tier.io.proc.kill()
+        t.engine.tier.io.proc.wait()
+        wait_for(lambda: t.engine.stats()["kv_io_down"] is not None, "the tier to be down")
+        # The disk session cannot be read: the request is a miss with the right output.
+        miss = t.generate(kept, 5, match_session=True)
+        assert (miss.one(Prefill).session_loaded, miss.one(Prefill).session_error) == (False, None)
+        assert miss.tokens == reference(path, kept, 5)
+        # New saves live in the pool (hits there), never durable; nothing crashes.
+        saved = t.generate(other_prompt, 3, save_session="alice.new")
+        assert saved.one(Prefill).saved is True
+        hit = t.generate(other_prompt, 3, match_session=True)
+        assert hit.one(Prefill).session_tier == "pool"
+        assert hit.tokens == saved.tokens == reference(path, other_prompt, 3)
+        assert hit.one(Finished).cached_tokens == 20
+        assert t.engine.kv.get_session("alice.new").durable is False
+        stats = t.engine.stats()
+        assert stats["kv_disk_sessions"] == 0 and stats["kv_io_down"] == "the KV I/O process exited"
