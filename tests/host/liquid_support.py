@@ -6,6 +6,7 @@ import json
 import subprocess
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.support.procs import http_json, wait_for
 
@@ -52,6 +53,11 @@ def stream_chat(base_url: str, body: dict, api_key: str | None = None,
 
 
 def metric(base_url: str, outcome: str) -> int:
-    text = httpx.get(base_url + "/metrics", timeout=5).text
-    line = f'gnosis_liquid_memory_total{{outcome="{outcome}"}} '
-    return int(next(l for l in text.splitlines() if l.startswith(line)).split()[-1])
+    samples = scrape(httpx.get(base_url + "/metrics", timeout=5).text)
+    return int(samples[("gnosis_liquid_memory_total", (("outcome", outcome),))])
+
+
+def scrape(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """/metrics text as {(sample name, sorted labels): value}, parsed by prometheus-client."""
+    return {(sample.name, tuple(sorted(sample.labels.items()))): sample.value
+            for family in text_string_to_metric_families(text) for sample in family.samples}
