@@ -6,8 +6,8 @@ import json
 import subprocess
 
 import httpx
-from prometheus_client.parser import text_string_to_metric_families
 
+from tests.support.metrics import scrape, value
 from tests.support.procs import http_json, wait_for
 
 START_TIMEOUT_S = 90.0
@@ -54,10 +54,4 @@ def stream_chat(base_url: str, body: dict, api_key: str | None = None,
 
 def metric(base_url: str, outcome: str) -> int:
     samples = scrape(httpx.get(base_url + "/metrics", timeout=5).text)
-    return int(samples[("gnosis_liquid_memory_total", (("outcome", outcome),))])
-
-
-def scrape(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    """/metrics text as {(sample name, sorted labels): value}, parsed by prometheus-client."""
-    return {(sample.name, tuple(sorted(sample.labels.items()))): sample.value
-            for family in text_string_to_metric_families(text) for sample in family.samples}
+    return int(value(samples, "gnosis_liquid_memory_total", outcome=outcome))

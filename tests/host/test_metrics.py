@@ -19,7 +19,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from host.metrics import Metrics, RequestRecord, token_buckets
 from host.scrape_metrics import ScrapeCollector, supervisor_restarts
-from tests.host.liquid_support import scrape
+from tests.support.metrics import scrape, value
 from tests.support.procs import stop_process, wait_for
 
 N = 7  # completion tokens of every request (ignore_eos)
@@ -33,10 +33,6 @@ STATION_DERIVED = ("gnosis_requests_running", "gnosis_requests_waiting",
                    "gnosis_kv_cache_usage_ratio", "gnosis_kv_tier_sessions",
                    "vllm:num_requests_running", "vllm:num_requests_waiting",
                    "vllm:kv_cache_usage_perc")
-
-
-def value(samples: dict, name: str, **labels) -> float:
-    return samples[(name, tuple(sorted(labels.items())))]
 
 
 def names(samples: dict) -> set[str]:
