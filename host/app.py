@@ -31,6 +31,7 @@ import trio
 from hypercorn.config import Config as HypercornConfig
 from hypercorn.trio import serve as hypercorn_serve
 from quart import Response, g, request
+from prometheus_client import CONTENT_TYPE_LATEST
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
@@ -43,7 +44,8 @@ from host.completions import complete, json_response
 from host.errors import ApiError
 from host.liquid_memory import LiquidMemory
 from host.request_scope import Admission, RequestConnection, current
-from host.metrics import Counters
+from host.metrics import Metrics
+from host.scrape_metrics import ScrapeCollector, supervisor_restarts
 from host.station_link import StationLink
 
 _HEALTH_STATS_S = 0.5
@@ -70,7 +72,8 @@ def create_app(settings: Settings, link: StationLink,
     app = QuartTrio("gnosis_host")
     app.asgi_http_class = RequestConnection  # type: ignore[assignment]
     app.config["MAX_CONTENT_LENGTH"] = settings.max_request_bytes
-    app.gnosis_counters = Counters()  # type: ignore[attr-defined]
+    host_metrics = Metrics(settings.max_model_len)
+    app.gnosis_metrics = host_metrics  # type: ignore[attr-defined]
     admission = Admission(settings.max_inflight_requests)
     app.gnosis_admission = admission  # type: ignore[attr-defined]
     memory = LiquidMemory(settings.liquid_memory,
@@ -191,11 +194,16 @@ def create_app(settings: Settings, link: StationLink,
     async def metrics() -> Response:
         gauges = {"station_up": 1.0 if link.connected else 0.0,
                   "station_restarts": float(link.reconnects),
+                  "http_requests_inflight": float(host_metrics.inflight),
                   "model_requests_inflight": float(admission.inflight),
                   "model_requests_inflight_limit": float(admission.limit)}
         station = await station_stats() if link.connected else None
-        return Response(app.gnosis_counters.render(gauges, station), 200,  # type: ignore[attr-defined]
-                        content_type="text/plain; version=0.0.4")
+        model_name = link.model_id
+        if model_name is not None:
+            host_metrics.touch(model_name)
+        scraped = ScrapeCollector(gauges, station, model_name,
+                                  supervisor_restarts(settings.status_file))
+        return Response(host_metrics.render(scraped), 200, content_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
     async def models() -> Response:
@@ -317,14 +325,14 @@ def _raise_file_limit() -> None:
 async def _serve(app: QuartTrio, config: HypercornConfig, link: StationLink,
                  settings: Settings) -> None:
     # Install the handlers before binding, so a SIGTERM that arrives at once still drains.
-    counters: Counters = app.gnosis_counters  # type: ignore[attr-defined]
+    metrics: Metrics = app.gnosis_metrics  # type: ignore[attr-defined]
     draining = trio.Event()
     with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
 
         async def shutdown_trigger() -> None:
             async for signum in signals:
                 log.info("host_draining", signal=signal.Signals(signum).name,
-                         grace_s=settings.drain_grace_s, inflight=counters.inflight)
+                         grace_s=settings.drain_grace_s, inflight=metrics.inflight)
                 draining.set()
                 return
 
@@ -340,12 +348,12 @@ async def _serve(app: QuartTrio, config: HypercornConfig, link: StationLink,
                 # graceful_timeout, but an idle keep-alive connection also holds it until
                 # that deadline: leave as soon as no request is in flight.
                 with trio.move_on_after(settings.drain_grace_s):
-                    while counters.inflight > 0:
+                    while metrics.inflight > 0:
                         await trio.sleep(_DRAIN_POLL_S)
                 http.cancel_scope.cancel()
             nursery.cancel_scope.cancel()
     log.info("host_stopped", uptime_s=round(time.monotonic() - _STARTED, 3),
-             inflight=counters.inflight)
+             inflight=metrics.inflight)
 
 
 _STARTED = time.monotonic()

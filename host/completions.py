@@ -15,6 +15,7 @@ every tenant the station connection that an oversized frame would end.
 
 from __future__ import annotations
 
+import time
 from contextlib import AsyncExitStack
 from typing import Any, AsyncIterator
 
@@ -150,6 +151,7 @@ def _outcome(memory: LiquidMemory, prepared: Prepared, first: dict[str, Any] | N
     record.liquid_reason = outcome.miss_reason
     record.liquid_tier = outcome.tier
     if prefill is not None:
+        record.prefill_at = time.monotonic()
         record.prompt_tokens = prefill.get("prompt_tokens")
         record.cached_tokens = prefill.get("cached_tokens")
     return outcome
@@ -161,9 +163,13 @@ async def _run(conn: StationConnection, memory: LiquidMemory,
     """A whole non-streamed generation: (prepared call, outcome, the station's result)."""
     prepared = memory.prepare(req.station_args, tenant=tenant, name=req.session_name)
     async with conn.open_stream("generate", prepared.args, rid=record.request_id) as stream:
-        outcome = _outcome(memory, prepared, await _next(stream), record)
-        async for _ in stream:
-            pass
+        first = await _next(stream)
+        outcome = _outcome(memory, prepared, first, record)
+        if first is not None and first.get("type") == "tokens":
+            record.on_tokens(len(first.get("token_ids") or ()))
+        async for event in stream:
+            if event.get("type") == "tokens":
+                record.on_tokens(len(event.get("token_ids") or ()))
     assert stream.result is not None
     return prepared, outcome, stream.result
 
@@ -180,7 +186,9 @@ async def _stream_body(stream: StationStream, first: dict[str, Any] | None,
         event = first
         while event is not None:
             if event.get("type") == "tokens":
-                completion_tokens += len(event.get("token_ids") or ())
+                count = len(event.get("token_ids") or ())
+                record.on_tokens(count)
+                completion_tokens += count
                 record.completion_tokens = completion_tokens
                 if event.get("text"):
                     yield sse.event(fmt.delta_chunk(event["text"]))
@@ -207,6 +215,8 @@ async def _stream_body(stream: StationStream, first: dict[str, Any] | None,
 
 
 def _note_result(record: RequestRecord, result: dict[str, Any]) -> None:
+    record.finished_at = time.monotonic()
+    record.finish_reason = result.get("finish_reason")
     record.prompt_tokens = result.get("prompt_tokens")
     record.completion_tokens = result.get("completion_tokens")
     record.cached_tokens = result.get("cached_tokens", 0)

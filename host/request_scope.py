@@ -4,6 +4,7 @@ cleanup that runs however the task ends, and the bound on requests in flight."""
 from __future__ import annotations
 
 import re
+import time
 import uuid
 from typing import Any
 
@@ -14,7 +15,7 @@ from quart_trio.asgi import TrioASGIHTTPConnection
 from gnosis_daemon.logs import bind_request
 from host import errors
 from host.errors import ApiError
-from host.metrics import Counters, RequestRecord, current_record, emit
+from host.metrics import Metrics, RequestRecord, current_record, emit
 
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 
@@ -55,7 +56,7 @@ class RequestConnection(TrioASGIHTTPConnection):
         request_id = given if _REQUEST_ID.match(given) else "req-" + uuid.uuid4().hex
         record = RequestRecord(request_id, req.method, req.path)
         token = current_record.set(record)
-        counters: Counters = self.app.gnosis_counters  # type: ignore[attr-defined]
+        counters: Metrics = self.app.gnosis_metrics  # type: ignore[attr-defined]
         counters.inflight += 1
         try:
             with bind_request(request_id):
@@ -97,6 +98,7 @@ class Admission:
                            f"flight; retry shortly.", "requests", None, "rate_limit_exceeded",
                            {"Retry-After": str(errors.RETRY_AFTER_S)})
         self.inflight += 1
+        record.admitted = time.monotonic()
 
         async def release() -> None:
             self.inflight -= 1

@@ -14,6 +14,7 @@ import time
 
 import httpx
 
+from tests.support.metrics import scrape, value
 from tests.support.procs import child_env, free_port, http_json, run_daemon, wait_for
 from tests.support.tiny_models import build_tiny_model
 
@@ -64,6 +65,11 @@ def test_host_sigkill_under_streaming_load_keeps_sessions(tmp_path):
                           and h[1]["host_pid"] != old_pid and h[1], 60, "a new host")
         print(f"host back after {time.monotonic() - killed_at:.2f} s")
         assert health["liquid_memory"] is True
+        # The new host reports its supervisor's count of child restarts.
+        restarts = wait_for(lambda: (s := scrape(httpx.get(f"{base}/metrics", timeout=5).text))
+                            .get(("gnosis_child_restarts_total", (("child", "host"),))) == 1
+                            and s, 30, "one host restart in /metrics")
+        assert value(restarts, "gnosis_child_restarts_total", child="station") == 0
 
         with httpx.Client(base_url=base, timeout=60) as http:
             again = http.post("/v1/chat/completions",

@@ -7,6 +7,7 @@ import subprocess
 
 import httpx
 
+from tests.support.metrics import scrape, value
 from tests.support.procs import http_json, wait_for
 
 START_TIMEOUT_S = 90.0
@@ -52,6 +53,5 @@ def stream_chat(base_url: str, body: dict, api_key: str | None = None,
 
 
 def metric(base_url: str, outcome: str) -> int:
-    text = httpx.get(base_url + "/metrics", timeout=5).text
-    line = f'gnosis_liquid_memory_total{{outcome="{outcome}"}} '
-    return int(next(l for l in text.splitlines() if l.startswith(line)).split()[-1])
+    samples = scrape(httpx.get(base_url + "/metrics", timeout=5).text)
+    return int(value(samples, "gnosis_liquid_memory_total", outcome=outcome))

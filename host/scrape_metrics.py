@@ -1,0 +1,147 @@
+"""The metrics of one ``/metrics`` scrape that the host does not count itself: its gauges,
+what the station's ``stats`` answered just now, and the supervisor's child restarts.
+
+``ScrapeCollector`` yields them as metric families beside the app's registry. Figures that
+could not be read this scrape (the station down, busy past the deadline, no supervisor) are
+absent, never a stale or invented value.
+
+- station ``stats``: the KV tiers (``gnosis_kv_tier_*{tier}``), requests running and waiting
+  in the station, and the KV pool's usage, under ``gnosis_*`` names and the ``vllm:*`` names
+  that autoscalers and routers read (``vllm:num_requests_running``,
+  ``vllm:num_requests_waiting``, ``vllm:kv_cache_usage_perc``, label ``model_name``).
+- ``gnosis_child_restarts_total{child}``: the restarts the supervisor counts, from its status
+  file, only when that supervisor is this host's parent (a status file left behind by
+  another run says nothing about this one).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, Iterator
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+CHILDREN = ("station", "host")
+
+# (metric, type, {tier label: station stats key}): the KV tiers from ``stats``.
+_TIER_METRICS = (
+    ("kv_tier_sessions", "gauge", {"pool": "kv_sessions", "disk": "kv_disk_sessions"}),
+    ("kv_tier_bytes", "gauge", {"disk": "disk_bytes"}),
+    ("kv_tier_budget_bytes", "gauge", {"disk": "disk_budget_bytes"}),
+    ("kv_tier_loads_total", "counter", {"disk": "read_back_done"}),
+    ("kv_tier_load_failures_total", "counter", {"disk": "read_back_failures"}),
+    ("kv_tier_load_ms_p50", "gauge", {"disk": "read_back_ms_p50"}),
+    ("kv_tier_load_ms_p99", "gauge", {"disk": "read_back_ms_p99"}),
+    ("kv_tier_writes_total", "counter", {"disk": "write_behind_done"}),
+    ("kv_tier_write_errors_total", "counter", {"disk": "write_behind_errors"}),
+    ("kv_tier_write_behind_late_total", "counter", {"disk": "write_behind_late"}),
+    ("kv_tier_files_written_total", "counter", {"disk": "disk_writes"}),
+    ("kv_tier_bytes_written_total", "counter", {"disk": "disk_bytes_written"}),
+    ("kv_tier_write_behind_lag_ms_p50", "gauge", {"disk": "write_behind_lag_ms_p50"}),
+    ("kv_tier_write_behind_lag_ms_p99", "gauge", {"disk": "write_behind_lag_ms_p99"}),
+    ("kv_tier_write_behind_queued", "gauge", {"disk": "write_behind_queued"}),
+    ("kv_tier_quarantined_total", "counter", {"disk": "disk_quarantined_total"}),
+    ("kv_tier_offloaded_total", "counter", {"pool": "kv_sessions_offloaded"}),
+    ("kv_tier_lost_total", "counter", {"pool": "kv_sessions_lost"}),
+)
+
+# (gnosis name, vllm name, help, station stats key)
+_LOAD_GAUGES = (
+    ("gnosis_requests_running", "vllm:num_requests_running",
+     "Requests the station is running (prefill or decode)", "running"),
+    ("gnosis_requests_waiting", "vllm:num_requests_waiting",
+     "Requests waiting in the station for a slot", "waiting"),
+)
+
+
+class ScrapeCollector(Collector):
+    """``gauges``: host gauges (``gnosis_<name>``); ``stats``: the station's ``stats``
+    answer or None; ``model_name``: the served model id; ``restarts``: child -> restarts."""
+
+    def __init__(self, gauges: dict[str, float], stats: dict[str, Any] | None,
+                 model_name: str | None, restarts: dict[str, int] | None = None) -> None:
+        self.gauges = gauges
+        self.stats = stats
+        self.model_name = model_name
+        self.restarts = restarts
+
+    def collect(self) -> Iterator[Metric]:
+        for name, value in sorted(self.gauges.items()):
+            yield _gauge(f"gnosis_{name}", name.replace("_", " "), value)
+        if self.stats is not None:
+            yield from tier_families(self.stats)
+            yield from self._load(self.stats)
+        if self.restarts:
+            family = CounterMetricFamily("gnosis_child_restarts", "Restarts of each child by "
+                                         "the supervisor", labels=("child",))
+            for child, count in sorted(self.restarts.items()):
+                family.add_metric((child,), count)
+            yield family
+
+    def _load(self, stats: dict[str, Any]) -> Iterator[Metric]:
+        figures = [(gnosis, vllm, doc, _number(stats.get(key)))
+                   for gnosis, vllm, doc, key in _LOAD_GAUGES]
+        total, free = _number(stats.get("blocks_total")), _number(stats.get("blocks_free"))
+        if total and free is not None:
+            figures.append(("gnosis_kv_cache_usage_ratio", "vllm:kv_cache_usage_perc",
+                            "Fraction of the KV pool's blocks in use (1 = full)",
+                            min(1.0, max(0.0, 1.0 - free / total))))
+        for gnosis, vllm, doc, value in figures:
+            if value is None:
+                continue
+            yield _gauge(gnosis, doc, value)
+            if self.model_name is not None:
+                family = GaugeMetricFamily(vllm, doc, labels=("model_name",))
+                family.add_metric((self.model_name,), value)
+                yield family
+
+
+def tier_families(stats: dict[str, Any]) -> Iterator[Metric]:
+    """The KV tiers' figures in ``stats``; a metric none of whose keys is there is left out."""
+    for metric, kind, keys in _TIER_METRICS:
+        values = [(tier, _number(stats.get(key))) for tier, key in keys.items()]
+        values = [(tier, value) for tier, value in values if value is not None]
+        if not values:
+            continue
+        cls = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
+        family = cls(f"gnosis_{metric}", metric.replace("_", " "), labels=("tier",))
+        for tier, value in values:
+            family.add_metric((tier,), value)
+        yield family
+
+
+def supervisor_restarts(status_file: str | os.PathLike[str],
+                        parent_pid: int | None = None) -> dict[str, int] | None:
+    """Each child's restarts from the supervisor's status file, when the supervisor that
+    wrote it is ``parent_pid`` (this process's parent by default); else None."""
+    parent_pid = os.getppid() if parent_pid is None else parent_pid
+    try:
+        document = json.loads(Path(status_file).read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(document, dict):
+        return None
+    supervisor, children = document.get("supervisor"), document.get("children")
+    if not isinstance(supervisor, dict) or supervisor.get("pid") != parent_pid \
+            or not isinstance(children, dict):
+        return None
+    restarts = {}
+    for child in CHILDREN:
+        entry = children.get(child)
+        count = entry.get("restarts") if isinstance(entry, dict) else None
+        if isinstance(count, int) and not isinstance(count, bool) and count >= 0:
+            restarts[child] = count
+    return restarts or None
+
+
+def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+    return GaugeMetricFamily(name, doc, value=value)
+
+
+def _number(value: Any) -> float | None:
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    return None
