@@ -50,28 +50,28 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
-            raise ValueError("max_tokens must be at least 1")
+            raise ValueError("'max_tokens' must be at least 1")
         if self.temperature < 0:
-            raise ValueError("temperature must be >= 0")
+            raise ValueError("'temperature' must be >= 0")
         if not 0 < self.top_p <= 1:
-            raise ValueError("top_p must be in (0, 1]")
+            raise ValueError("'top_p' must be in (0, 1]")
         if self.top_k < 0:
-            raise ValueError("top_k must be >= 0")
+            raise ValueError("'top_k' must be >= 0")
         if not 0 <= self.min_p <= 1:
-            raise ValueError("min_p must be in [0, 1]")
+            raise ValueError("'min_p' must be in [0, 1]")
         for name in ("presence_penalty", "frequency_penalty"):
             if not -PENALTY_MAX <= getattr(self, name) <= PENALTY_MAX:
-                raise ValueError(f"{name} must be in [-2, 2]")
+                raise ValueError(f"'{name}' must be in [-2, 2]")
         if not 0 < self.repetition_penalty < float("inf"):
-            raise ValueError("repetition_penalty must be a finite number > 0")
+            raise ValueError("'repetition_penalty' must be a finite number > 0")
         if len(self.logit_bias) > MAX_LOGIT_BIAS:
-            raise ValueError(f"logit_bias takes at most {MAX_LOGIT_BIAS} tokens")
+            raise ValueError(f"'logit_bias' takes at most {MAX_LOGIT_BIAS} tokens")
         if any(not -BIAS_MAX <= bias <= BIAS_MAX for _, bias in self.logit_bias):
-            raise ValueError("logit_bias values must be in [-100, 100]")
+            raise ValueError("'logit_bias' values must be in [-100, 100]")
         if len({token for token, _ in self.logit_bias}) != len(self.logit_bias):
-            raise ValueError("logit_bias names a token twice")
+            raise ValueError("'logit_bias' names a token twice")
         if self.min_tokens < 0:
-            raise ValueError("min_tokens must be >= 0")
+            raise ValueError("'min_tokens' must be >= 0")
 
     @property
     def greedy(self) -> bool:
