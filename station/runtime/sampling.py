@@ -32,20 +32,22 @@ def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torc
 
 
 def filter_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
-                  top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+                  top_p: torch.Tensor, min_p: torch.Tensor, *, use_min_p: bool = True,
+                  use_top: bool = True) -> torch.Tensor:
     """logits [R, V] -> logits [R, V] / temperature with the tokens each row's ``min_p``,
     ``top_k`` (0 = off) and ``top_p`` drop set to -inf; the parameters are [R] tensors on
-    the logits' device. A row's most likely token always stays."""
+    the logits' device. A row's most likely token always stays. ``use_min_p`` /
+    ``use_top`` false (no row uses them, known without reading the device) skip a stage."""
     logits = logits.float() / temperature.clamp(min=1e-5).unsqueeze(1)
     vocab = logits.shape[-1]
-    if bool((min_p > 0).any()):
+    if use_min_p:
         probs = torch.softmax(logits, dim=-1)
         floor = min_p.unsqueeze(1) * probs.amax(dim=-1, keepdim=True)
         logits = logits.masked_fill(probs < floor, float("-inf"))
+    if not use_top:
+        return logits
     use_k = (top_k > 0) & (top_k < vocab)
     use_p = top_p < 1.0
-    if not bool((use_k | use_p).any()):
-        return logits
     sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
     # top_k keeps every token at least as likely as the k-th (ties included).
     k = torch.where(use_k, top_k, vocab).clamp(1, vocab)
@@ -95,8 +97,10 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
         return out.to(torch.int64)
     index = torch.tensor(rows, device=logits.device)
     chosen = [params[i] for i in rows]
-    probs = torch.softmax(filter_logits(logits.index_select(0, index),
-                                        *_row_params(logits.device, chosen)), dim=-1)
+    probs = torch.softmax(filter_logits(
+        logits.index_select(0, index), *_row_params(logits.device, chosen),
+        use_min_p=any(p.min_p > 0 for p in chosen),
+        use_top=any(p.top_k > 0 or p.top_p < 1.0 for p in chosen)), dim=-1)
     picked = probs.div_(_exponential(probs, [generators[i] for i in rows])).argmax(dim=-1)
     out = out.index_copy(0, index, picked.to(out.dtype))
     return out.to(torch.int64)
