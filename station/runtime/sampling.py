@@ -71,10 +71,11 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
 
 
 def _row_params(device: torch.device, params: Sequence[SamplingParams]) -> tuple[torch.Tensor, ...]:
-    """temperature, top_k, top_p, min_p as [R] tensors (one host-to-device copy)."""
-    values = torch.tensor([[p.temperature, p.top_k, p.top_p, p.min_p] for p in params],
-                          dtype=torch.float64).to(device)
-    return (values[:, 0].float(), values[:, 1].long(), values[:, 2].float(), values[:, 3].float())
+    """temperature, top_k, top_p, min_p as [R] tensors (one host-to-device copy; a top_k
+    past any vocabulary is capped where float32 still holds it exactly)."""
+    values = torch.tensor([[p.temperature, min(p.top_k, 1 << 24), p.top_p, p.min_p]
+                           for p in params], dtype=torch.float32).to(device)
+    return values[:, 0], values[:, 1].long(), values[:, 2], values[:, 3]
 
 
 def _exponential(probs: torch.Tensor, generators: Sequence[torch.Generator | None]) -> torch.Tensor:
