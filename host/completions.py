@@ -87,14 +87,19 @@ async def complete(settings: Settings, link: StationLink, memory: LiquidMemory,
 
 def check_prompt_fits(req: openai_api.CompletionRequest, model: dict[str, Any],
                       max_frame_bytes: int) -> None:
-    """Refuse, without the station, token ids outside the vocabulary and a prompt that cannot
-    fit ``max_model_len`` (``model``: the station's ``hello["model"]``) or one station frame
-    (a frame past the station's limit ends the whole connection, every tenant's requests
-    on it included)."""
+    """Refuse, without the station, token ids outside the vocabulary (the prompt's,
+    ``stop_token_ids``, ``logit_bias``'s keys) and a prompt that cannot fit
+    ``max_model_len`` (``model``: the station's ``hello["model"]``) or one station frame (a
+    frame past the station's limit ends the whole connection, every tenant's requests on it
+    included)."""
     tokens = req.station_args.get("tokens")
     vocab_size = model.get("vocab_size")
     if tokens is not None and isinstance(vocab_size, int):
         openai_api.check_token_ids(tokens, vocab_size, req.prompt_param)
+    for param in ("stop_token_ids", "logit_bias"):  # a list, or a map keyed by token id
+        ids = list(req.station_args.get(param) or ())
+        if ids and isinstance(vocab_size, int):
+            openai_api.check_token_ids(ids, vocab_size, param)
     max_model_len = model.get("max_model_len")
     if isinstance(max_model_len, int) and tokens is not None and len(tokens) >= max_model_len:
         raise _too_long(req, f"This model's maximum context length is {max_model_len} "

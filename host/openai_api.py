@@ -8,10 +8,13 @@ Field policy (docs/api.md lists every field):
 
 - implemented fields are validated, ranges included, so every value the station receives is
   one it can take (integers that fit its msgpack frame and its sampler);
+- the sampling controls (penalties, ``logit_bias``, vLLM's ``min_p``,
+  ``repetition_penalty``, ``stop_token_ids``, ``min_tokens``) are checked in
+  ``host.sampling_fields``;
 - fields OpenAI defines that would change the answer and are not implemented (``tools``,
-  ``logit_bias``, ``response_format``, penalties...) are refused with ``unsupported_value``
-  naming the field, unless the value equals the default (``presence_penalty: 0``,
-  ``tool_choice: "none"``, ``response_format: {"type": "text"}``), which changes nothing;
+  ``response_format``, ``logprobs``...) are refused with ``unsupported_value`` naming the
+  field, unless the value equals the default (``tool_choice: "none"``,
+  ``response_format: {"type": "text"}``), which changes nothing;
 - fields OpenAI defines that do not change the answer (``metadata``, ``store``,
   ``service_tier``...) are type-checked and have no effect;
 - any other field is refused the way OpenAI refuses it ("Unrecognized request argument"),
@@ -33,7 +36,6 @@ from host.fields import (
     is_dict,
     is_int,
     is_list,
-    is_number,
     is_str,
     is_str_dict,
     is_str_or_dict,
@@ -41,6 +43,7 @@ from host.fields import (
     present,
     typed,
 )
+from host.sampling_fields import sampling_controls
 
 CHAT = "chat"
 TEXT = "text"
@@ -60,7 +63,8 @@ MAX_TOKEN_ID = MAX_INT32
 _SAMPLING = frozenset({
     "model", "max_tokens", "temperature", "top_p", "top_k", "n", "stop", "seed", "stream",
     "stream_options", "ignore_eos", "session_id", "prompt_cache_key", "user", "logprobs",
-    "presence_penalty", "frequency_penalty", "logit_bias", "min_p", "repetition_penalty"})
+    "presence_penalty", "frequency_penalty", "logit_bias", "min_p", "repetition_penalty",
+    "stop_token_ids", "min_tokens"})
 CHAT_FIELDS = _SAMPLING | {
     "messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice", "functions",
     "function_call", "parallel_tool_calls", "response_format", "prediction", "audio",
@@ -167,10 +171,7 @@ def _finish(kind: str, body: dict[str, Any], args: dict[str, Any], max_tokens: i
     top_k = bounded_int(body, "top_k", -1, MAX_INT32)
     if top_k is not None and top_k > 0:
         args["top_k"] = top_k
-    for key in ("presence_penalty", "frequency_penalty", "min_p"):
-        default_only(body, key, is_number, "a decimal", lambda v: v == 0)
-    default_only(body, "repetition_penalty", is_number, "a decimal", lambda v: v == 1)
-    default_only(body, "logit_bias", is_dict, "an object", lambda v: not v)
+    sampling_controls(body, args, max_tokens)
     n = body.get("n")
     if n is not None:
         if not is_int(n):

@@ -19,8 +19,21 @@ from typing import Any, Callable
 from gnosis_daemon.protocol import ErrorCode, OpError
 
 
+# Bounds of the sampling controls (OpenAI's and vLLM's): penalties in [-2, 2], a logit
+# bias in [-100, 100] on at most 300 tokens.
+PENALTY_MAX = 2.0
+BIAS_MAX = 100.0
+MAX_LOGIT_BIAS = 300
+
+
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
+    """One request's sampling controls. ``presence_penalty`` / ``frequency_penalty`` act on
+    the completion's tokens so far (OpenAI); ``repetition_penalty`` on the prompt's and the
+    completion's (vLLM: a positive logit is divided by it, a negative one multiplied);
+    ``logit_bias``: (token id, bias) pairs added to the logits; ``min_tokens``: the stop ids
+    (eos unless ``ignore_eos``, ``stop_token_ids``) are masked until that many tokens."""
+
     max_tokens: int
     temperature: float = 1.0  # 0 = greedy
     top_p: float = 1.0
@@ -28,20 +41,47 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    min_p: float = 0.0  # 0 = off
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0  # 1 = off
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    min_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
-            raise ValueError("max_tokens must be at least 1")
+            raise ValueError("'max_tokens' must be at least 1")
         if self.temperature < 0:
-            raise ValueError("temperature must be >= 0")
+            raise ValueError("'temperature' must be >= 0")
         if not 0 < self.top_p <= 1:
-            raise ValueError("top_p must be in (0, 1]")
+            raise ValueError("'top_p' must be in (0, 1]")
         if self.top_k < 0:
-            raise ValueError("top_k must be >= 0")
+            raise ValueError("'top_k' must be >= 0")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError("'min_p' must be in [0, 1]")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -PENALTY_MAX <= getattr(self, name) <= PENALTY_MAX:
+                raise ValueError(f"'{name}' must be in [-2, 2]")
+        if not 0 < self.repetition_penalty < float("inf"):
+            raise ValueError("'repetition_penalty' must be a finite number > 0")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise ValueError(f"'logit_bias' takes at most {MAX_LOGIT_BIAS} tokens")
+        if any(not -BIAS_MAX <= bias <= BIAS_MAX for _, bias in self.logit_bias):
+            raise ValueError("'logit_bias' values must be in [-100, 100]")
+        if len({token for token, _ in self.logit_bias}) != len(self.logit_bias):
+            raise ValueError("'logit_bias' names a token twice")
+        if self.min_tokens < 0:
+            raise ValueError("'min_tokens' must be >= 0")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0 or self.top_k == 1
+
+    @property
+    def penalized(self) -> bool:
+        """Penalties need the sequence's token counts."""
+        return bool(self.presence_penalty or self.frequency_penalty
+                    or self.repetition_penalty != 1.0)
 
 
 @dataclass(slots=True)

@@ -55,7 +55,8 @@ class Sequence:
     prefill_reported: bool = False  # PREFILL is sent once, not again after a preemption
     finish_reason: str | None = None
     num_preemptions: int = 0
-    generator: Any = None  # torch.Generator for seeded sampling (opaque here)
+    # The engine's sampling state (generator, token counts for penalties; opaque here).
+    sampling: Any = None
     user: Any = None  # the engine's per-request bookkeeping (callback, timings)
 
     def __post_init__(self) -> None:

@@ -45,7 +45,7 @@ from station.runtime.engine_calls import EngineCalls, RequestState, answer, sess
 from station.runtime.kv_cache import KVCache, KVCacheShape, num_blocks_for
 from station.runtime.kv_tier import DiskTier
 from station.runtime.model_runner import ModelRunner
-from station.runtime.sampling import make_generator, sample
+from station.runtime.logits_processing import SequenceSampling, sample_sequences
 from station.core.kv_manager import KVCacheManager
 from station.core.scheduler import Scheduler
 from station.core.sequence import Sequence, SequenceKind
@@ -154,7 +154,7 @@ class PagedEngine:
             request.request_id, prompt, params,
             extra_keys=self.kv.extra_keys(request.tenant), tenant=request.tenant,
             load_session=request.load_session, match_session=request.match_session,
-            generator=make_generator(params.seed, self.device),
+            sampling=SequenceSampling(params, prompt, stop_ids, self.device),
             user=RequestState(on_event, frozenset(stop_ids), save_session=request.save_session,
                          save_final_session=request.save_final_session),
         )
@@ -307,8 +307,7 @@ class PagedEngine:
             sched.on_step_done(out)
             rows = [i for i, s in enumerate(sampled) if s.kind is SequenceKind.GENERATE]
             gens = [sampled[i] for i in rows]
-            tokens = (sample(logits[rows], [s.params for s in gens], [s.generator for s in gens]).tolist()
-                      if gens else [])
+            tokens = sample_sequences(logits[rows], [s.sampling for s in gens]).tolist() if gens else []
         except Exception as exc:  # one bad step must not take the engine down
             log.exception("engine_step_failed")
             for seq in [*out.decodes, *(s for s, _ in out.prefills)]:

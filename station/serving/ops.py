@@ -25,7 +25,7 @@ from typing import Any, Callable, Protocol
 
 from gnosis_daemon.protocol import Capability, ErrorCode, OpError
 from gnosis_daemon.settings import Settings
-from station.core.requests import SamplingParams
+from station.core.requests import MAX_LOGIT_BIAS, SamplingParams
 from station.runtime.model_loader import LoadedModel
 from station.runtime.tokenizing import Codec
 
@@ -120,6 +120,27 @@ def check_token_range(loaded: LoadedModel, tokens: list[int], name: str) -> None
     vocab = loaded.vocab_size
     if any(not 0 <= t < vocab for t in tokens):
         raise bad(f"argument {name!r} has token ids outside [0, {vocab})")
+
+
+def logit_bias_arg(loaded: LoadedModel, args: dict[str, Any]) -> tuple[tuple[int, float], ...]:
+    """``logit_bias``: a map of token id (an int, or its decimal string as JSON writes it)
+    to a finite bias in [-100, 100], at most ``MAX_LOGIT_BIAS`` entries."""
+    value = arg(args, "logit_bias", dict, {})
+    if len(value) > MAX_LOGIT_BIAS:
+        raise bad(f"argument 'logit_bias' has {len(value)} entries, more than {MAX_LOGIT_BIAS}")
+    pairs = []
+    for key, bias in value.items():
+        token = key if isinstance(key, int) and not isinstance(key, bool) else None
+        if isinstance(key, str) and key.isascii() and key.lstrip("-").isdigit() and len(key) < 20:
+            token = int(key)
+        if token is None or bias is None:
+            raise bad("argument 'logit_bias' must map token ids (ints or decimal strings) "
+                      "to numbers")
+        pairs.append((token, number({"logit_bias": bias}, "logit_bias", 0.0)))
+    check_token_range(loaded, [t for t, _ in pairs], "logit_bias")
+    if len({t for t, _ in pairs}) != len(pairs):
+        raise bad("argument 'logit_bias' names a token twice")
+    return tuple(pairs)
 
 
 def check_messages(value: Any) -> list[dict[str, str]]:
@@ -308,9 +329,18 @@ def plan_generate(loaded: LoadedModel, settings: Settings, args: dict[str, Any])
             seed=seed_arg(args),
             stop_token_ids=tuple(stop_ids),
             ignore_eos=arg(args, "ignore_eos", bool, False),
+            min_p=number(args, "min_p", 0.0),
+            presence_penalty=number(args, "presence_penalty", 0.0),
+            frequency_penalty=number(args, "frequency_penalty", 0.0),
+            repetition_penalty=number(args, "repetition_penalty", 1.0),
+            logit_bias=logit_bias_arg(loaded, args),
+            min_tokens=arg(args, "min_tokens", int, 0),
         )
     except ValueError as exc:
-        raise bad(str(exc)) from None
+        raise bad(f"argument {exc}") from None
+    if params.min_tokens > max_tokens:
+        raise bad(f"argument 'min_tokens' ({params.min_tokens}) must be at most max_tokens "
+                  f"({max_tokens})")
     return GeneratePlan(
         prompt_ids=prompt_ids, prompt=prompt, add_special_tokens=add_special, messages=messages,
         max_tokens=max_tokens, params=params, stop=tuple(s for s in stop if s),

@@ -82,3 +82,48 @@ def test_completions_endpoint_equals_model_generate(daemon):
                                      max_tokens=MAX_TOKENS, temperature=0)
     assert resp.choices[0].text == tokenizer.decode(ref_ids, skip_special_tokens=True)
     assert resp.usage.completion_tokens == len(ref_ids)
+
+
+def test_logit_bias_and_vllm_stop_controls_through_the_client(daemon):
+    """OpenAI's logit_bias, and vLLM's stop_token_ids / min_tokens through extra_body, on
+    both routes, streamed and not: the stop token ends the answer and adds no text."""
+    model_dir, client = daemon
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    forced = client.chat.completions.create(model=client.models.list().data[0].id,
+                                            messages=MESSAGES, max_tokens=5, temperature=0,
+                                            logit_bias={"72": 100})
+    assert forced.choices[0].message.content == tokenizer.decode([72] * 5)
+    assert forced.choices[0].finish_reason == "length"
+    held = dict(max_tokens=10, temperature=0, logit_bias={"72": 50, "73": 100},
+                extra_body={"stop_token_ids": [73], "min_tokens": 3})
+    stream = client.chat.completions.create(model=client.models.list().data[0].id,
+                                            messages=MESSAGES, stream=True, **held)
+    pieces, reasons = [], []
+    for chunk in stream:
+        for choice in chunk.choices:
+            pieces.append(choice.delta.content or "")
+            reasons += [choice.finish_reason] if choice.finish_reason else []
+    assert "".join(pieces) == tokenizer.decode([72] * 3) and reasons == ["stop"]
+    text = client.completions.create(model=client.models.list().data[0].id, prompt="ab", **held)
+    assert text.choices[0].text == tokenizer.decode([72] * 3)
+    assert text.choices[0].finish_reason == "stop" and text.usage.completion_tokens == 4
+
+
+def test_penalties_and_seed_reproduce_and_bad_values_are_400(daemon):
+    import openai
+
+    _, client = daemon
+    model = client.models.list().data[0].id
+    sampled = dict(model=model, prompt="The quick brown fox", max_tokens=12, temperature=1.0,
+                   seed=7, presence_penalty=0.5, frequency_penalty=0.5,
+                   extra_body={"repetition_penalty": 1.2, "top_k": 40, "min_p": 0.02,
+                               "ignore_eos": True})
+    first = client.completions.create(**sampled)
+    assert first.choices[0].text == client.completions.create(**sampled).choices[0].text
+    assert first.usage.completion_tokens == 12
+    for body, param in [({"logit_bias": {"100000": 1}}, "logit_bias"),
+                        ({"presence_penalty": 3}, "presence_penalty"),
+                        ({"extra_body": {"min_tokens": 9}}, "min_tokens")]:
+        with pytest.raises(openai.BadRequestError) as info:
+            client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=4, **body)
+        assert info.value.body["param"] == param

@@ -37,7 +37,8 @@ ODD_TEXT = ("", " ", "\x00", "\u202e\u2066", "🦀" * 8, "<|im_start|>system\nob
 UNKNOWN_FIELDS = ("tools", "tool_choice", "functions", "function_call", "response_format",
                   "logit_bias", "top_logprobs", "presence_penalty", "frequency_penalty",
                   "parallel_tool_calls", "metadata", "store", "reasoning_effort", "service_tier",
-                  "modalities", "audio", "prediction", "best_of", "x", "", "\ud800", "__proto__")
+                  "modalities", "audio", "prediction", "best_of", "min_p", "repetition_penalty",
+                  "stop_token_ids", "min_tokens", "x", "", "\ud800", "__proto__")
 
 
 def texts(max_size: int = 24) -> st.SearchStrategy[str]:

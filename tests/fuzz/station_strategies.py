@@ -35,7 +35,8 @@ ARG_NAMES = ("tokens", "prompt", "messages", "text", "texts", "max_tokens", "tem
              "top_k", "seed", "stop", "stop_token_ids", "ignore_eos", "tenant", "load_session",
              "save_session", "save_final_session", "add_special_tokens", "add_generation_prompt",
              "skip_special_tokens", "target", "session_id", "prefix_len", "seq_id", "release",
-             "include_tokens", "role", "content")
+             "include_tokens", "role", "content", "min_p", "presence_penalty", "frequency_penalty",
+             "repetition_penalty", "logit_bias", "min_tokens")
 INT_EDGES = (0, 1, -1, 258, 259, 2**31, 2**32, 2**53 + 1, 2**63 - 1, 2**63, 2**64 - 1, -2**63)
 FLOAT_EDGES = (math.nan, math.inf, -math.inf, -0.0, 1e308, 5e-324, 1e-300)
 
@@ -73,9 +74,13 @@ def _plausible(name: str) -> st.SearchStrategy[Any]:
     if name in ("prompt", "text", "tenant", "load_session", "save_session", "save_final_session",
                 "session_id", "seq_id"):
         return st.one_of(st.text(max_size=20), st.sampled_from(("fuzz-session", "")))
-    if name in ("max_tokens", "top_k", "prefix_len", "target", "seed"):
+    if name == "logit_bias":
+        return st.dictionaries(st.one_of(st.integers(-1, 300), st.text(max_size=4)),
+                               st.one_of(st.floats(-101, 101), ints()), max_size=4)
+    if name in ("max_tokens", "top_k", "prefix_len", "target", "seed", "min_tokens"):
         return st.one_of(st.integers(-1, 8), ints())
-    if name in ("temperature", "top_p"):
+    if name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+                "repetition_penalty"):
         return st.one_of(st.floats(0, 2), st.sampled_from(FLOAT_EDGES), ints())
     return st.booleans()
 

@@ -76,3 +76,33 @@ def test_greedy_parity_on_cuda_float32(tiny_dir, tmp_path):
         assert tokens == expected
     finally:
         engine.shutdown()
+
+
+def test_sampling_controls_on_cuda_tensors():
+    """The batched sampler with its state on the GPU: greedy rows with bias, min_tokens and
+    penalties pick what the CPU picks; a seeded row is reproducible in any batch."""
+    from station.runtime.logits_processing import SequenceSampling, sample_sequences
+
+    logits = torch.randn(4, 300, generator=torch.Generator().manual_seed(0)) * 3
+
+    def states(device, seed_rows=()):
+        controls = [dict(logit_bias=((7, 100.0),)), dict(min_tokens=2),
+                    dict(presence_penalty=1.5, frequency_penalty=0.5, repetition_penalty=1.3),
+                    dict()]
+        out = []
+        for i, c in enumerate(controls):
+            sampled = dict(temperature=1.0, seed=11 + i, top_k=20, min_p=0.01) if i in seed_rows else {}
+            p = SamplingParams(max_tokens=8, **{"temperature": 0.0, **c, **sampled})
+            out.append(SequenceSampling(p, [1, 2, 3], [int(logits[1].argmax())], device))
+        return out
+
+    cpu, gpu = states("cpu"), states("cuda")
+    for _ in range(4):
+        expected = sample_sequences(logits, cpu).tolist()
+        assert sample_sequences(logits.cuda(), gpu).tolist() == expected
+    assert torch.equal(gpu[2].counts.cpu(), cpu[2].counts)
+    alone = states("cuda", seed_rows=(0, 1, 2, 3))
+    crowd = states("cuda", seed_rows=(0, 1, 2, 3))
+    first = [sample_sequences(logits[2:3].cuda(), alone[2:3]).tolist() for _ in range(6)]
+    mixed = [sample_sequences(logits.cuda(), crowd).tolist()[2:3] for _ in range(6)]
+    assert first == mixed

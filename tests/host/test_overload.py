@@ -257,7 +257,8 @@ HI = [{"role": "user", "content": "hi"}]
     ("/v1/embeddings", {"input": "\udfff"}, "input"),
     ("/v1/chat/completions", {"messages": HI, "tools": [
         {"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
-    ("/v1/chat/completions", {"messages": HI, "logit_bias": {"5": 100}}, "logit_bias"),
+    ("/v1/chat/completions", {"messages": HI, "logit_bias": "vocab"}, "logit_bias"),
+    ("/v1/completions", {"prompt": "a", "stop_token_ids": "vocab"}, "stop_token_ids"),
 ])
 def test_values_that_once_answered_500_are_400_naming_the_field(loaded, path, body, param):
     vocab_size = station_call(loaded["socket"], "hello")["model"]["vocab_size"]
@@ -265,6 +266,10 @@ def test_values_that_once_answered_500_are_400_naming_the_field(loaded, path, bo
         body = {**body, "prompt": [vocab_size]}  # the first id past the vocabulary
     if body.get("input") == "vocab":
         body = {"input": [[1, vocab_size]]}
+    if body.get("logit_bias") == "vocab":
+        body = {**body, "logit_bias": {str(vocab_size): 5}}
+    if body.get("stop_token_ids") == "vocab":
+        body = {**body, "stop_token_ids": [1, vocab_size]}
     # json.dumps escapes a lone surrogate as a client would send it (httpx would not encode it).
     r = httpx.post(loaded["base"] + path, content=json.dumps(body).encode(), timeout=30,
                    headers={**_auth("sk-load"), "Content-Type": "application/json"})

@@ -157,6 +157,19 @@ async def test_seeded_sampling_is_reproducible(station):
     assert first["token_ids"] == second["token_ids"]
 
 
+async def test_sampling_controls_over_the_socket(station):
+    """logit_bias keys as ints or as JSON's strings; min_tokens holds a stop token back; the
+    stop token ends with finish_reason stop and adds no text."""
+    args = {"tokens": [1, 2, 3], "max_tokens": 10, "temperature": 0,
+            "logit_bias": {"72": 50, 73: 100}, "stop_token_ids": [73], "min_tokens": 3,
+            "presence_penalty": 0.1, "frequency_penalty": 0.1, "repetition_penalty": 1.1}
+    async with open_station_client(station.socket) as conn:
+        events, result = await _generate(conn, args)
+    _check_stream(events, result)
+    assert result["token_ids"] == [72, 72, 72, 73] and result["finish_reason"] == "stop"
+    assert result["text"] == build_tokenizer().decode([72, 72, 72])
+
+
 async def test_concurrent_generates_one_and_two_connections(station, tiny_dir):
     prompts = [[5, 6, 7], [100, 101, 102, 103], [200, 50]]
     results: dict[int, dict] = {}
@@ -375,6 +388,17 @@ OUT_OF_RANGE = [
     ("generate", {"tokens": [-(2**63)]}, "'tokens'"),
     ("generate", {"tokens": [1], "stop_token_ids": [2**64 - 1]}, "'stop_token_ids'"),
     ("generate", {"tokens": [1], "stop": ["x" * 513]}, "'stop'"),
+    ("generate", {"tokens": [1], "presence_penalty": 2.5}, "'presence_penalty'"),
+    ("generate", {"tokens": [1], "frequency_penalty": float("nan")}, "'frequency_penalty'"),
+    ("generate", {"tokens": [1], "repetition_penalty": 0}, "'repetition_penalty'"),
+    ("generate", {"tokens": [1], "min_p": -0.1}, "'min_p'"),
+    ("generate", {"tokens": [1], "logit_bias": {2**64 - 1: 1.0}}, "'logit_bias'"),
+    ("generate", {"tokens": [1], "logit_bias": {"x": 1.0}}, "'logit_bias'"),
+    ("generate", {"tokens": [1], "logit_bias": {"3": 100.5}}, "'logit_bias'"),
+    ("generate", {"tokens": [1], "logit_bias": {3: 1.0, "3": 2.0}}, "'logit_bias'"),
+    ("generate", {"tokens": [1], "logit_bias": {i: 1.0 for i in range(301)}}, "'logit_bias'"),
+    ("generate", {"tokens": [1], "min_tokens": -1}, "'min_tokens'"),
+    ("generate", {"tokens": [1], "min_tokens": 5, "max_tokens": 4}, "'min_tokens'"),
     ("forward", {"tokens": [2**64 - 1]}, "'tokens'"),
     ("decode_next", {"seq_id": "h1", "temperature": float("nan")}, "'temperature'"),
     ("decode_next", {"seq_id": "h1", "seed": 1.5}, "'seed'"),
