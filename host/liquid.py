@@ -77,7 +77,7 @@ class LiquidOutcome:
     liquid_kv_saved: bool
     miss_reason: str | None
     path: str  # one of PATHS
-    tier: str | None = None  # a hit: where the session's KV was ("pool" | "disk")
+    tier: str | None = None  # a hit: where the session's KV was ("pool" | "host" | "disk")
 
     def __post_init__(self) -> None:
         assert self.liquid_memory in OUTCOMES, self.liquid_memory

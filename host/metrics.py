@@ -33,7 +33,7 @@ log = get_logger("host.request")
 
 Closer = Callable[[], Awaitable[None]]
 
-TIERS = ("pool", "disk")
+TIERS = ("pool", "host", "disk")
 FINISH_REASONS = ("stop", "length")  # a station result's finish_reason (vllm:request_success)
 
 # Seconds. Time to first token and end-to-end: vLLM's buckets; between tokens: vLLM's, with

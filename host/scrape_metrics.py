@@ -29,8 +29,10 @@ CHILDREN = ("station", "host")
 # (metric, type, {tier label: station stats key}): the KV tiers from ``stats``.
 _TIER_METRICS = (
     ("kv_tier_sessions", "gauge", {"pool": "kv_sessions", "disk": "kv_disk_sessions"}),
-    ("kv_tier_bytes", "gauge", {"disk": "disk_bytes"}),
-    ("kv_tier_budget_bytes", "gauge", {"disk": "disk_budget_bytes"}),
+    ("kv_tier_bytes", "gauge", {"host": "host_bytes", "disk": "disk_bytes"}),
+    ("kv_tier_budget_bytes", "gauge", {"host": "host_budget_bytes", "disk": "disk_budget_bytes"}),
+    ("kv_tier_block_hits_total", "counter", {"host": "host_block_hits"}),
+    ("kv_tier_block_misses_total", "counter", {"host": "host_block_misses"}),
     ("kv_tier_loads_total", "counter", {"disk": "read_back_done"}),
     ("kv_tier_load_failures_total", "counter", {"disk": "read_back_failures"}),
     ("kv_tier_load_ms_p50", "gauge", {"disk": "read_back_ms_p50"}),

@@ -171,11 +171,16 @@ def _kv_tier_lines(tier: Any) -> list[str]:
         lines.append(f"kv tiers: {pool}; DISK TIER UNAVAILABLE at {tier.get('path')}: {tier['error']}")
     else:
         lag = tier.get("write_behind_lag_ms_p99")
+        host = (f"host {_size(tier['host_bytes'])} of {_size(tier.get('host_budget_bytes'))}"
+                f"{' pinned' if tier.get('host_pinned') else ''}; " if "host_bytes" in tier else "")
         lines.append(
-            f"kv tiers: {pool}; disk {_fmt(tier.get('disk_sessions'))} sessions, "
+            f"kv tiers: {pool}; {host}disk {_fmt(tier.get('disk_sessions'))} sessions, "
             f"{_size(tier.get('disk_bytes'))} of {_size(tier.get('disk_budget_bytes'))} "
             f"at {tier.get('path')}, write-behind lag p99 "
             f"{'-' if lag is None else f'{lag:.0f} ms'}")
+    if tier.get("io_down"):
+        lines.append(f"  DISK TIER DOWN: {tier['io_down']} (sessions live in the pool only; "
+                     f"restart the station to bring it back)")
     reasons = tier.get("quarantine_reasons")
     if tier.get("quarantined"):
         detail = ", ".join(f"{k} {v}" for k, v in sorted((reasons or {}).items()))

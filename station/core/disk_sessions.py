@@ -33,6 +33,7 @@ class DiskSession:
     file_hashes: tuple[BlockHash, ...]  # the names of its block files
     last_used: float
     loading: bool = False
+    read_from: str = "disk"  # where its last read-back found the KV: "host" (RAM) or "disk"
 
     @property
     def num_tokens(self) -> int:

@@ -151,7 +151,7 @@ class Prefill:
     session_loaded: bool = False
     session_id: str | None = None  # the session the prompt started from, when one was
     session_tokens: int = 0  # of cached_tokens: served by that session
-    session_tier: str | None = None  # where that session's KV was: "pool" | "disk"
+    session_tier: str | None = None  # where that session's KV was: "pool" | "host" | "disk"
     session_error: str | None = None  # why no session was loaded (SessionOutcome value)
     saved: bool = False  # save_session pinned the prompt's full blocks
     save_error: str | None = None

@@ -79,7 +79,7 @@ class Scheduler:
         for seq in self.waiting:
             if seq.awaiting_load is plan.session:
                 seq.awaiting_load = None
-                seq.loaded_from_disk = error is None
+                seq.loaded_tier = plan.session.read_from if error is None else None
                 seq.load_error = error
 
     def get(self, seq_id: str) -> Sequence | None:
@@ -204,7 +204,7 @@ class Scheduler:
             seq.num_session_tokens = computed.num_session_tokens
             seq.loaded_session = computed.session.session_id if computed.session else None
             if computed.session is not None:
-                seq.session_tier = "disk" if seq.loaded_from_disk else "pool"
+                seq.session_tier = seq.loaded_tier or "pool"
         if not self.kv.allocate_slots(seq, seq.num_tokens - computed.num_cached_tokens, computed):
             return False
         seq.num_computed_tokens = computed.num_cached_tokens

@@ -45,11 +45,11 @@ class Sequence:
     session_outcome: str | None = None
     num_session_tokens: int = 0
     loaded_session: str | None = None  # the session it started from (asked for or matched)
-    session_tier: str | None = None  # where that session's KV was: "pool" | "disk"
+    session_tier: str | None = None  # where that session's KV was: "pool" | "host" | "disk"
     # The disk tier: admission found its session on disk and is reading it back (the
     # sequence waits, others are admitted past it); or that read failed its checks.
     awaiting_load: Any = None  # the DiskSession being read back
-    loaded_from_disk: bool = False
+    loaded_tier: str | None = None  # its session was read back from this tier: "host" | "disk"
     load_error: str | None = None  # its disk session could not be read back (a SessionOutcome)
     status: SequenceStatus = SequenceStatus.WAITING
     prefill_reported: bool = False  # PREFILL is sent once, not again after a preemption

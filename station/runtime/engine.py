@@ -113,7 +113,7 @@ class PagedEngine:
         """Put the disk tier behind the pool (before ``start``): evicted durable sessions
         stay on disk, ``sessions`` (the tier's index at start) can be read back."""
         self.tier = DiskTier(io, store_stats, self.kv, slots, self._wake,
-                             self.scheduler.on_load_done, self.settings.kv_write_behind_s)
+                             self.calls.on_load_done, self.settings.kv_write_behind_s)
         self.kv.enable_disk_tier(sessions)
 
     def _wake(self) -> None:

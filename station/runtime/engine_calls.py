@@ -26,7 +26,7 @@ import collections
 import itertools
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
@@ -91,6 +91,8 @@ class EngineCalls:
         self._ids = itertools.count(1)
         self.embeds: collections.deque[EmbedJob] = collections.deque()  # in progress, round robin
         self.embed_inputs_done = 0  # inputs embedded since start (stats)
+        # kv_session.load calls waiting for a disk read: (DiskSession, owner, done)
+        self.disk_waits: list[tuple[Any, Any, CallDone]] = []
 
     # -- dispatch
     def run(self, handler: EngineCallHandler, owner: Any, done: CallDone | None,
@@ -136,17 +138,41 @@ class EngineCalls:
         engine.kv.pin(session_id, tenant, tokens[:num_blocks * bs], blocks)
         return {"session_id": session_id, "num_tokens": num_blocks * bs}
 
-    def kv_load(self, owner: Any, done: CallDone, session_id: str) -> dict[str, Any]:
+    def kv_load(self, owner: Any, done: CallDone, session_id: str) -> Any:
         engine = self.engine
         session = engine.kv.get_session(session_id)
-        if session is None and session_id in engine.kv.disk:
-            raise _error(ErrorCode.NOT_FOUND, f"KV session {session_id!r} is on disk only: "
-                         f"forward or generate with load_session reads it back")
-        if session is None:
+        if session is not None:
+            return self._park_session(owner, session)
+        on_disk = engine.kv.disk.get(session_id)
+        if on_disk is None or engine.tier is None:
             raise _error(ErrorCode.NOT_FOUND, f"no KV session {session_id!r}")
+        if not on_disk.loading:  # else a request is reading it back already: wait for that
+            plan = engine.kv.begin_load(on_disk)
+            if plan is None:
+                raise _error(ErrorCode.CAPACITY, f"no room in the KV pool to read KV session "
+                             f"{session_id!r} back from disk")
+            engine.tier.submit_loads([plan])
+        self.disk_waits.append((on_disk, owner, done))
+        return _PENDING
+
+    def _park_session(self, owner: Any, session: Any) -> dict[str, Any]:
         seq = self._new_seq(owner, list(session.token_ids), session.tenant, None)
-        engine.scheduler.park_loaded(seq, session)
+        self.engine.scheduler.park_loaded(seq, session)
         return {"seq_id": seq.seq_id, "num_tokens": seq.num_tokens}
+
+    def on_load_done(self, plan: Any, error: Any) -> None:
+        """The disk tier read a session back (or could not): admit the scheduler's waiters,
+        answer the ``kv_session.load`` calls waiting for it."""
+        self.engine.scheduler.on_load_done(plan, error)
+        for wait in [w for w in self.disk_waits if w[0] is plan.session]:
+            self.disk_waits.remove(wait)
+            _, owner, done = wait
+            session = self.engine.kv.get_session(plan.session.session_id)
+            if session is None:
+                answer(done, None, _error(ErrorCode.NOT_FOUND, f"KV session "
+                       f"{plan.session.session_id!r} could not be read back ({error or 'deleted'})"))
+            else:
+                answer(done, self._park_session(owner, session), None)
 
     def kv_delete(self, owner: Any, done: CallDone, session_id: str) -> dict[str, Any]:
         deleted = self.engine.kv.unpin(session_id)
@@ -250,6 +276,7 @@ class EngineCalls:
         closed = _error(ErrorCode.CANCELLED, "the connection closed")
         for seq in [s for s in self.seqs.values() if s.user.held.owner == owner]:
             self._free(seq, closed)
+        self._drop_waits(lambda wait: wait[1] == owner, closed)
         for job in [j for j in self.embeds if j.owner == owner]:
             self.embeds.remove(job)
             answer(job.done, None, closed)
@@ -259,11 +286,20 @@ class EngineCalls:
         cancelled = _error(ErrorCode.CANCELLED, "request cancelled")
         for seq in [s for s in self.seqs.values() if s.user.held.pending in dones]:
             self._free(seq, cancelled)
+        self._drop_waits(lambda wait: wait[2] in dones, cancelled)
         for job in [j for j in self.embeds if j.done in dones]:
             self.embeds.remove(job)
             answer(job.done, None, cancelled)
 
+    def _drop_waits(self, which: Callable[[Any], bool], error: OpError) -> None:
+        """Answer and forget the disk waits ``which`` picks (the read goes on: its session
+        becomes resident)."""
+        for wait in [w for w in self.disk_waits if which(w)]:
+            self.disk_waits.remove(wait)
+            answer(wait[2], None, error)
+
     def shutdown(self) -> None:
+        self._drop_waits(lambda wait: True, _error(ErrorCode.SHUTTING_DOWN, "the station is shutting down"))
         for seq in list(self.seqs.values()):
             self.fail(seq, _error(ErrorCode.SHUTTING_DOWN, "the station is shutting down"))
         while self.embeds:

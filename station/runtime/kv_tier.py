@@ -1,33 +1,24 @@
 """The disk tier's engine side: write-behind and read-back through the I/O process.
 
-The engine thread never touches a file, nor copies a block to or from one: the tier's I/O
-process (``station.runtime.kv_io_worker``) does, on KV blocks in shared memory
-(``kv_cache.SharedBlocks``): a CPU pool itself, or on CUDA a staging area of pinned host
-RAM (``kv_host_bytes``) that the engine thread fills from the GPU and empties into it. The
-engine hands jobs over and takes the answers back at its next step boundary
-(``before_step``), so decode never waits on a disk:
+The engine thread never touches a file: the tier's I/O process
+(``station.runtime.kv_io_worker``) does, on KV blocks in shared memory (the CPU pool
+itself, or a staging area that is also the host tier: ``kv_tier_slots``). The engine hands
+jobs over and applies the answers at its next step boundary (``before_step``), so decode
+never waits on a disk (docs/engine.md, "The disk tier"):
 
 * **write-behind**: every saved session (``KVCacheManager.take_writes``) is queued at
-  once. For as long as the job is queued or in flight the engine holds one reference on
-  each of its blocks, so a block not read yet is never reused, however soon the session
-  is evicted. The process writes each block the store does not have yet (blocks are
-  content-addressed: a conversation's shared prefix is written once), then the session's
-  manifest, each file fsynced and renamed into place. When the job is done the engine
-  marks the session ``durable``: from then on an eviction moves it to the disk index
-  instead of losing it. A newer save of a session id replaces a job still queued for it.
-  The delay from save to durable is the write-behind lag, reported as p50/p99 and counted
-  as late past ``kv_write_behind_s``. Uses of a durable session reach the files too
-  (``touch``), so the disk budget evicts the least recently *used* session.
-* **read-back**: a request whose session only the disk holds waits in the scheduler while
-  its blocks are read, checked (every file's checksum, model fingerprint, block size,
-  shape, dtype and tokens) and copied into fresh pool blocks; other requests keep
-  decoding. A file that fails a check is quarantined by the store and the request runs as
-  a miss.
+  once, its blocks referenced until the job is done, so none is reused before it is read.
+  When the job is done the session is ``durable``: an eviction then moves it to the disk
+  index instead of losing it. A newer save of an id replaces its queued job. Save to
+  durable is the write-behind lag (p50/p99; late past ``kv_write_behind_s``). Uses of a
+  durable session are sent as ``touch``: the disk budget evicts the least recently used.
+* **read-back**: a request whose session only the disk (or the host tier) holds waits in
+  the scheduler while its blocks are read, checked and copied into fresh pool blocks;
+  others keep decoding. A file that fails a check is quarantined, the request a miss.
 
-Jobs run one at a time in order (writes, deletes and touches in one queue; loads in
-another, never behind a write). Through a staging area a job moves in parts of at most
-half the area. If the I/O process dies the tier is down: jobs in flight fail (a load's
-request runs as a miss), sessions stay in the pool only, and ``stats`` says so.
+One write (or delete, or touch) and one load are in flight at a time, in parts of at most
+half a staging area. If the I/O process dies the tier is down: jobs in flight fail (a
+load's request runs as a miss), sessions stay in the pool only, ``stats`` says why.
 """
 
 from __future__ import annotations
@@ -59,6 +50,7 @@ class _Job:
     last_used: float = 0.0  # a touch's
     sent: int = 0  # blocks handed over so far
     slots: list[int] = field(default_factory=list)  # the part in flight
+    hashes: list[bytes] = field(default_factory=list)  # its blocks' file hashes
     cancelled: bool = False  # deleted while in flight: no further part
 
 
@@ -67,8 +59,11 @@ class _Load:
     plan: LoadPlan
     queued_at: float
     sent: int = 0
-    slots: list[int] = field(default_factory=list)
+    slots: list[int] = field(default_factory=list)  # the part in flight: a slot per block
     block_ids: list[int] = field(default_factory=list)
+    hashes: list[bytes] = field(default_factory=list)
+    missing: list[int] = field(default_factory=list)  # its blocks the I/O process reads
+    from_disk: bool = False  # a part read a file (else the host tier held every block)
 
 
 @dataclass(slots=True)
@@ -147,15 +142,12 @@ class DiskTier:
 
     def stats(self) -> dict[str, Any]:
         """The tier's figures for ``stats`` (another thread may read them)."""
-        return {**self.figures.as_dict(), "kv_io_down": self.down,
+        return {**self.figures.as_dict(), "kv_io_down": self.down, **self.slots.stats(),
                 **{f"disk_{k}": v for k, v in self.store_stats.items()}}
 
     def has_work(self) -> bool:
         """Answers to apply, or sessions saved or used to hand over."""
-        with self._lock:
-            if self._answers:
-                return True
-        return bool(self.kv.to_write or self.kv.to_touch)
+        return bool(self._answers or self.kv.to_write or self.kv.to_touch)  # len() is atomic
 
     def busy(self) -> bool:
         """Loads in flight: the scheduler's waiters will be admitted when they end."""
@@ -254,9 +246,9 @@ class DiskTier:
         elif job.op == "write":
             session, bs = job.session, self.kv.block_size
             n = min(len(job.block_ids) - job.sent, self.slots.part_blocks, self.slots.room())
-            job.slots = self.slots.stage_out(job.block_ids[job.sent:job.sent + n])
-            message.update(slots=job.slots, hashes=list(session.file_hashes[job.sent:job.sent + n]),
-                           tokens=list(session.token_ids[job.sent * bs:(job.sent + n) * bs]))
+            job.hashes = list(session.file_hashes[job.sent:job.sent + n])
+            job.slots = self.slots.stage_out(job.block_ids[job.sent:job.sent + n], job.hashes)
+            message.update(slots=job.slots, hashes=job.hashes, tokens=list(session.token_ids[job.sent * bs:(job.sent + n) * bs]))
             job.sent += n
             message["final"] = job.sent == len(job.block_ids)
             if message["final"]:
@@ -270,12 +262,20 @@ class DiskTier:
         on_disk, bs = load.plan.session, self.kv.block_size
         blocks = load.plan.blocks
         n = min(len(blocks) - load.sent, self.slots.part_blocks, self.slots.room())
-        load.block_ids = [b.block_id for b in blocks[load.sent:load.sent + n]]
-        load.slots = self.slots.take(load.block_ids)
-        self.io.send({"op": "load", "load": id(load), "slots": load.slots,
-                      "hashes": list(on_disk.file_hashes[load.sent:load.sent + n]),
-                      "tokens": list(on_disk.token_ids[load.sent * bs:(load.sent + n) * bs])})
-        load.sent += n
+        first, load.sent = load.sent, load.sent + n
+        load.block_ids = [b.block_id for b in blocks[first:load.sent]]
+        load.hashes = list(on_disk.file_hashes[first:load.sent])
+        load.slots, load.missing = self.slots.load_part(load.block_ids, load.hashes)
+        if not load.missing:  # the host tier holds the whole part: done at the next boundary
+            with self._lock:  # (not now: the scheduler is in the middle of a step)
+                self._answers.append({"kind": "loaded", "ok": True})
+            return
+        load.from_disk = True
+        tokens = on_disk.token_ids
+        self.io.send({"op": "load", "load": id(load), "slots": [load.slots[i] for i in load.missing],
+                      "hashes": [load.hashes[i] for i in load.missing],
+                      "tokens": [t for i in load.missing
+                                 for t in tokens[(first + i) * bs:(first + i + 1) * bs]]})
 
     # -- answers (engine thread)
     def _apply(self, answer: dict[str, Any] | None) -> None:
@@ -284,27 +284,26 @@ class DiskTier:
         elif answer["kind"] == "written" and self._job is not None:
             self._write_answer(self._job, answer)
         elif answer["kind"] == "loaded" and self._load is not None:
-            load = self._load
-            if answer["ok"]:
-                self.slots.stage_in(load.slots, load.block_ids)
-            self.slots.release(load.slots)
-            if answer["ok"] and load.sent < len(load.plan.blocks):
-                self._pump_next_load_part(load)
-            else:
-                self._load = None
-                error = (None if answer["ok"] else SessionOutcome.QUARANTINED
-                         if answer.get("quarantined") else SessionOutcome.UNREADABLE)
-                self._answer_load(load, error)
+            self._load_part_done(self._load, answer)
         self._pump()
 
-    def _pump_next_load_part(self, load: _Load) -> None:
-        try:
-            self._send_load_part(load)
-        except IOProcessGone as exc:
-            self._io_gone(str(exc))
+    def _load_part_done(self, load: _Load, answer: dict[str, Any]) -> None:
+        ok = answer["ok"]
+        self.slots.loaded(load.slots, load.block_ids, load.hashes, load.missing, ok)
+        if ok and load.sent < len(load.plan.blocks):
+            try:
+                self._send_load_part(load)
+            except IOProcessGone as exc:
+                self._io_gone(str(exc))
+            return
+        self._load = None
+        load.plan.session.read_from = "disk" if load.from_disk else "host"
+        error = (None if ok else SessionOutcome.QUARANTINED if answer.get("quarantined")
+                 else SessionOutcome.UNREADABLE)
+        self._answer_load(load, error)
 
     def _write_answer(self, job: _Job, answer: dict[str, Any]) -> None:
-        self.slots.release(job.slots)
+        self.slots.written(job.slots, job.hashes, answer["ok"])
         job.slots = []
         if answer["ok"] and not answer["final"] and not job.cancelled:
             try:
@@ -365,11 +364,16 @@ class DiskTier:
         if not self._closed:
             log.error("kv_tier_down", reason=why)
         job, self._job = self._job, None
+        if job is not None:
+            self.slots.written(job.slots, job.hashes, False)
         for pending in ([job] if job is not None else []) + list(self._jobs.values()):
             self._release(pending)
             self.figures.write_errors += pending.op == "write"
         self._jobs.clear()
         self.figures.queued_writes = 0
+        if self._load is not None:
+            load = self._load
+            self.slots.loaded(load.slots, load.block_ids, load.hashes, load.missing, False)
         with self._lock:
             loads = ([self._load] if self._load is not None else []) + list(self._loads)
             self._load = None

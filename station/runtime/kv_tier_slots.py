@@ -10,6 +10,7 @@ half the area, so a write part and a load part always fit at once.
 
 from __future__ import annotations
 
+import collections
 from typing import Any
 
 import torch
@@ -32,53 +33,110 @@ def tier_slots(engine: Any, settings: Any) -> tuple[SharedBlocks, PoolSlots | St
 
 
 class PoolSlots:
-    """The I/O process maps the CPU pool itself: a block's slot is its id, nothing is copied."""
+    """The I/O process maps the CPU pool itself: a block's slot is its id, nothing is copied,
+    and every read-back reads the disk."""
+
+    host_tier = False
 
     def __init__(self, num_blocks: int) -> None:
         self.part_blocks = num_blocks
 
-    def stage_out(self, block_ids: list[int]) -> list[int]:
-        return list(block_ids)
-
-    def stage_in(self, slots: list[int], block_ids: list[int]) -> None:
-        pass
-
-    def take(self, block_ids: list[int]) -> list[int]:
-        """Slots for a load part into ``block_ids``."""
-        return list(block_ids)
-
     def room(self) -> int:
         return self.part_blocks
 
-    def release(self, slots: list[int]) -> None:
+    def stage_out(self, block_ids: list[int], hashes: list[bytes]) -> list[int]:
+        return list(block_ids)
+
+    def written(self, slots: list[int], hashes: list[bytes], ok: bool) -> None:
         pass
+
+    def load_part(self, block_ids: list[int], hashes: list[bytes]) -> tuple[list[int], list[int]]:
+        """-> (a slot per block, the indexes of the blocks the I/O process must read)."""
+        return list(block_ids), list(range(len(block_ids)))
+
+    def loaded(self, slots: list[int], block_ids: list[int], hashes: list[bytes],
+               missing: list[int], ok: bool) -> None:
+        pass
+
+    def stats(self) -> dict[str, Any]:
+        return {}
 
 
 class StagingSlots:
-    """A staging area between the pool (a GPU's) and the I/O process: the engine thread
-    copies blocks out to free slots before a write part and in from them after a load part."""
+    """Pinned host RAM between a GPU pool and the I/O process, kept as a tier of its own:
+    the slots of written and read blocks stay filled, LRU, keyed by the block's file hash
+    (content-addressed, so a kept slot is never stale). A read-back takes the blocks it
+    finds here with a host-to-device copy and asks the I/O process only for the rest; a
+    session found here whole is a ``host`` hit, no file read. A write copies only the
+    blocks not kept here already. Slots in flight are neither free nor kept."""
+
+    host_tier = True
 
     def __init__(self, shared: SharedBlocks, pool: torch.Tensor) -> None:
         self.shared = shared  # the memory the area's tensor views
         self.area, self.pool = shared.tensor, pool  # [L, 2, slots | blocks, bs, H, D]
         self.free = list(range(shared.num_blocks))
+        self.kept: collections.OrderedDict[bytes, int] = collections.OrderedDict()  # LRU first
         self.part_blocks = max(1, shared.num_blocks // 2)  # a write part and a load part fit at once
+        self.block_hits = 0  # blocks a read-back found here
+        self.block_misses = 0  # blocks it had to read from disk
 
     def room(self) -> int:
-        return len(self.free)
+        return len(self.free) + len(self.kept)
 
-    def stage_out(self, block_ids: list[int]) -> list[int]:
-        slots = [self.free.pop() for _ in block_ids]
-        for slot, block_id in zip(slots, block_ids):
-            self.area[:, :, slot].copy_(self.pool[:, :, block_id])
+    def _take(self, block_hash: bytes) -> tuple[int, bool]:
+        """A slot for ``block_hash``: (its kept slot, True) or (an empty one, False)."""
+        slot = self.kept.pop(block_hash, None)
+        if slot is not None:
+            return slot, True
+        if not self.free:  # the least recently used kept block gives its slot
+            return self.kept.popitem(last=False)[1], False
+        return self.free.pop(), False
+
+    def stage_out(self, block_ids: list[int], hashes: list[bytes]) -> list[int]:
+        slots = []
+        for block_id, block_hash in zip(block_ids, hashes):
+            slot, kept = self._take(block_hash)
+            if not kept:
+                self.area[:, :, slot].copy_(self.pool[:, :, block_id])
+            slots.append(slot)
         return slots
 
-    def take(self, block_ids: list[int]) -> list[int]:
-        return [self.free.pop() for _ in block_ids]
+    def written(self, slots: list[int], hashes: list[bytes], ok: bool) -> None:
+        self._keep(slots, hashes) if ok else self.free.extend(slots)
 
-    def stage_in(self, slots: list[int], block_ids: list[int]) -> None:
-        for slot, block_id in zip(slots, block_ids):
-            self.pool[:, :, block_id].copy_(self.area[:, :, slot], non_blocking=True)
+    def load_part(self, block_ids: list[int], hashes: list[bytes]) -> tuple[list[int], list[int]]:
+        slots, missing = [], []
+        for i, block_hash in enumerate(hashes):
+            slot, kept = self._take(block_hash)
+            slots.append(slot)
+            if not kept:
+                missing.append(i)
+        self.block_hits += len(hashes) - len(missing)
+        self.block_misses += len(missing)
+        return slots, missing
 
-    def release(self, slots: list[int]) -> None:
-        self.free.extend(slots)
+    def loaded(self, slots: list[int], block_ids: list[int], hashes: list[bytes],
+               missing: list[int], ok: bool) -> None:
+        if ok:
+            for slot, block_id in zip(slots, block_ids):
+                self.pool[:, :, block_id].copy_(self.area[:, :, slot], non_blocking=True)
+            self._keep(slots, hashes)
+            return
+        bad = set(missing)  # not filled, or filled with what failed a check
+        self._keep([s for i, s in enumerate(slots) if i not in bad],
+                   [h for i, h in enumerate(hashes) if i not in bad])
+        self.free.extend(s for i, s in enumerate(slots) if i in bad)
+
+    def _keep(self, slots: list[int], hashes: list[bytes]) -> None:
+        for slot, block_hash in zip(slots, hashes):
+            old = self.kept.pop(block_hash, None)
+            if old is not None and old != slot:  # the same block twice: keep one copy
+                self.free.append(old)
+            self.kept[block_hash] = slot
+
+    def stats(self) -> dict[str, Any]:
+        block_bytes = self.shared.nbytes // self.shared.num_blocks
+        return {"host_budget_bytes": self.shared.nbytes, "host_bytes": len(self.kept) * block_bytes,
+                "host_blocks": len(self.kept), "host_pinned": self.shared.pinned,
+                "host_block_hits": self.block_hits, "host_block_misses": self.block_misses}

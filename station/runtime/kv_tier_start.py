@@ -97,5 +97,8 @@ def tier_report(start: dict[str, Any], stats: dict[str, Any]) -> dict[str, Any]:
             quarantine_reasons=stats.get("disk_quarantined"),
             offloaded=stats.get("kv_sessions_offloaded"), lost=stats.get("kv_sessions_lost"),
             write_behind_lag_ms_p99=stats.get("write_behind_lag_ms_p99"),
-            write_behind_queued=stats.get("write_behind_queued"))
+            write_behind_queued=stats.get("write_behind_queued"), io_down=stats.get("kv_io_down"))
+    if "host_bytes" in stats:  # the host-RAM tier in front of the disk (a staging area)
+        report.update(host_bytes=stats["host_bytes"], host_budget_bytes=stats.get("host_budget_bytes"),
+                      host_pinned=stats.get("host_pinned"))
     return report

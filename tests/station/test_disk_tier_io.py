@@ -5,11 +5,13 @@ serving, every request with the right output."""
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
 
 from station.core.requests import Finished, Prefill
+from station.runtime.engine_calls import EngineCalls
 from station.runtime.kv_cache import KVCacheShape
 from station.runtime.kv_store_format import session_name
 from tests.station.test_disk_tier import TierEngine, tier_model
@@ -55,6 +57,38 @@ def test_sessions_beyond_the_pool_pass_through_a_staging_area_smaller_than_a_ses
             tiers.append(pre.session_tier)
         assert tiers.count("disk") >= 8  # the pool holds at most 4 of these sessions
         assert t.engine.tier.slots.room() == 3  # every slot given back
+
+
+def test_the_host_tier_serves_sessions_evicted_from_the_pool_without_reading_a_file(tiny, tmp_path):
+    path, loaded = tiny
+    block_bytes = KVCacheShape.from_config(loaded.model.config, BS, loaded.dtype).bytes_per_block
+    prompts = [prompt_of(1250 + i, 23) for i in range(10)]  # 5 full blocks saved each
+    state = tmp_path / "state"
+    # Host RAM for 128 blocks behind a pool of 24: every session stays in RAM once written.
+    with TierEngine(loaded, state, 24, kv_host_bytes=128 * block_bytes) as t:
+        first = []
+        for i, prompt in enumerate(prompts):
+            first.append(t.generate(prompt, 4, save_session=f"alice.h.{i}").tokens)
+            t.expected_writes = i + 1
+            t.settle()
+        tiers = []
+        for i, prompt in enumerate(prompts):
+            again = t.generate(prompt, 4, match_session=True)
+            pre = again.one(Prefill)
+            assert (pre.session_loaded, pre.session_id, pre.session_tokens) == (True, f"alice.h.{i}", 20)
+            assert again.tokens == first[i] == reference(path, prompt, 4)
+            tiers.append(pre.session_tier)
+        stats = t.engine.stats()
+        assert tiers.count("host") >= 6 and "disk" not in tiers  # the pool holds at most 4
+        assert stats["disk_reads"] == 0 and stats["host_block_misses"] == 0
+        assert stats["host_block_hits"] == 5 * tiers.count("host") == 5 * stats["kv_disk_loads"]
+        assert stats["host_blocks"] == 50 and stats["host_bytes"] == 50 * block_bytes
+    # A restart starts with empty RAM: the same sessions come from disk, the same output.
+    with TierEngine(loaded, state, 24, kv_host_bytes=128 * block_bytes) as t:
+        again = t.generate(prompts[7], 4, match_session=True)
+        assert again.one(Prefill).session_tier == "disk" and again.tokens == first[7]
+        again = t.generate(prompts[7] + prompt_of(5, 2), 4, match_session=True)
+        assert again.one(Prefill).session_tier == "pool"
 
 
 def test_the_disk_lru_evicts_the_least_recently_used_session_not_the_oldest_save(tiny, tmp_path):
@@ -108,3 +142,37 @@ def test_a_dead_io_process_leaves_the_station_serving(tiny, tmp_path):
         assert t.engine.kv.get_session("alice.new").durable is False
         stats = t.engine.stats()
         assert stats["kv_disk_sessions"] == 0 and stats["kv_io_down"] == "the KV I/O process exited"
+
+
+def call(engine, handler, owner="c1", **kwargs):
+    """One engine call, answered: -> its result (an error fails the test)."""
+    box, done = {}, threading.Event()
+
+    def on_done(result, error):
+        box["r"] = (result, error)
+        done.set()
+
+    engine.call(handler, owner, on_done, **kwargs)
+    assert done.wait(60)
+    result, error = box["r"]
+    assert error is None, f"{error.code}: {error.message}"
+    return result
+
+
+def test_kv_session_load_reads_a_disk_only_session_back(tiny, tmp_path):
+    path, loaded = tiny
+    prompt = prompt_of(1500, 23)
+    with TierEngine(loaded, tmp_path / "state", 64) as t:
+        t.generate(prompt, 3, save_session="alice.held")
+    with TierEngine(loaded, tmp_path / "state", 64) as t:
+        assert "alice.held" in t.engine.kv.disk and t.engine.kv.get_session("alice.held") is None
+        held = call(t.engine, EngineCalls.kv_load, session_id="alice.held")
+        assert held["num_tokens"] == 20
+        assert t.engine.kv.get_session("alice.held").durable  # read back, pinned again
+        assert t.engine.stats()["kv_disk_loads"] == 1
+        # The rest of the prompt on top of the loaded KV, then greedy tokens: model.generate's.
+        fwd = call(t.engine, EngineCalls.forward, seq_id=held["seq_id"], tokens=list(prompt[20:]))
+        assert fwd["num_tokens"] == 23
+        tokens = [call(t.engine, EngineCalls.decode_next, seq_id=held["seq_id"], temperature=0.0)["token_id"]
+                  for _ in range(3)]
+        assert tokens == reference(path, prompt, 3)
