@@ -120,7 +120,8 @@ class StagingSlots:
                missing: list[int], ok: bool) -> None:
         if ok:
             for slot, block_id in zip(slots, block_ids):
-                self.pool[:, :, block_id].copy_(self.area[:, :, slot], non_blocking=True)
+                # Synchronous: the slot may be handed to the I/O process to fill right after.
+                self.pool[:, :, block_id].copy_(self.area[:, :, slot])
             self._keep(slots, hashes)
             return
         bad = set(missing)  # not filled, or filled with what failed a check
