@@ -18,6 +18,9 @@ Each figure runs its own station processes on their own runtime (and state) dire
    writer stays busy for as long as saves are queued (one is kept queued). Idle rounds
    poll ``stats`` at the same rate and save nothing.
 4. **write-behind lag** of those saves, as ``stats`` reports it.
+
+3 and 4 run twice: at the default ``kv_io_nice`` (the goal row) and at the other end of the
+I/O process's priority (a row of the trade-off between decode and the write-behind bound).
 """
 
 from __future__ import annotations
@@ -46,6 +49,10 @@ def tier_figures(report: Report, settings, args, tmp: Path) -> None:
     session_bytes, block_file_bytes = _hit_figure(report, base, args, tmp / "tier-hit")
     _restart_figure(report, base, args, tmp / "tier-restart", block_file_bytes)
     _busy_figures(report, base, args, tmp / "tier-busy", session_bytes)
+    # The other end of the I/O process's priority trade-off, measured in the same run.
+    other = 0 if base.kv_io_nice else 19
+    _busy_figures(report, dataclasses.replace(base, kv_io_nice=other), args,
+                  tmp / f"tier-busy-nice{other}", session_bytes, primary=False)
 
 
 class TierBenchError(RuntimeError):
@@ -332,7 +339,10 @@ async def _decode_round(conn, prompt: list[int], decode_tokens: int, saver: _Sav
     return _Round(n / (end - first), saves, busy, window_bytes, window_s)
 
 
-def _busy_figures(report: Report, settings, args, root: Path, session_bytes: float) -> None:
+def _busy_figures(report: Report, settings, args, root: Path, session_bytes: float,
+                  primary: bool = True) -> None:
+    """Rows 3 and 4 at ``settings.kv_io_nice``; ``primary``: the default's (the goal row),
+    else one row of the trade-off at another priority."""
     budget, rounds = max(1, int(session_bytes * 1.5)), args.rounds  # each save evicts the last
     pairs, idle_rates, busy_rounds = Pairs(), [], []
     out: dict = {"written": 0}
@@ -367,12 +377,19 @@ def _busy_figures(report: Report, settings, args, root: Path, session_bytes: flo
         trio.run(measure, sock)
     stats = out["stats"]
     saves = sum(b.saves for b in busy_rounds)
+    if not primary:
+        report.add(f"at kv_io_nice {settings.kv_io_nice}: decode busy / idle", pairs.ratio, "info", None,
+                   f"busy {pairs.median(0):.1f} tok/s, idle {pairs.median(1):.1f} tok/s, the same load as "
+                   f"the rows above; write-behind lag p50 {stats.get('write_behind_lag_ms_p50')} ms, p99 "
+                   f"{stats.get('write_behind_lag_ms_p99')} ms, {stats.get('write_behind_late')} of "
+                   f"{stats.get('write_behind_done')} saves later than kv_write_behind_s; {pairs.spread()}")
+        return
     written, window = sum(b.window_bytes for b in busy_rounds), sum(b.window_s for b in busy_rounds)
     rate = written / window if window else 0.0
     through = sum(b.busy_through for b in busy_rounds)
     control = min(idle_rates) / max(idle_rates)
     report.add("decode tok/s of another stream while the writer is busy / idle", pairs.ratio, ">=", 0.95,
-               f"busy {pairs.median(0):.1f} tok/s, idle {pairs.median(1):.1f} tok/s; {saves} "
+               f"I/O process at kv_io_nice {settings.kv_io_nice} (the default); busy {pairs.median(0):.1f} tok/s, idle {pairs.median(1):.1f} tok/s; {saves} "
                f"kv_session.save of {args.prompt_tokens:,}-token prefix-cached prompts "
                f"({session_bytes / 1e6:.1f} MB each, disk budget {budget / 1e6:.1f} MB so every save "
                f"rewrites its blocks: {out['written'] / 1e6:.1f} MB written in all), one kept queued: "

@@ -92,6 +92,11 @@ class Settings:
     # area of pinned host RAM between the GPU pool and the disk (0: 1 GiB). CPU: 0 shares
     # the pool itself (no copy); > 0 stages through an area of that size, as CUDA does.
     kv_host_bytes: int = 0
+    # The I/O process's CPU priority (nice, 0-19). 19: it takes the cores decode leaves idle
+    # (a CPU host whose decode keeps every core busy then writes behind later than
+    # kv_write_behind_s under a sustained stream of saves; each late write is counted). 0:
+    # the bound holds under that load, and decode pays for the cores the writes take.
+    kv_io_nice: int = 19
     # -- timeouts and supervision (seconds)
     request_timeout_s: float = 600.0
     station_start_timeout_s: float = 300.0
@@ -128,6 +133,7 @@ class Settings:
                      "max_waiting_requests", "kv_disk_bytes"):
             value = getattr(self, name)
             _check(value, value > 0, name, "a positive integer")
+        _check(self.kv_io_nice, 0 <= self.kv_io_nice <= 19, "kv_io_nice", "an integer from 0 to 19")
         _check(self.kv_host_bytes, self.kv_host_bytes >= 0, "kv_host_bytes",
                "0 (the default size) or a number of bytes")
         _check(self.kv_write_behind_s, self.kv_write_behind_s > 0, "kv_write_behind_s",

@@ -64,8 +64,8 @@ class _TorchThread:
     def _main(self) -> None:
         try:
             # The tier's I/O process imports torch while the model loads.
-            io = KVIOProcess(self.settings.log_level, self.settings.log_format) \
-                if self.settings.kv_persistence else None
+            io = KVIOProcess(self.settings.log_level, self.settings.log_format,
+                             self.settings.kv_io_nice) if self.settings.kv_persistence else None
             loaded = load_model(self.settings)
             log.info("model_loaded", model=loaded.served_id, path=loaded.path,
                      loaded_from=loaded.loaded_from, device=str(loaded.device),

@@ -4,12 +4,10 @@
 ``open`` hands it the tier's directory and layout and the memfd of KV blocks it works on,
 and returns the index its files give (``SessionRecord``s, nothing read but manifests).
 
-Why a process and not a thread: on a CPU host decode keeps every core busy, and a writer
-thread in the station competes with it for the GIL as well as for the cores. Measured on 2
-cores (`make bench`, decode of 4 streams beside a writer): a writer thread at normal
-priority kept the write-behind under 1 s but cut decode to 0.58x; at the lowest priority
-decode kept 0.97x but the write-behind fell seconds behind. In its own process the same
-work costs decode a few percent and runs at normal priority.
+Why a process and not a thread: a writer thread in the station competes with decode for
+the GIL (the engine thread waits for it between torch ops) as well as for the cores; in its
+own process it competes for the cores only, at the priority ``kv_io_nice`` gives it
+(docs/engine.md, "Why a process", has the measured trade-off).
 """
 
 from __future__ import annotations
@@ -41,12 +39,12 @@ class TierOpenFailed(RuntimeError):
 
 
 class KVIOProcess:
-    def __init__(self, log_level: str = "info", log_format: str = "auto") -> None:
+    def __init__(self, log_level: str = "info", log_format: str = "auto", nice: int = 19) -> None:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         self.sock = ours
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "station.runtime.kv_io_worker", str(theirs.fileno()),
-             log_level, log_format], pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL)
+             log_level, log_format, str(nice)], pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL)
         theirs.close()
         self._decoder = FrameDecoder(MAX_FRAME_BYTES)
         self._received: list[dict[str, Any]] = []

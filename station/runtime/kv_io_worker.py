@@ -1,4 +1,4 @@
-"""The disk tier's I/O process (``python -m station.runtime.kv_io_worker FD LEVEL FORMAT``).
+"""The disk tier's I/O process (``python -m station.runtime.kv_io_worker FD LEVEL FORMAT NICE``).
 
 The station starts it beside itself (``station.runtime.kv_io_process``) and it owns the
 tier's ``KVStore``: every file read, written, hashed, fsynced, evicted or quarantined is
@@ -232,9 +232,13 @@ class Worker:
 
 
 def main(argv: list[str]) -> int:
-    sock_fd, level, fmt = int(argv[1]), argv[2], argv[3]
+    sock_fd, level, fmt, nice = int(argv[1]), argv[2], argv[3], int(argv[4])
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, signal.SIG_IGN)
+    try:  # before any thread starts: they inherit it (never above the station's own)
+        os.setpriority(os.PRIO_PROCESS, 0, max(nice, os.getpriority(os.PRIO_PROCESS, 0)))
+    except OSError:  # not allowed here: run at the station's priority
+        pass
     configure_logging("kv-io", level, fmt)
     torch.set_num_threads(1)  # it copies and hashes; the station's decode owns the cores
     Worker(socket.socket(fileno=sock_fd)).run()

@@ -49,7 +49,7 @@ def open_tier(engine: Any, settings: Any, io: KVIOProcess | None = None) -> dict
     shape = engine.kv_cache.shape
     block_shape = (shape.num_layers, 2, shape.block_size, shape.num_kv_heads, shape.head_dim)
     try:
-        io = io or KVIOProcess(settings.log_level, settings.log_format)
+        io = io or KVIOProcess(settings.log_level, settings.log_format, settings.kv_io_nice)
         area, slots = tier_slots(engine, settings)
         records, stats = io.open(root, engine.loaded.fingerprint, shape.block_size, block_shape,
                                  str(shape.dtype), settings.kv_disk_bytes, area, _BUSY_WAIT_S)

@@ -46,6 +46,7 @@ FIGURES = [
     "decode tok/s of another stream while the writer is busy / idle",
     "A/A control: slowest / fastest idle decode round",
     "write-behind lag p99 under load (ms)",
+    "at kv_io_nice 0: decode busy / idle",
 ]
 
 

@@ -44,6 +44,8 @@ def test_station_disable_list():
         ({"THOTH_LIQUID_MEMORY": "maybe"}, "THOTH_LIQUID_MEMORY"),
         ({"GNOSIS_MODEL": "/nonexistent/model"}, "'model'"),
         ({"GNOSIS_DRAIN_GRACE_S": "-1"}, "'drain_grace_s'"),
+        ({"GNOSIS_KV_IO_NICE": "20"}, "'kv_io_nice'"),
+        ({"GNOSIS_KV_HOST_BYTES": "-1"}, "'kv_host_bytes'"),
     ],
 )
 def test_bad_values_name_the_setting(environ, needle):

@@ -5,6 +5,7 @@ serving, every request with the right output."""
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 
@@ -176,3 +177,10 @@ def test_kv_session_load_reads_a_disk_only_session_back(tiny, tmp_path):
         tokens = [call(t.engine, EngineCalls.decode_next, seq_id=held["seq_id"], temperature=0.0)["token_id"]
                   for _ in range(3)]
         assert tokens == reference(path, prompt, 3)
+
+
+def test_the_io_process_runs_at_kv_io_nice(tiny, tmp_path):
+    _, loaded = tiny
+    ours = os.getpriority(os.PRIO_PROCESS, 0)
+    with TierEngine(loaded, tmp_path / "state", 16, kv_io_nice=7) as t:
+        assert os.getpriority(os.PRIO_PROCESS, t.engine.tier.io.proc.pid) == max(7, ours)
