@@ -5,7 +5,7 @@ PY      := $(VENV)/bin/python
 STAMP   := $(VENV)/.installed
 PIP     := $(PY) -m pip --disable-pip-version-check -q
 
-.PHONY: run test bench soak clean
+.PHONY: run test bench profile soak clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -27,6 +27,10 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) -m bench $(ARGS)
+
+# Where a decode token's time goes on the default model (about two minutes): docs/engine.md
+profile: $(STAMP)
+	$(PY) -m bench.profile $(ARGS)
 
 # Reliability drill (loopback only, about two minutes): load + station/host faults, see docs/reliability.md
 soak: $(STAMP)

@@ -44,7 +44,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=5,
                         help="interleaved rounds per figure; the median of the rounds' ratios is reported")
     parser.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "docs" / "benchmarks.md"))
-    args = parser.parse_args(argv)
+    parser.add_argument("--profile", action="store_true",
+                        help="only print where a decode token's time goes (bench.profile)")
+    args, rest = parser.parse_known_args(argv)
+    if args.profile:
+        from bench.profile import main as profile_main
+
+        return profile_main([*rest, *(["--model", args.model] if args.model else [])])
+    if rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
 
     settings = load_settings(cli={"model": args.model})
     report = Report()
