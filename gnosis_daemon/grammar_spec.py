@@ -70,7 +70,12 @@ def check_grammar(value: Any) -> dict[str, Any]:
     for name in fields:
         if name not in value:
             raise GrammarSpecError(f"type {kind!r} needs {name!r}")
-    if len(canonical(value)) > MAX_GRAMMAR_CHARS:
+    try:
+        text = canonical(value)
+    except (TypeError, ValueError, RecursionError):  # bytes, NaN, odd keys, deep nesting
+        raise GrammarSpecError("must hold only JSON values (maps with string keys, lists, "
+                               "strings, finite numbers, booleans, null)") from None
+    if len(text) > MAX_GRAMMAR_CHARS:
         raise GrammarSpecError(f"is larger than {MAX_GRAMMAR_CHARS} characters as JSON")
     if kind == "json_schema":
         schema = value["schema"]
@@ -95,7 +100,8 @@ def check_grammar(value: Any) -> dict[str, Any]:
 
 def canonical(spec: Any) -> str:
     """The spec as JSON text with sorted keys: the compiled-grammar cache's key."""
-    return json.dumps(spec, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return json.dumps(spec, sort_keys=True, separators=(",", ":"), ensure_ascii=False,
+                      allow_nan=False)
 
 
 def schema_problem(schema: Any, path: str = "", depth: int = 0) -> str | None:

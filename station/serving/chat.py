@@ -72,7 +72,7 @@ def _tool_calls(calls: Any, where: str) -> list[dict[str, Any]]:
             raise bad(f"{where}.tool_calls[{j}].id must be a string")
         out.append({"id": call.get("id", ""), "type": "function",
                     "function": {"name": function["name"], "arguments": function["arguments"]}})
-    return out
+    return _json_only(out, f"{where}.tool_calls")
 
 
 def check_tools(value: Any) -> list[dict[str, Any]] | None:
@@ -87,11 +87,20 @@ def check_tools(value: Any) -> list[dict[str, Any]] | None:
         if not (isinstance(function, dict) and isinstance(function.get("name"), str)
                 and function["name"]):
             raise bad(f"tools[{i}] must be a map with 'function': {{'name': string, ...}}")
-    return list(value)
+    return list(_json_only(value, "argument 'tools'"))
 
 
 def json_chars(value: Any) -> int:
     return len(json.dumps(value, ensure_ascii=False)) if value else 0
+
+
+def _json_only(value: Any, what: str) -> Any:
+    """``value`` when JSON can hold it (a raw frame may carry bytes, NaN, odd keys)."""
+    try:
+        json.dumps(value, allow_nan=False)
+    except (TypeError, ValueError, RecursionError):
+        raise bad(f"{what} must hold only JSON values") from None
+    return value
 
 
 def messages_chars(messages: list[dict[str, Any]]) -> int:

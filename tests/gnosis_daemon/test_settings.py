@@ -29,6 +29,11 @@ def test_thoth_liquid_memory_alias():
     assert load_settings(environ={"THOTH_LIQUID_MEMORY": "1"}).liquid_memory is True
 
 
+def test_tool_parser_setting():
+    assert load_settings(environ={}).tool_parser == "auto"
+    assert load_settings(environ={"GNOSIS_TOOL_PARSER": "llama3"}).tool_parser == "llama3"
+
+
 def test_station_disable_list():
     s = load_settings(environ={"GNOSIS_STATION_DISABLE": "kv_session, decode_next,"})
     assert s.disabled_capabilities == frozenset({"kv_session", "decode_next"})
@@ -44,6 +49,7 @@ def test_station_disable_list():
         ({"THOTH_LIQUID_MEMORY": "maybe"}, "THOTH_LIQUID_MEMORY"),
         ({"GNOSIS_MODEL": "/nonexistent/model"}, "'model'"),
         ({"GNOSIS_DRAIN_GRACE_S": "-1"}, "'drain_grace_s'"),
+        ({"GNOSIS_TOOL_PARSER": "xml"}, "'tool_parser'"),
     ],
 )
 def test_bad_values_name_the_setting(environ, needle):
