@@ -54,6 +54,7 @@ async def complete(settings: Settings, link: StationLink, memory: LiquidMemory,
         raise errors.model_not_found(req.model)
     model = (link.hello or {}).get("model") or {}
     req, parser = with_tools(req, model)
+    check_grammar_support(req, link.capabilities)
     check_prompt_fits(req, model, link.max_frame_bytes)
     record.model = model_id
     fmt = formatting.Formatter(req.kind, model_id, req.include_usage)
@@ -116,6 +117,13 @@ def with_tools(req: openai_api.CompletionRequest,
         grammar = forced_grammar(parser, tools.forced_tools(), one=_max_calls(req) == 1)
         req = replace(req, station_args={**req.station_args, "grammar": grammar})
     return req, parser
+
+
+def check_grammar_support(req: openai_api.CompletionRequest, capabilities: dict[str, Any]) -> None:
+    """A grammar needs a station with ``structured_output`` (an older one would ignore it)."""
+    if "grammar" in req.station_args and not capabilities.get("structured_output"):
+        raise errors.unsupported(req.grammar_param or "response_format", "cannot be enforced "
+                                 "by this server's model station (it lacks structured_output).")
 
 
 def _max_calls(req: openai_api.CompletionRequest) -> int | None:

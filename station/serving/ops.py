@@ -344,6 +344,9 @@ def parse_generate(ctx: OpContext, args: dict[str, Any]) -> GenerateArgs | Token
             and Capability.KV_SESSION not in ctx.capabilities):
         raise bad("KV session arguments need capability kv_session, which this station does "
                   "not have")
+    if plan.grammar is not None and Capability.STRUCTURED_OUTPUT not in ctx.capabilities:
+        raise bad("argument 'grammar' needs capability structured_output, which this station "
+                  "does not have")
     if not plan.needs_encoding:
         assert plan.prompt_ids is not None
         return plan.finish(loaded, plan.prompt_ids)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from host.completions import with_tools
+from host.completions import check_grammar_support, with_tools
 from host.errors import ApiError
 from host.openai_api import parse_chat
 
@@ -167,3 +167,16 @@ def test_tool_calls_and_tool_results_reach_the_template():
 def test_bad_message_tool_fields_are_refused(message, param, code):
     error = refused({"messages": [message]})
     assert (error["param"], error["code"]) == (param, code)
+
+
+def test_a_grammar_needs_a_station_with_structured_output():
+    for body, param in [({"response_format": {"type": "json_object"}}, "response_format"),
+                        ({"tools": TOOLS, "tool_choice": "required"}, "tool_choice")]:
+        req, _ = with_tools(parse_chat({"messages": USER, **body}), HERMES)
+        check_grammar_support(req, {"generate": True, "structured_output": True})
+        with pytest.raises(ApiError) as info:
+            check_grammar_support(req, {"generate": True})
+        error = info.value.body()["error"]
+        assert (error["param"], error["code"]) == (param, "unsupported_value")
+    plain, _ = with_tools(parse_chat({"messages": USER, "tools": TOOLS}), HERMES)
+    check_grammar_support(plain, {"generate": True})  # auto needs no grammar
