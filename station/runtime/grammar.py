@@ -147,6 +147,7 @@ class SequenceGrammar:
 
 
 _batch: Any = None  # the engine thread's BatchGrammarMatcher
+_backend = "auto"  # xgrammar's kernel for the masked write; torch_native if auto fails
 
 
 def apply_masks(logits: torch.Tensor, rows: list[int], grammars: list[SequenceGrammar]) -> None:
@@ -159,7 +160,18 @@ def apply_masks(logits: torch.Tensor, rows: list[int], grammars: list[SequenceGr
     vocab = grammars[0].compiled.tokenizer_info.vocab_size
     bitmask = xgr.allocate_token_bitmask(logits.shape[0], vocab)
     _batch.batch_fill_next_token_bitmask([g.matcher_now() for g in grammars], bitmask, rows)
-    xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True),
-                                    vocab_size=min(vocab, logits.shape[-1]), indices=rows)
+    global _backend
+    mask = bitmask.to(logits.device, non_blocking=True)
+    width = min(vocab, logits.shape[-1])
+    try:
+        xgr.apply_token_bitmask_inplace(logits, mask, vocab_size=width, indices=rows,
+                                        backend=_backend)
+    except Exception:  # a device kernel that cannot run here (no triton...): plain torch ops
+        if _backend == "torch_native":
+            raise
+        log.warning("grammar_bitmask_kernel_unavailable", backend=_backend, exc_info=True)
+        _backend = "torch_native"
+        xgr.apply_token_bitmask_inplace(logits, mask, vocab_size=width, indices=rows,
+                                        backend=_backend)
     if logits.shape[-1] > vocab:  # logits past the tokenizer's ids are never grammatical
         logits[torch.tensor(rows, device=logits.device), vocab:] = float("-inf")

@@ -143,3 +143,21 @@ def test_a_grammar_the_engine_cannot_compile_is_bad_request(tiny, spec, words):
         grammars_for(loaded).compile(spec)
     assert info.value.code == ErrorCode.BAD_REQUEST
     assert "grammar" in info.value.message and words in info.value.message
+
+
+def test_the_plain_torch_fallback_masks_the_same_tokens(tiny, monkeypatch):
+    """Where xgrammar's device kernel cannot run, the engine falls back to plain torch ops:
+    the same output token for token."""
+    from station.runtime import grammar
+
+    _, loaded = tiny
+    spec = {"type": "json_schema", "schema": SCHEMA}
+    with engine_for(loaded) as engine:
+        kernel = submit(engine, loaded, "a", prompt_of(6, 8), 64, spec, temperature=1.0,
+                        seed=21).wait()
+    monkeypatch.setattr(grammar, "_backend", "torch_native")
+    with engine_for(loaded) as engine:
+        native = submit(engine, loaded, "b", prompt_of(6, 8), 64, spec, temperature=1.0,
+                        seed=21).wait()
+    assert native.tokens == kernel.tokens
+    check_instance(json.loads(text_of(loaded, native.tokens)))
