@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from host.completions import check_grammar_support, with_tools
+from gnosis_daemon.client import StationError
+from host.completions import check_grammar_support, station_error, with_tools
 from host.errors import ApiError
 from host.openai_api import parse_chat
 
@@ -180,3 +181,19 @@ def test_a_grammar_needs_a_station_with_structured_output():
         assert (error["param"], error["code"]) == (param, "unsupported_value")
     plain, _ = with_tools(parse_chat({"messages": USER, "tools": TOOLS}), HERMES)
     check_grammar_support(plain, {"generate": True})  # auto needs no grammar
+
+
+def test_a_grammar_or_tools_the_station_refuses_is_blamed_on_its_field():
+    fmt = parse_chat({"messages": USER, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "s", "schema": {"type": "string", "pattern": "(?<=a)b"}}}})
+    compile_error = StationError("bad_request", "argument 'grammar' cannot be compiled: lookbehind")
+    error = station_error(compile_error, fmt).body()["error"]
+    assert (error["param"], error["code"]) == ("response_format", "invalid_value")
+    assert "lookbehind" in error["message"]
+    forced, _ = with_tools(parse_chat({"messages": USER, "tools": TOOLS,
+                                       "tool_choice": "required"}), HERMES)
+    assert station_error(compile_error, forced).body()["error"]["param"] == "tool_choice"
+    tools_error = StationError("bad_request", "argument 'tools' holds special-token text")
+    assert station_error(tools_error, forced).body()["error"]["param"] == "tools"
+    other = StationError("bad_request", "chat template rejected the messages: roles")
+    assert station_error(other, fmt).body()["error"]["param"] == "messages"
