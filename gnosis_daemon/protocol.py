@@ -56,6 +56,8 @@ class Capability(enum.StrEnum):
     # generate's match_session: the station loads the tenant's saved session sharing the
     # longest prefix with the prompt (a feature of generate + kv_session, not an op)
     KV_SESSION_MATCH = "kv_session_match"
+    # generate's grammar (structured output, forced tool calls): a feature of generate
+    STRUCTURED_OUTPUT = "structured_output"
 
 
 # Ops that belong to a capability: a station without it answers unknown_op. The station

@@ -77,6 +77,9 @@ class Settings:
     tenant_salt: str = ""  # server-side secret mixed into prefix-cache keys
     max_waiting_requests: int = 256  # station: queued sequences; past it, generate gets capacity
     disable_capabilities: str = ""  # GNOSIS_STATION_DISABLE: stale-station drill
+    # Which parser reads tool calls out of the model's output: auto (from the chat
+    # template), hermes (<tool_call>), mistral ([TOOL_CALLS]), llama3 (JSON), none (no tools).
+    tool_parser: str = "auto"
     # -- liquid memory
     liquid_memory: bool = True  # THOTH_LIQUID_MEMORY
     kv_session_budget: int = 256  # sessions kept before LRU expiry
@@ -126,6 +129,8 @@ class Settings:
                "device", "auto, cpu, cuda or cuda:N")
         _check(self.dtype, self.dtype in {"auto", "float32", "bfloat16", "float16"}, "dtype",
                "one of auto, float32, bfloat16, float16")
+        _check(self.tool_parser, self.tool_parser in {"auto", "hermes", "mistral", "llama3", "none"},
+               "tool_parser", "one of auto, hermes, mistral, llama3, none")
         for name in ("max_model_len", "max_tokens_default", "max_frame_bytes", "kv_cache_bytes",
                      "kv_block_size", "max_batch_size", "prefill_chunk_tokens",
                      "kv_session_budget", "health_failures_before_kill", "max_fast_failures",

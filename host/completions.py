@@ -15,8 +15,10 @@ every tenant the station connection that an oversized frame would end.
 
 from __future__ import annotations
 
+import json
 import time
 from contextlib import AsyncExitStack
+from dataclasses import replace
 from typing import Any, AsyncIterator
 
 import trio
@@ -30,6 +32,7 @@ from host.liquid import LiquidOutcome
 from host.liquid_memory import LiquidMemory, Prepared
 from host.metrics import RequestRecord
 from host.station_link import StationLink
+from host.tool_calls import ToolCallParser, forced_grammar, parse_tool_calls
 
 
 def json_response(obj: dict[str, Any], status: int = 200,
@@ -49,7 +52,10 @@ async def complete(settings: Settings, link: StationLink, memory: LiquidMemory,
     assert model_id is not None
     if req.model is not None and req.model != model_id:
         raise errors.model_not_found(req.model)
-    check_prompt_fits(req, (link.hello or {}).get("model") or {}, link.max_frame_bytes)
+    model = (link.hello or {}).get("model") or {}
+    req, parser = with_tools(req, model)
+    check_grammar_support(req, link.capabilities)
+    check_prompt_fits(req, model, link.max_frame_bytes)
     record.model = model_id
     fmt = formatting.Formatter(req.kind, model_id, req.include_usage)
     if not req.stream:
@@ -57,7 +63,7 @@ async def complete(settings: Settings, link: StationLink, memory: LiquidMemory,
             with trio.fail_after(settings.request_timeout_s):
                 prepared, outcome, result = await _run(conn, memory, req, record, tenant)
         except StationError as exc:
-            raise errors.from_station(exc, req.prompt_param) from None
+            raise station_error(exc, req) from None
         except trio.TooSlowError:
             raise ApiError(504, f"The completion did not finish within "
                            f"{settings.request_timeout_s:g} s.", errors.SERVER_ERROR, None,
@@ -66,8 +72,12 @@ async def complete(settings: Settings, link: StationLink, memory: LiquidMemory,
         _note_result(record, result)
         usage = formatting.usage(result["prompt_tokens"], result["completion_tokens"],
                                  result.get("cached_tokens", 0))
-        return json_response(fmt.completion(result.get("text", ""), result["finish_reason"],
-                                            usage, _gnosis(outcome, result)),
+        text, reason, calls = result.get("text", ""), result["finish_reason"], None
+        if parser is not None:
+            content, found = parse_tool_calls(text, parser, _max_calls(req))
+            if found:  # else the content is the whole text
+                text, reason, calls = content, "tool_calls", [c.openai() for c in found]
+        return json_response(fmt.completion(text, reason, usage, _gnosis(outcome, result), calls),
                              headers=liquid.headers(outcome))
     stack = AsyncExitStack()
     record.closers.append(stack.aclose)
@@ -77,12 +87,58 @@ async def complete(settings: Settings, link: StationLink, memory: LiquidMemory,
             conn.open_stream("generate", prepared.args, rid=record.request_id))
         first = await _next(stream)
     except StationError as exc:
-        raise errors.from_station(exc, req.prompt_param) from None
+        raise station_error(exc, req) from None
     outcome = _outcome(memory, prepared, first, record)
-    body = _stream_body(stream, first, fmt, memory, prepared, outcome, record, req.prompt_param)
+    tool_parser = ToolCallParser(parser, _max_calls(req)) if parser is not None else None
+    body = _stream_body(stream, first, fmt, memory, prepared, outcome, record, req,
+                        tool_parser)
     response = Response(body, 200, {**sse.HEADERS, **liquid.headers(outcome)})
     response.timeout = None  # a generation may outlast RESPONSE_TIMEOUT (60 s)
     return response
+
+
+def with_tools(req: openai_api.CompletionRequest,
+               model: dict[str, Any]) -> tuple[openai_api.CompletionRequest, str | None]:
+    """A chat request with tools: (the request, with the grammar that forces a call for
+    ``tool_choice`` ``required`` or a named function; the family of the station's tool-call
+    parser). A station whose chat template does not render tools, or that names no parser
+    (``tool_parser``), cannot take them: 400 on ``tools``."""
+    tools = req.tools
+    if tools is None:
+        return req, None
+    parser = model.get("tool_parser")
+    if not model.get("chat_template_tools"):
+        raise errors.unsupported("tools", "cannot be used with the served model: its chat "
+                                 "template does not render tools.")
+    if parser not in ("hermes", "mistral", "llama3"):
+        raise errors.unsupported("tools", "cannot be used with the served model: no tool-call "
+                                 "parser is known for it (set the tool_parser setting).")
+    if tools.forced:
+        grammar = forced_grammar(parser, tools.forced_tools(), one=_max_calls(req) == 1)
+        req = replace(req, station_args={**req.station_args, "grammar": grammar})
+    return req, parser
+
+
+def check_grammar_support(req: openai_api.CompletionRequest, capabilities: dict[str, Any]) -> None:
+    """A grammar needs a station with ``structured_output`` (an older one would ignore it)."""
+    if "grammar" in req.station_args and not capabilities.get("structured_output"):
+        raise errors.unsupported(req.grammar_param or "response_format", "cannot be enforced "
+                                 "by this server's model station (it lacks structured_output).")
+
+
+def _max_calls(req: openai_api.CompletionRequest) -> int | None:
+    tools = req.tools
+    return 1 if tools is not None and (tools.named or not tools.parallel) else None
+
+
+def station_error(exc: StationError, req: openai_api.CompletionRequest) -> ApiError:
+    """A station error frame; a refused grammar or tools are blamed on their field."""
+    param = req.prompt_param
+    if exc.code == "bad_request" and "argument 'grammar'" in exc.message and req.grammar_param:
+        param = req.grammar_param
+    elif exc.code == "bad_request" and "'tools'" in exc.message:
+        param = "tools"
+    return errors.from_station(exc, param)
 
 
 def check_prompt_fits(req: openai_api.CompletionRequest, model: dict[str, Any],
@@ -123,6 +179,10 @@ def check_frame(req: openai_api.CompletionRequest, max_frame_bytes: int) -> None
     args = req.station_args
     texts = [m["content"] for m in args["messages"]] if "messages" in args else \
         [args.get("prompt", "")]
+    # Tools, tool calls and a grammar travel as JSON-like maps: measured as their JSON.
+    texts += [json.dumps(v) for v in (args.get("tools"), args.get("grammar"),
+                                      *(m.get("tool_calls") for m in args.get("messages") or ()))
+              if v]
     items = len(args.get("messages") or args.get("tokens") or ())
     prompt = openai_api.frame_estimate(texts, items, max_frame_bytes)
     stop = openai_api.frame_estimate(list(args.get("stop") or ()), 0, max_frame_bytes)
@@ -182,11 +242,22 @@ async def _run(conn: StationConnection, memory: LiquidMemory,
 async def _stream_body(stream: StationStream, first: dict[str, Any] | None,
                        fmt: formatting.Formatter, memory: LiquidMemory, prepared: Prepared,
                        outcome: LiquidOutcome, record: RequestRecord,
-                       prompt_param: str) -> AsyncIterator[bytes]:
+                       req: openai_api.CompletionRequest,
+                       tools: ToolCallParser | None) -> AsyncIterator[bytes]:
+    """``tools``: the parser of a request with tools; content is streamed as it is known
+    not to start a call, each call when it is complete."""
     role = fmt.role_chunk()
     if role is not None:
         yield sse.event(role)
     completion_tokens = 0
+
+    def chunks(text: str, calls: list) -> list[bytes]:
+        out = [sse.event(fmt.delta_chunk(text))] if text else []
+        for call in calls:
+            index = tools.calls.index(call) if tools is not None else 0
+            out += [sse.event(c) for c in fmt.tool_call_chunks(index, call.openai())]
+        return out
+
     try:
         event = first
         while event is not None:
@@ -196,20 +267,28 @@ async def _stream_body(stream: StationStream, first: dict[str, Any] | None,
                 completion_tokens += count
                 record.completion_tokens = completion_tokens
                 if event.get("text"):
-                    yield sse.event(fmt.delta_chunk(event["text"]))
+                    text, calls = (tools.feed(event["text"]) if tools is not None
+                                   else (event["text"], []))
+                    for chunk in chunks(text, calls):
+                        yield chunk
             event = await _next(stream)
     except StationError as exc:
         # Headers are gone: the error travels as an event, the way OpenAI streams report it.
         record.outcome = f"error:{exc.code}"
-        error = errors.for_client(errors.from_station(exc, prompt_param), record.request_id)
+        error = errors.for_client(station_error(exc, req), record.request_id)
         yield sse.event(error.body())
         return
+    reason = None
+    if tools is not None:
+        for chunk in chunks(*tools.finish()):
+            yield chunk
+        reason = "tool_calls" if tools.calls else None
     result = stream.result
     assert result is not None
     memory.on_result(prepared, result)
     _note_result(record, result)
     gnosis = _gnosis(outcome, result)
-    yield sse.event(fmt.finish_chunk(result["finish_reason"],
+    yield sse.event(fmt.finish_chunk(reason or result["finish_reason"],
                                      None if fmt.include_usage else gnosis))
     if fmt.include_usage:
         usage = formatting.usage(result["prompt_tokens"], result["completion_tokens"],

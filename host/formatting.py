@@ -32,11 +32,17 @@ class Formatter:
     def _envelope(self, obj: str) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
-    def completion(self, text: str, finish_reason: str, usage_: dict[str, Any],
-                   gnosis: dict[str, Any]) -> dict[str, Any]:
+    def completion(self, text: str | None, finish_reason: str, usage_: dict[str, Any],
+                   gnosis: dict[str, Any],
+                   tool_calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+        """``tool_calls`` (chat): the calls parsed from the output, ``text`` the content
+        before them (None when there is none)."""
         if self.kind == CHAT:
             out = self._envelope("chat.completion")
-            choice = {"index": 0, "message": {"role": "assistant", "content": text},
+            message: dict[str, Any] = {"role": "assistant", "content": text}
+            if tool_calls:
+                message["tool_calls"] = tool_calls
+            choice = {"index": 0, "message": message,
                       "logprobs": None, "finish_reason": finish_reason}
         else:
             out = self._envelope("text_completion")
@@ -66,6 +72,15 @@ class Formatter:
 
     def delta_chunk(self, text: str) -> dict[str, Any]:
         return self._chunk([self._choice(text, None)])
+
+    def tool_call_chunks(self, index: int, call: dict[str, Any]) -> list[dict[str, Any]]:
+        """A call streamed as OpenAI streams one: its id, type and name with empty
+        arguments, then the arguments."""
+        head = {"index": index, "id": call["id"], "type": "function",
+                "function": {"name": call["function"]["name"], "arguments": ""}}
+        args = {"index": index, "function": {"arguments": call["function"]["arguments"]}}
+        return [self._chunk([{"index": 0, "delta": {"tool_calls": [part]}, "logprobs": None,
+                              "finish_reason": None}]) for part in (head, args)]
 
     def finish_chunk(self, finish_reason: str, gnosis: dict[str, Any] | None) -> dict[str, Any]:
         out = self._chunk([self._choice("", finish_reason)])

@@ -32,7 +32,7 @@ from host.session_names import SaveIds, save_ids
 log = get_logger("host.liquid")
 
 # What makes the prompt: the generate arguments a save id digests.
-_PROMPT_ARGS = ("messages", "prompt", "tokens", "add_special_tokens")
+_PROMPT_ARGS = ("messages", "tools", "prompt", "tokens", "add_special_tokens")
 
 
 @dataclass(slots=True)

@@ -11,10 +11,11 @@ Field policy (docs/api.md lists every field):
 - the sampling controls (penalties, ``logit_bias``, vLLM's ``min_p``,
   ``repetition_penalty``, ``stop_token_ids``, ``min_tokens``) are checked in
   ``host.sampling_fields``;
-- fields OpenAI defines that would change the answer and are not implemented (``tools``,
-  ``response_format``, ``logprobs``...) are refused with ``unsupported_value`` naming the
-  field, unless the value equals the default (``tool_choice: "none"``,
-  ``response_format: {"type": "text"}``), which changes nothing;
+- ``tools``, ``tool_choice``, ``parallel_tool_calls``, ``response_format`` and the tool
+  fields of messages are checked in ``host.tool_fields``;
+- fields OpenAI defines that would change the answer and are not implemented
+  (``functions``, ``logprobs``...) are refused with ``unsupported_value`` naming the field,
+  unless the value equals the default, which changes nothing;
 - fields OpenAI defines that do not change the answer (``metadata``, ``store``,
   ``service_tier``...) are type-checked and have no effect;
 - any other field is refused the way OpenAI refuses it ("Unrecognized request argument"),
@@ -23,7 +24,8 @@ Field policy (docs/api.md lists every field):
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+from dataclasses import dataclass, replace
 from typing import Any
 
 from host import errors
@@ -33,7 +35,6 @@ from host.fields import (
     check_known,
     default_only,
     is_bool,
-    is_dict,
     is_int,
     is_list,
     is_str,
@@ -44,6 +45,7 @@ from host.fields import (
     typed,
 )
 from host.sampling_fields import sampling_controls
+from host.tool_fields import ToolRequest, message_tool_fields, response_format, tool_request
 
 CHAT = "chat"
 TEXT = "text"
@@ -90,6 +92,9 @@ class CompletionRequest:
     # Characters of prompt text (message contents, or the completion prompt): the host
     # refuses a prompt that cannot fit the context before the station tokenizes it.
     prompt_chars: int = 0
+    tools: ToolRequest | None = None  # tools to render and calls to parse (chat only)
+    # Where a grammar the station refuses is blamed (response_format / tool_choice).
+    grammar_param: str | None = None
 
     def __post_init__(self) -> None:
         assert self.kind in (CHAT, TEXT), self.kind
@@ -114,15 +119,21 @@ def parse_chat(body: Any) -> CompletionRequest:
         if body["logprobs"]:
             raise errors.unsupported("logprobs", "is not supported by this server.")
     default_only(body, "top_logprobs", is_int, "an integer", lambda v: v == 0)
-    default_only(body, "tools", is_list, "an array", lambda v: not v)
     default_only(body, "functions", is_list, "an array", lambda v: not v)
-    # Without tools (the only way here) "none" and "auto" both mean: answer in text.
-    default_only(body, "tool_choice", is_str_or_dict, "a string or an object",
-                  lambda v: v in ("none", "auto"))
+    # Without functions (the only way here) "none" and "auto" both mean: answer in text.
     default_only(body, "function_call", is_str_or_dict, "a string or an object",
                   lambda v: v in ("none", "auto"))
-    default_only(body, "response_format", is_dict, "an object",
-                  lambda v: v == {"type": "text"})
+    tools = tool_request(body)
+    grammar = response_format(body.get("response_format"))
+    grammar_param = "response_format" if grammar else None
+    if grammar and tools is not None:
+        raise errors.invalid_value("response_format", "cannot be combined with tools on this "
+                                   "server (send tool_choice 'none', or no tools).")
+    if grammar:
+        args["grammar"] = grammar
+    if tools is not None:
+        args["tools"] = tools.tools
+        grammar_param = "tool_choice" if tools.forced else None
     default_only(body, "modalities", is_list, "an array", lambda v: v == ["text"])
     for key in ("prediction", "audio", "web_search_options", "reasoning_effort", "verbosity"):
         if present(body, key):
@@ -130,14 +141,15 @@ def parse_chat(body: Any) -> CompletionRequest:
     # OpenAI fields that do not change the answer: checked, then without effect here.
     typed(body, "metadata", is_str_dict, "an object of strings")
     typed(body, "store", is_bool, "a boolean")
-    typed(body, "parallel_tool_calls", is_bool, "a boolean")
     typed(body, "service_tier", is_str, "a string")
     typed(body, "safety_identifier", is_str, "a string")
     max_tokens = bounded_int(body, "max_completion_tokens", 1, MAX_INT32)
     if max_tokens is None:
         max_tokens = bounded_int(body, "max_tokens", 1, MAX_INT32)
-    chars = sum(len(m["content"]) for m in args["messages"])
-    return _finish(CHAT, body, args, max_tokens, "messages", chars)
+    chars = sum(len(m["content"]) + len(json.dumps(m.get("tool_calls") or "")) for m in
+                args["messages"]) + (len(json.dumps(tools.tools)) if tools else 0)
+    req = _finish(CHAT, body, args, max_tokens, "messages", chars)
+    return replace(req, tools=tools, grammar_param=grammar_param)
 
 
 def parse_completion(body: Any) -> CompletionRequest:
@@ -221,7 +233,7 @@ def _finish(kind: str, body: dict[str, Any], args: dict[str, Any], max_tokens: i
                              prompt_chars)
 
 
-def _message(message: Any, where: str) -> dict[str, str]:
+def _message(message: Any, where: str) -> dict[str, Any]:
     if not isinstance(message, dict):
         raise errors.invalid_type(where, "an object", message)
     check_known(message, MESSAGE_FIELDS, f"{where}.")
@@ -232,12 +244,11 @@ def _message(message: Any, where: str) -> dict[str, str]:
         raise errors.invalid_value(f"{where}.role", f"value must be one of "
                                    f"{', '.join(repr(r) for r in ROLES)}, but got {role!r}.")
     # Each of these would change what the model reads; the chat template here gets only
-    # role and content, so they are refused rather than dropped.
+    # role, content and the tool fields, so they are refused rather than dropped.
     for key in ("name", "function_call", "refusal", "audio"):
         if present(message, key):
             raise errors.unsupported(f"{where}.{key}", "is not supported by this server.")
-    default_only(message, "tool_calls", is_list, "an array", lambda v: not v, f"{where}.")
-    typed(message, "tool_call_id", is_str, "a string", f"{where}.")
+    tool_fields = message_tool_fields(message, role, where)
     content = message.get("content")
     if content is None and role == "assistant":
         content = ""  # an assistant turn without content (OpenAI allows null there)
@@ -250,7 +261,7 @@ def _message(message: Any, where: str) -> dict[str, str]:
         raise errors.invalid_type(f"{where}.content", "a string or an array of text parts",
                                   content)
     # Chat templates know system/user/assistant/tool; OpenAI's "developer" is the system role.
-    return {"role": "system" if role == "developer" else role, "content": content}
+    return {"role": "system" if role == "developer" else role, "content": content, **tool_fields}
 
 
 def _text_part(part: Any, where: str) -> str:

@@ -95,6 +95,9 @@ class GenerationRequest:
     match_session: bool = False  # no load_session: load the tenant's longest saved prefix
     save_session: str | None = None
     save_final_session: str | None = None  # pin prompt+completion KV when it ends
+    # Structured output: an xgrammar CompiledGrammar (opaque here, see
+    # station.runtime.grammar); None: unconstrained.
+    grammar: Any = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -154,7 +154,7 @@ class PagedEngine:
             request.request_id, prompt, params,
             extra_keys=self.kv.extra_keys(request.tenant), tenant=request.tenant,
             load_session=request.load_session, match_session=request.match_session,
-            sampling=SequenceSampling(params, prompt, stop_ids, self.device),
+            sampling=SequenceSampling(params, prompt, stop_ids, self.device, request.grammar),
             user=RequestState(on_event, frozenset(stop_ids), save_session=request.save_session,
                          save_final_session=request.save_final_session),
         )
@@ -348,7 +348,7 @@ class PagedEngine:
                 saved=saved, save_error=save_error))
         seq.token_ids.append(token)
         self._emit(seq, Token(seq.seq_id, token))
-        if token in client.stop_ids:
+        if token in client.stop_ids or seq.sampling.finished:  # eos, or the grammar's end
             reason = "stop"
         elif (seq.num_completion_tokens >= seq.params.max_tokens
               or seq.num_tokens >= self.max_model_len):

@@ -7,7 +7,8 @@ tensor on the device, updated after each step, never recomputed) and the mask of
 prompt's tokens (for ``repetition_penalty``, built at its first step).
 
 ``sample_sequences`` samples one token for each row of a step (vLLM's order): logit bias and
-``min_tokens`` masking, then the penalties, then ``station.runtime.sampling.sample``
+``min_tokens`` masking, then the penalties, then the grammar's token bitmask (structured
+output, ``station.runtime.grammar``), then ``station.runtime.sampling.sample``
 (temperature, min-p, top-k, top-p, the draw). Each stage is a few tensor ops over the rows
 that use it; rows that use none are not copied and keep the cheap path (a greedy row is
 exactly the argmax of its raw logits).
@@ -20,28 +21,32 @@ from typing import Iterable, Sequence
 import torch
 
 from station.core.requests import SamplingParams
+from station.runtime.grammar import SequenceGrammar, apply_masks
 from station.runtime.sampling import make_generator, sample
 
 
 class SequenceSampling:
     """One generate sequence's sampling state (see the module docstring). ``stop_ids``: the
     ids that end it (eos unless ``ignore_eos``, ``stop_token_ids``), masked by
-    ``min_tokens``. Made on the server's thread, so it makes no tensor there: each is built
-    on the engine thread at the sequence's first step."""
+    ``min_tokens``; ``grammar``: the compiled grammar of structured output
+    (``station.runtime.grammar``), which then decides where the output ends (``min_tokens``
+    does not hold its stop tokens back). Made on the server's thread, so it makes no tensor
+    there: each is built on the engine thread at the sequence's first step."""
 
     __slots__ = ("params", "generator", "num_generated", "counts", "_device", "_prompt",
-                 "_prompt_seen", "_stops", "_stop_tensor", "_bias")
+                 "_prompt_seen", "_stops", "_stop_tensor", "_bias", "grammar")
 
     def __init__(self, params: SamplingParams, prompt_ids: Sequence[int], stop_ids: Iterable[int],
-                 device: torch.device | str = "cpu") -> None:
+                 device: torch.device | str = "cpu", grammar: object = None) -> None:
         self.params = params
+        self.grammar = SequenceGrammar(grammar) if grammar is not None else None
         self._device = torch.device(device)
         self.generator = make_generator(params.seed, self._device)
         self.num_generated = 0
         self.counts: torch.Tensor | None = None  # [V] int32 completion token counts
         self._prompt = list(prompt_ids) if params.repetition_penalty != 1.0 else []
         self._prompt_seen: torch.Tensor | None = None  # [V] bool
-        self._stops = sorted(set(stop_ids)) if params.min_tokens else []
+        self._stops = sorted(set(stop_ids)) if params.min_tokens and grammar is None else []
         self._stop_tensor: torch.Tensor | None = None
         self._bias: tuple[torch.Tensor, torch.Tensor] | None = None
 
@@ -49,8 +54,14 @@ class SequenceSampling:
     def masks_stops(self) -> bool:
         return bool(self._stops) and self.num_generated < self.params.min_tokens
 
+    @property
+    def finished(self) -> bool:
+        """The grammar is complete (its stop token accepted): the sequence ends (stop)."""
+        return self.grammar is not None and self.grammar.terminated
+
     def touches_logits(self) -> bool:
-        return bool(self.params.logit_bias) or self.params.penalized or self.masks_stops
+        return (bool(self.params.logit_bias) or self.params.penalized or self.masks_stops
+                or self.grammar is not None)
 
     def bias(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(token ids, biases) of ``logit_bias``."""
@@ -130,6 +141,9 @@ def sample_sequences(logits: torch.Tensor, states: Sequence[SequenceSampling]) -
             at = torch.tensor([where[i] for i in pen_rows], device=logits.device)
             penalized, counts = _penalize(sub.index_select(0, at), [states[i] for i in pen_rows])
             sub = sub.index_copy(0, at, penalized)
+        grammar_rows = [j for j, i in enumerate(touched) if states[i].grammar is not None]
+        if grammar_rows:  # last, so nothing above can bring back a forbidden token
+            apply_masks(sub, grammar_rows, [states[touched[j]].grammar for j in grammar_rows])
         logits = logits.float().index_copy(0, index, sub)
     tokens = sample(logits, [s.params for s in states], [s.generator for s in states])
     if counts is not None:  # count the new tokens: one batched add, rows stay views
@@ -137,6 +151,11 @@ def sample_sequences(logits: torch.Tensor, states: Sequence[SequenceSampling]) -
         counts[torch.arange(len(pen_rows), device=counts.device), picked.to(counts.device)] += 1
         for i, row in zip(pen_rows, counts.unbind(0)):
             states[i].counts = row
+    grammar_states = [(s.grammar, i) for i, s in enumerate(states) if s.grammar is not None]
+    if grammar_states:
+        picked_list = tokens.tolist()
+        for grammar, i in grammar_states:
+            grammar.accept(picked_list[i])
     for state in states:
         state.num_generated += 1
     return tokens

@@ -62,6 +62,7 @@ class LoadedModel:
     # this tokenizer); see ``max_token_chars``.
     max_token_chars: int | None = None
     codec: Any = None  # station.runtime.tokenizing.Codec over ``tokenizer``
+    grammars: Any = None  # station.runtime.grammar.Grammars, made at first use
 
 
 def default_model_path() -> Path:

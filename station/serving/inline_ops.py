@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 import gnosis_daemon
 from gnosis_daemon.protocol import PROTOCOL_VERSION, ErrorCode
 from station.runtime.kv_tier_start import tier_report
+from station.serving.chat import tool_format
 from station.serving.connection import Connection
 from station.serving.ops import OpContext, bad
 
@@ -30,6 +31,7 @@ def hello(server: StationServer, conn: Connection, args: None) -> dict[str, Any]
                   "max_model_len": loaded.max_model_len, "vocab_size": loaded.vocab_size,
                   "eos_token_ids": list(loaded.eos_token_ids),
                   "max_token_chars": loaded.max_token_chars,
+                  **tool_format(loaded, server.settings.tool_parser),
                   "device": str(loaded.device), "dtype": str(loaded.dtype).removeprefix("torch.")},
         "capabilities": dict(server.capabilities),
         "kv_pool": {"block_size": int(server.engine.block_size),

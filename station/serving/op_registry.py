@@ -47,6 +47,7 @@ Parser = Callable[[OpContext, dict[str, Any]], Any]
 # feature flag -> the op flags it needs (all advertised, or the feature is not)
 FEATURES: dict[str, tuple[str, ...]] = {
     Capability.KV_SESSION_MATCH: (Capability.GENERATE, Capability.KV_SESSION),
+    Capability.STRUCTURED_OUTPUT: (Capability.GENERATE,),
 }
 
 

@@ -25,9 +25,11 @@ from typing import Any, Callable, Protocol
 
 from gnosis_daemon.protocol import Capability, ErrorCode, OpError
 from gnosis_daemon.settings import Settings
+from gnosis_daemon.grammar_spec import GrammarSpecError, check_grammar
 from station.core.requests import MAX_LOGIT_BIAS, SamplingParams
 from station.runtime.model_loader import LoadedModel
-from station.runtime.tokenizing import Codec
+from station.serving.chat import (check_messages, check_tools, codec, json_chars, messages_chars,
+                                  render_chat)
 
 _MISSING = object()
 # The range of a seed: an int64 or a uint64 (what msgpack carries); the generator takes
@@ -143,16 +145,6 @@ def logit_bias_arg(loaded: LoadedModel, args: dict[str, Any]) -> tuple[tuple[int
     return tuple(pairs)
 
 
-def check_messages(value: Any) -> list[dict[str, str]]:
-    if not isinstance(value, list) or not value:
-        raise bad("argument 'messages' must be a non-empty list of {role, content} maps")
-    for i, message in enumerate(value):
-        if not (isinstance(message, dict) and isinstance(message.get("role"), str)
-                and isinstance(message.get("content"), str)):
-            raise bad(f"messages[{i}] must be a map with string 'role' and 'content'")
-    return [{"role": m["role"], "content": m["content"]} for m in value]
-
-
 # -- the size bound (trio thread: lengths only)
 def text_char_limit(loaded: LoadedModel) -> int | None:
     """Characters beyond which no text fits ``max_model_len`` tokens (None: no bound known)."""
@@ -170,40 +162,6 @@ def check_text_size(loaded: LoadedModel, chars: int, what: str) -> None:
                       f"{loaded.max_model_len}-token context ({limit} characters at most)")
 
 
-def messages_chars(messages: list[dict[str, str]]) -> int:
-    return sum(len(m["role"]) + len(m["content"]) for m in messages)
-
-
-# -- tokenizer work (worker thread)
-def codec(loaded: LoadedModel) -> Codec:
-    if loaded.codec is None:
-        loaded.codec = Codec(loaded.tokenizer)
-    return loaded.codec
-
-
-def render_chat(loaded: LoadedModel, messages: list[dict[str, str]],
-                add_generation_prompt: bool) -> list[int]:
-    """Chat template -> token ids. The template writes every control token it wants, so
-    nothing is added; special-token text inside a content is encoded as text
-    (``station.runtime.tokenizing``). A role must not hold special-token text at all."""
-    tokenizer = loaded.tokenizer
-    if not getattr(tokenizer, "chat_template", None):
-        raise bad(f"model {loaded.served_id!r} has no chat template; send 'prompt' or 'tokens'")
-    text_codec = codec(loaded)
-    for i, message in enumerate(messages):
-        if text_codec.has_special_text(message["role"]):
-            raise bad(f"messages[{i}].role holds special-token text")
-
-    def render(msgs: list[dict[str, Any]]) -> str:
-        try:
-            return tokenizer.apply_chat_template(msgs, tokenize=False,
-                                                 add_generation_prompt=add_generation_prompt)
-        except Exception as exc:  # jinja raises its own error types for bad roles/orders
-            raise bad(f"chat template rejected the messages: {exc}") from None
-
-    return text_codec.encode_chat(messages, render)
-
-
 def parse_tokenize(ctx: OpContext, args: dict[str, Any]) -> dict[str, Any]:
     """Check a ``tokenize`` (sizes included); ``tokenize`` does the work."""
     has_text, has_messages = "text" in args, "messages" in args
@@ -212,8 +170,9 @@ def parse_tokenize(ctx: OpContext, args: dict[str, Any]) -> dict[str, Any]:
     if has_messages:
         messages = check_messages(args["messages"])
         add_gen = arg(args, "add_generation_prompt", bool, True)
-        check_text_size(ctx.loaded, messages_chars(messages), "messages")
-        return {"messages": messages, "add_generation_prompt": add_gen}
+        tools = check_tools(args.get("tools"))
+        check_text_size(ctx.loaded, messages_chars(messages) + json_chars(tools), "messages")
+        return {"messages": messages, "add_generation_prompt": add_gen, "tools": tools}
     text = arg(args, "text", str)
     add_special = arg(args, "add_special_tokens", bool, False)
     check_text_size(ctx.loaded, len(text), "text")
@@ -223,7 +182,7 @@ def parse_tokenize(ctx: OpContext, args: dict[str, Any]) -> dict[str, Any]:
 def tokenize(loaded: LoadedModel, checked: dict[str, Any]) -> dict[str, Any]:
     if "messages" in checked:
         return {"tokens": render_chat(loaded, checked["messages"],
-                                      checked["add_generation_prompt"])}
+                                      checked["add_generation_prompt"], checked.get("tools"))}
     return {"tokens": codec(loaded).encode(checked["text"], checked["add_special_tokens"])}
 
 
@@ -246,6 +205,7 @@ class GenerateArgs:
     match_session: bool
     save_session: str | None
     save_final_session: str | None = None
+    grammar: Any = None  # an xgrammar CompiledGrammar (station.runtime.grammar)
 
 
 @dataclass(frozen=True, slots=True)
@@ -265,16 +225,19 @@ class GeneratePlan:
     match_session: bool
     save_session: str | None
     save_final_session: str | None
+    tools: list[dict[str, Any]] | None = None
+    grammar: dict[str, Any] | None = None  # checked (gnosis_daemon.grammar_spec), not compiled
 
     @property
     def needs_encoding(self) -> bool:
-        return self.prompt_ids is None
+        """Work for a worker thread: a prompt to encode, or a grammar to compile."""
+        return self.prompt_ids is None or self.grammar is not None
 
     def encode(self, loaded: LoadedModel) -> list[int]:
         if self.prompt_ids is not None:
             return self.prompt_ids
         if self.messages is not None:
-            return render_chat(loaded, self.messages, True)
+            return render_chat(loaded, self.messages, True, self.tools)
         assert self.prompt is not None
         return codec(loaded).encode(self.prompt, self.add_special_tokens)
 
@@ -282,11 +245,17 @@ class GeneratePlan:
         # max_tokens is capped by the context left; whether the prompt fits at all is the
         # engine's one check (SequenceLimits), with the same codes for every op.
         room = max(1, loaded.max_model_len - len(prompt_ids))
+        grammar = None
+        if self.grammar is not None:  # a worker thread: compiling takes time
+            from station.runtime.grammar import grammars_for
+
+            grammar = grammars_for(loaded).compile(self.grammar)
         return GenerateArgs(
             prompt_ids=prompt_ids, params=replace(self.params, max_tokens=min(self.max_tokens, room)),
             stop=self.stop, tenant=self.tenant, load_session=self.load_session,
             match_session=self.match_session,
-            save_session=self.save_session, save_final_session=self.save_final_session)
+            save_session=self.save_session, save_final_session=self.save_final_session,
+            grammar=grammar)
 
 
 def plan_generate(loaded: LoadedModel, settings: Settings, args: dict[str, Any]) -> GeneratePlan:
@@ -294,7 +263,7 @@ def plan_generate(loaded: LoadedModel, settings: Settings, args: dict[str, Any])
     sources = [k for k in ("tokens", "prompt", "messages") if k in args]
     if len(sources) != 1:
         raise bad("generate takes exactly one of 'tokens', 'prompt' or 'messages'")
-    prompt_ids = prompt = messages = None
+    prompt_ids = prompt = messages = tools = None
     add_special = True
     if sources[0] == "tokens":
         prompt_ids = token_list(loaded, args, "tokens")
@@ -304,7 +273,10 @@ def plan_generate(loaded: LoadedModel, settings: Settings, args: dict[str, Any])
         check_text_size(loaded, len(prompt), "prompt")
     else:
         messages = check_messages(args["messages"])
-        check_text_size(loaded, messages_chars(messages), "messages")
+        tools = check_tools(args.get("tools"))
+        check_text_size(loaded, messages_chars(messages) + json_chars(tools), "messages")
+    if args.get("tools") is not None and messages is None:
+        raise bad("argument 'tools' needs 'messages' (the chat template renders them)")
     max_tokens = arg(args, "max_tokens", int, settings.max_tokens_default)
     if max_tokens < 1:
         raise bad("argument 'max_tokens' must be at least 1")
@@ -349,18 +321,34 @@ def plan_generate(loaded: LoadedModel, settings: Settings, args: dict[str, Any])
         match_session=arg(args, "match_session", bool, False),
         save_session=arg(args, "save_session", str, None, nullable=True),
         save_final_session=arg(args, "save_final_session", str, None, nullable=True),
+        tools=tools, grammar=grammar_arg(args),
     )
 
 
+def grammar_arg(args: dict[str, Any]) -> dict[str, Any] | None:
+    """``grammar``: None, or a spec ``gnosis_daemon.grammar_spec.check_grammar`` accepts."""
+    if args.get("grammar") is None:
+        return None
+    try:
+        return check_grammar(args["grammar"])
+    except GrammarSpecError as exc:
+        raise bad(f"argument 'grammar' {exc}") from None
+
+
 def parse_generate(ctx: OpContext, args: dict[str, Any]) -> GenerateArgs | Tokenizing:
-    """``plan_generate``; a prompt given as text is encoded on a worker thread."""
+    """``plan_generate``; a prompt given as text is encoded, a grammar compiled, on a
+    worker thread."""
     loaded = ctx.loaded
     plan = plan_generate(loaded, ctx.settings, args)
     if ((plan.load_session or plan.match_session or plan.save_session or plan.save_final_session)
             and Capability.KV_SESSION not in ctx.capabilities):
         raise bad("KV session arguments need capability kv_session, which this station does "
                   "not have")
+    if plan.grammar is not None and Capability.STRUCTURED_OUTPUT not in ctx.capabilities:
+        raise bad("argument 'grammar' needs capability structured_output, which this station "
+                  "does not have")
     if not plan.needs_encoding:
         assert plan.prompt_ids is not None
         return plan.finish(loaded, plan.prompt_ids)
+    # The prompt's encoding and the grammar's compiling run on a worker thread.
     return Tokenizing(lambda: plan.finish(loaded, plan.encode(loaded)))

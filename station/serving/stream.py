@@ -69,7 +69,7 @@ class GenerateStream:
         return GenerationRequest(self.engine_id, gen.prompt_ids, gen.params, tenant=gen.tenant,
                                  load_session=gen.load_session, match_session=gen.match_session,
                                  save_session=gen.save_session,
-                                 save_final_session=gen.save_final_session)
+                                 save_final_session=gen.save_final_session, grammar=gen.grammar)
 
     def on_event(self, event: EngineEvent) -> None:
         """Engine thread: hand the event to trio (never blocks)."""

@@ -36,7 +36,7 @@ ARG_NAMES = ("tokens", "prompt", "messages", "text", "texts", "max_tokens", "tem
              "save_session", "save_final_session", "add_special_tokens", "add_generation_prompt",
              "skip_special_tokens", "target", "session_id", "prefix_len", "seq_id", "release",
              "include_tokens", "role", "content", "min_p", "presence_penalty", "frequency_penalty",
-             "repetition_penalty", "logit_bias", "min_tokens")
+             "repetition_penalty", "logit_bias", "min_tokens", "grammar", "tools")
 INT_EDGES = (0, 1, -1, 258, 259, 2**31, 2**32, 2**53 + 1, 2**63 - 1, 2**63, 2**64 - 1, -2**63)
 FLOAT_EDGES = (math.nan, math.inf, -math.inf, -0.0, 1e308, 5e-324, 1e-300)
 
@@ -77,6 +77,21 @@ def _plausible(name: str) -> st.SearchStrategy[Any]:
     if name == "logit_bias":
         return st.dictionaries(st.one_of(st.integers(-1, 300), st.text(max_size=4)),
                                st.one_of(st.floats(-101, 101), ints()), max_size=4)
+    if name == "grammar":
+        return st.one_of(
+            st.sampled_from(({"type": "json_object"}, {"type": "regex", "regex": "[ab]{1,3}"},
+                             {"type": "ebnf", "ebnf": "root ::= ("}, {"type": "json_schema"})),
+            st.fixed_dictionaries({"type": st.sampled_from(("json_schema", "structural_tag")),
+                                   "schema": VALUES, "structural_tag": VALUES}),
+            st.builds(lambda schema: {"type": "json_schema", "schema": schema},
+                      st.dictionaries(st.sampled_from(("type", "enum", "not", "items", "$ref",
+                                                       "properties", "format")), VALUES,
+                                      max_size=3)))
+    if name == "tools":
+        return st.lists(st.one_of(VALUES, st.builds(
+            lambda name, params: {"type": "function",
+                                  "function": {"name": name, "parameters": params}},
+            st.text(max_size=6), VALUES)), max_size=2)
     if name in ("max_tokens", "top_k", "prefix_len", "target", "seed", "min_tokens"):
         return st.one_of(st.integers(-1, 8), ints())
     if name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",

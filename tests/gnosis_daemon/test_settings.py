@@ -29,6 +29,11 @@ def test_thoth_liquid_memory_alias():
     assert load_settings(environ={"THOTH_LIQUID_MEMORY": "1"}).liquid_memory is True
 
 
+def test_tool_parser_setting():
+    assert load_settings(environ={}).tool_parser == "auto"
+    assert load_settings(environ={"GNOSIS_TOOL_PARSER": "llama3"}).tool_parser == "llama3"
+
+
 def test_station_disable_list():
     s = load_settings(environ={"GNOSIS_STATION_DISABLE": "kv_session, decode_next,"})
     assert s.disabled_capabilities == frozenset({"kv_session", "decode_next"})
@@ -46,6 +51,7 @@ def test_station_disable_list():
         ({"GNOSIS_DRAIN_GRACE_S": "-1"}, "'drain_grace_s'"),
         ({"GNOSIS_KV_IO_NICE": "20"}, "'kv_io_nice'"),
         ({"GNOSIS_KV_HOST_BYTES": "-1"}, "'kv_host_bytes'"),
+        ({"GNOSIS_TOOL_PARSER": "xml"}, "'tool_parser'"),
     ],
 )
 def test_bad_values_name_the_setting(environ, needle):

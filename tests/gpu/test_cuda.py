@@ -106,3 +106,38 @@ def test_sampling_controls_on_cuda_tensors():
     first = [sample_sequences(logits[2:3].cuda(), alone[2:3]).tolist() for _ in range(6)]
     mixed = [sample_sequences(logits.cuda(), crowd).tolist()[2:3] for _ in range(6)]
     assert first == mixed
+
+
+def test_grammar_rows_masked_on_cuda_match_the_cpu():
+    """Structured output with the logits on the GPU: the bitmask is copied to the device
+    and applied there; a greedy grammar row picks what the CPU picks, the greedy row beside
+    it is untouched, and the output is the grammar's."""
+    import json
+
+    from station.runtime.grammar import Grammars
+    from station.runtime.logits_processing import SequenceSampling, sample_sequences
+    from tests.support.tiny_models import build_tokenizer
+
+    tokenizer = build_tokenizer()
+    grammars = Grammars(tokenizer, 259, [258])
+    compiled = grammars.compile({"type": "json_schema", "schema": {
+        "type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+        "additionalProperties": False}})
+    generator = torch.Generator().manual_seed(0)
+
+    def states(device):
+        params = SamplingParams(max_tokens=40, temperature=0.0)
+        return [SequenceSampling(params, [1], [258], device, compiled),
+                SequenceSampling(params, [1], [258], device)]
+
+    cpu, gpu = states("cpu"), states("cuda")
+    out = []
+    for _ in range(40):
+        logits = torch.randn(2, 259, generator=generator) * 3
+        expected = sample_sequences(logits, cpu).tolist()
+        assert sample_sequences(logits.cuda(), gpu).tolist() == expected
+        assert expected[1] == int(logits[1].argmax())
+        out.append(expected[0])
+        if gpu[0].finished:
+            break
+    assert out[-1] == 258 and json.loads(tokenizer.decode(out[:-1]))["ok"] in (True, False)

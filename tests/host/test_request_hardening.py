@@ -158,13 +158,8 @@ def test_seed_takes_the_whole_int64_range_and_top_k_is_passed_on():
     assert "top_k" not in parse_chat({"messages": USER, "top_k": 0}).station_args
 
 
-TOOL = {"type": "function", "function": {"name": "f", "parameters": {}}}
 UNSUPPORTED_CHAT = [
-    ("tools", [TOOL]), ("tool_choice", "required"),
-    ("tool_choice", {"type": "function", "function": {"name": "f"}}),
     ("functions", [{"name": "f", "parameters": {}}]), ("function_call", {"name": "f"}),
-    ("response_format", {"type": "json_object"}),
-    ("response_format", {"type": "json_schema", "json_schema": {"name": "s", "schema": {}}}),
     ("top_logprobs", 2),
     ("logprobs", True), ("n", 2), ("prediction", {"type": "content", "content": "x"}),
     ("audio", {"voice": "alloy", "format": "wav"}), ("modalities", ["text", "audio"]),
@@ -188,9 +183,6 @@ def test_completion_fields_that_would_change_the_answer_are_refused(field, value
 
 @pytest.mark.parametrize("message, param", [
     ({"role": "user", "content": "x", "name": "alice"}, "messages[0].name"),
-    ({"role": "assistant", "content": None, "tool_calls": [
-        {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
-     "messages[0].tool_calls"),
     ({"role": "assistant", "content": None, "function_call": {"name": "f"}},
      "messages[0].function_call"),
     ({"role": "assistant", "content": "", "refusal": "no"}, "messages[0].refusal"),

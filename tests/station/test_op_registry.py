@@ -21,10 +21,12 @@ from station.serving.server import StationServer
 pytestmark = pytest.mark.usefixtures("few_threads")
 
 # What hello advertises today: the op flags, the paged engine's feature flags, then the
-# features of ops (kv_session_match: generate's match_session over kv_session's sessions).
-# These engines run without a disk tier, so kv_persistence and kv_disk_tier are absent.
+# features of ops (kv_session_match: generate's match_session over kv_session's sessions;
+# structured_output: generate's grammar). These engines run without a disk tier, so
+# kv_persistence and kv_disk_tier are absent.
 STATION_FLAGS = {"generate", "kv_session", "forward", "decode_next", "embed",
-                 "paged_kv", "prefix_cache", "continuous_batching", "kv_session_match"}
+                 "paged_kv", "prefix_cache", "continuous_batching", "kv_session_match",
+                 "structured_output"}
 
 
 def _parse_text(ctx: ops.OpContext, args: dict[str, Any]) -> str:

@@ -67,11 +67,13 @@ async def test_hello_fields(station, tiny_dir):
     assert model["eos_token_ids"] == [258]
     assert model["max_token_chars"] == len("<|endoftext|>")  # the longest token's string
     assert (model["device"], model["dtype"]) == ("cpu", "float32")
+    # ChatML without tools: no tools, no parser (the host refuses tools for this model)
+    assert (model["chat_template_tools"], model["tool_parser"]) == (False, None)
     caps = hello["capabilities"]
     assert caps["generate"] is True and set(caps.values()) == {True}  # absent, never false
     assert set(caps) == {"generate", "forward", "decode_next", "embed", "kv_session", "paged_kv",
                          "prefix_cache", "continuous_batching", "kv_persistence", "kv_session_match",
-                         "kv_disk_tier"}
+                         "kv_disk_tier", "structured_output"}
     assert hello["kv_pool"]["blocks_total"] > 0
     assert hello["kv_pool"]["block_size"] == 16
 

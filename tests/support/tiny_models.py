@@ -16,11 +16,35 @@ CHATML_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
+# A Hermes/Qwen2.5-style template that renders tools and tool calls (the form Qwen2 and the
+# SmolLM family use): tools in <tools></tools>, calls in <tool_call></tool_call>.
+TOOLS_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\n"
+    "{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] }}\n\n{% endif %}"
+    "# Tools\n\nYou are provided with function signatures within <tools></tools> XML tags:\n"
+    "<tools>{% for tool in tools %}\n{{ tool | tojson }}{% endfor %}\n</tools>\n\n"
+    "For each function call, return a json object with function name and arguments within "
+    "<tool_call></tool_call> XML tags:\n<tool_call>\n"
+    "{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call><|im_end|>\n"
+    "{% elif messages[0]['role'] == 'system' %}"
+    "<|im_start|>system\n{{ messages[0]['content'] }}<|im_end|>\n{% endif %}"
+    "{% for message in messages %}"
+    "{% if message['role'] == 'system' and loop.first %}"
+    "{% elif message['role'] == 'assistant' %}<|im_start|>assistant\n{{ message['content'] }}"
+    "{% for call in message.get('tool_calls') or [] %}\n<tool_call>\n"
+    "{\"name\": \"{{ call['function']['name'] }}\", \"arguments\": "
+    "{{ call['function']['arguments'] | tojson }}}\n</tool_call>{% endfor %}<|im_end|>\n"
+    "{% elif message['role'] == 'tool' %}<|im_start|>user\n<tool_response>\n"
+    "{{ message['content'] }}\n</tool_response><|im_end|>\n"
+    "{% else %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 FAMILIES = ("llama", "mistral", "qwen2")
 
 
-def build_tokenizer(merges: list[tuple[str, str]] | tuple = ()):
+def build_tokenizer(merges: list[tuple[str, str]] | tuple = (), chat_template: str = CHATML_TEMPLATE):
     """The tiny models' tokenizer: one token per byte, then the special tokens (ids 256-258).
     ``merges`` (byte-level strings, e.g. ``("Ġ", "t")``) add BPE merges, their tokens after
     the special ones: a tokenizer for tests of merges across text boundaries."""
@@ -43,7 +67,7 @@ def build_tokenizer(merges: list[tuple[str, str]] | tuple = ()):
         eos_token="<|im_end|>",
         pad_token="<|endoftext|>",
         unk_token="<|endoftext|>",
-        chat_template=CHATML_TEMPLATE,
+        chat_template=chat_template,
     )
 
 
@@ -75,8 +99,10 @@ def tiny_config(family: str = "llama", vocab_size: int = 259,
 
 
 def build_tiny_model(path: str | Path, family: str = "llama", seed: int | None = None,
-                     max_position_embeddings: int = 4096) -> Path:
-    """Write a tiny random model + tokenizer to ``path`` and return it (seed: per family)."""
+                     max_position_embeddings: int = 4096,
+                     chat_template: str = CHATML_TEMPLATE) -> Path:
+    """Write a tiny random model + tokenizer to ``path`` and return it (seed: per family;
+    ``chat_template``: ``TOOLS_TEMPLATE`` for a model whose template renders tools)."""
     if seed is None:
         seed = FAMILIES.index(family) if family in FAMILIES else 0
     import torch
@@ -84,7 +110,7 @@ def build_tiny_model(path: str | Path, family: str = "llama", seed: int | None =
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    tokenizer = build_tokenizer()
+    tokenizer = build_tokenizer(chat_template=chat_template)
     config = tiny_config(family, vocab_size=len(tokenizer),
                          max_position_embeddings=max_position_embeddings)
     torch.manual_seed(seed)

@@ -1,0 +1,167 @@
+"""Chat arguments of ``generate`` and ``tokenize``: messages (tool calls and tool results
+included), tools, and the chat template that renders them.
+
+A message is ``{role, content}`` plus, optionally, ``tool_calls`` (an assistant's calls:
+``[{"id", "type": "function", "function": {"name", "arguments"}}]``, ``arguments`` a map or
+a string), ``tool_call_id`` and ``name`` (a tool result's). ``tools`` is the list of
+OpenAI tool definitions (``{"type": "function", "function": {"name", "description",
+"parameters"}}``), given to the template as transformers' ``apply_chat_template(tools=...)``
+does. Neither the tools nor a message's tool fields may hold special-token text (a
+content's is kept as text, ``station.runtime.tokenizing``; these are refused instead).
+
+``tool_format`` tells what the model's template does with tools: whether it renders them
+at all, and which tool-call parser reads its calls (from the template's text, or the
+``tool_parser`` setting); the station publishes both in ``hello``.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from gnosis_daemon.protocol import ErrorCode, OpError
+from station.runtime.model_loader import LoadedModel
+from station.runtime.tokenizing import Codec
+
+MAX_TOOLS = 128
+TOOL_PARSERS = ("hermes", "mistral", "llama3")
+MESSAGE_KEYS = ("tool_calls", "tool_call_id", "name")
+
+
+def bad(message: str) -> OpError:
+    return OpError(ErrorCode.BAD_REQUEST, message)
+
+
+def codec(loaded: LoadedModel) -> Codec:
+    if loaded.codec is None:
+        loaded.codec = Codec(loaded.tokenizer)
+    return loaded.codec
+
+
+def check_messages(value: Any) -> list[dict[str, Any]]:
+    if not isinstance(value, list) or not value:
+        raise bad("argument 'messages' must be a non-empty list of {role, content} maps")
+    out = []
+    for i, message in enumerate(value):
+        if not (isinstance(message, dict) and isinstance(message.get("role"), str)
+                and isinstance(message.get("content"), str)):
+            raise bad(f"messages[{i}] must be a map with string 'role' and 'content'")
+        checked: dict[str, Any] = {"role": message["role"], "content": message["content"]}
+        for key in ("tool_call_id", "name"):
+            if message.get(key) is not None:
+                if not isinstance(message[key], str):
+                    raise bad(f"messages[{i}].{key} must be a string")
+                checked[key] = message[key]
+        if message.get("tool_calls"):
+            checked["tool_calls"] = _tool_calls(message["tool_calls"], f"messages[{i}]")
+        out.append(checked)
+    return out
+
+
+def _tool_calls(calls: Any, where: str) -> list[dict[str, Any]]:
+    if not isinstance(calls, list):
+        raise bad(f"{where}.tool_calls must be a list")
+    out = []
+    for j, call in enumerate(calls):
+        function = call.get("function") if isinstance(call, dict) else None
+        if not (isinstance(function, dict) and isinstance(function.get("name"), str)
+                and isinstance(function.get("arguments"), (dict, str))):
+            raise bad(f"{where}.tool_calls[{j}] must be a map with 'function': "
+                      f"{{'name': string, 'arguments': map or string}}")
+        if not isinstance(call.get("id", ""), str):
+            raise bad(f"{where}.tool_calls[{j}].id must be a string")
+        out.append({"id": call.get("id", ""), "type": "function",
+                    "function": {"name": function["name"], "arguments": function["arguments"]}})
+    return _json_only(out, f"{where}.tool_calls")
+
+
+def check_tools(value: Any) -> list[dict[str, Any]] | None:
+    """``tools``: None or a non-empty list of ``{"type": "function", "function": {"name",
+    ...}}`` maps (passed to the template as they are)."""
+    if value is None:
+        return None
+    if not isinstance(value, list) or not 1 <= len(value) <= MAX_TOOLS:
+        raise bad(f"argument 'tools' must be a list of 1 to {MAX_TOOLS} tool maps")
+    for i, tool in enumerate(value):
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if not (isinstance(function, dict) and isinstance(function.get("name"), str)
+                and function["name"]):
+            raise bad(f"tools[{i}] must be a map with 'function': {{'name': string, ...}}")
+    return list(_json_only(value, "argument 'tools'"))
+
+
+def json_chars(value: Any) -> int:
+    return len(json.dumps(value, ensure_ascii=False)) if value else 0
+
+
+def _json_only(value: Any, what: str) -> Any:
+    """``value`` when JSON can hold it (a raw frame may carry bytes, NaN, odd keys)."""
+    try:
+        json.dumps(value, allow_nan=False)
+    except (TypeError, ValueError, RecursionError):
+        raise bad(f"{what} must hold only JSON values") from None
+    return value
+
+
+def messages_chars(messages: list[dict[str, Any]]) -> int:
+    return sum(len(m["role"]) + len(m["content"])
+               + sum(json_chars(m.get(k)) for k in MESSAGE_KEYS) for m in messages)
+
+
+def template_text(loaded: LoadedModel) -> str:
+    template = getattr(loaded.tokenizer, "chat_template", None) or ""
+    if isinstance(template, dict):  # named templates: the default one, and "tool_use"
+        template = " ".join(t for t in template.values() if isinstance(t, str))
+    return template if isinstance(template, str) else ""
+
+
+def tool_format(loaded: LoadedModel, setting: str = "auto") -> dict[str, Any]:
+    """``{"chat_template_tools": bool, "tool_parser": name | None}`` for ``hello``: whether
+    the template renders ``tools``, and the parser of its calls (``setting`` when it is not
+    ``auto``; ``none``: no parser, tools are refused)."""
+    text = template_text(loaded)
+    renders = "tools" in text
+    if setting != "auto":
+        return {"chat_template_tools": renders,
+                "tool_parser": None if setting == "none" else setting}
+    parser = None
+    if "<tool_call>" in text:
+        parser = "hermes"
+    elif "[TOOL_CALLS]" in text:
+        parser = "mistral"
+    elif "<|python_tag|>" in text or ("ipython" in text and "parameters" in text):
+        parser = "llama3"
+    return {"chat_template_tools": renders, "tool_parser": parser if renders else None}
+
+
+def render_chat(loaded: LoadedModel, messages: list[dict[str, Any]],
+                add_generation_prompt: bool, tools: list[dict[str, Any]] | None = None) -> list[int]:
+    """Chat template -> token ids. The template writes every control token it wants, so
+    nothing is added; special-token text inside a content is encoded as text
+    (``station.runtime.tokenizing``). A role, a message's tool fields and the tools must
+    not hold special-token text at all."""
+    tokenizer = loaded.tokenizer
+    if not getattr(tokenizer, "chat_template", None):
+        raise bad(f"model {loaded.served_id!r} has no chat template; send 'prompt' or 'tokens'")
+    text_codec = codec(loaded)
+    for i, message in enumerate(messages):
+        if text_codec.has_special_text(message["role"]):
+            raise bad(f"messages[{i}].role holds special-token text")
+        for key in MESSAGE_KEYS:
+            if key in message and text_codec.has_special_text(json.dumps(message[key],
+                                                                         ensure_ascii=False)):
+                raise bad(f"messages[{i}].{key} holds special-token text")
+    if tools:
+        if "tools" not in template_text(loaded):
+            raise bad(f"the chat template of model {loaded.served_id!r} does not render tools")
+        if text_codec.has_special_text(json.dumps(tools, ensure_ascii=False)):
+            raise bad("argument 'tools' holds special-token text")
+
+    def render(msgs: list[dict[str, Any]]) -> str:
+        try:
+            return tokenizer.apply_chat_template(msgs, tools=tools or None, tokenize=False,
+                                                 add_generation_prompt=add_generation_prompt)
+        except Exception as exc:  # jinja raises its own error types for bad roles/orders
+            raise bad(f"chat template rejected the messages: {exc}") from None
+
+    return text_codec.encode_chat(messages, render)
