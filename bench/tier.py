@@ -27,14 +27,13 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import os
-import subprocess
 import time
 from pathlib import Path
 
 import trio
 
 from bench.common import Pairs, Report, make_prompt_ids, start_station, station_ttft, stop_station
+from bench.page_cache import page_cache_cold
 from gnosis_daemon.client import open_station_client
 
 POLL_S = 0.05  # stats polls while a decode runs (both sides), and while waiting for the writer
@@ -128,7 +127,7 @@ def _hit_figure(report: Report, settings, args, root: Path) -> tuple[float, int]
         stats_a = trio.run(phase_a, sock)
     tier_dir = runtime_dir / "state" / "kv-tier"
     block_file_bytes = next(tier_dir.rglob("*.kvb")).stat().st_size
-    cold_note = _page_cache_cold(tier_dir)
+    cold_note = page_cache_cold(tier_dir)
 
     pairs, cached, loads = Pairs(), set(), {}
 
@@ -165,46 +164,6 @@ def _hit_figure(report: Report, settings, args, root: Path) -> tuple[float, int]
                f"i's miss; "
                f"{cold_note}; {pairs.spread()}")
     return session_bytes, block_file_bytes
-
-
-def _page_cache_cold(tier_dir: Path) -> str:
-    """Drop the tier's files from the page cache; -> what did it, as checked by fincore."""
-    files = sorted(p for p in tier_dir.rglob("*") if p.is_file())
-    total = sum(p.stat().st_size for p in files)
-    os.sync()
-    for path in files:
-        with open(path, "rb") as f:
-            os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
-    after_fadvise = _resident_bytes(files)
-    try:
-        Path("/proc/sys/vm/drop_caches").write_text("1\n")
-        dropped = "ok"
-    except OSError as exc:
-        dropped = f"failed ({exc.strerror or exc})"
-    after_drop = _resident_bytes(files)
-    if after_fadvise == 0:
-        method = "fadvise DONTNEED"
-    elif dropped == "ok" and after_drop == 0:
-        method = "drop_caches"
-    elif after_drop is None:
-        method = "fadvise DONTNEED and drop_caches, unverified (no fincore)"
-    else:
-        method = f"NOT cold, {after_drop} bytes still cached"
-    return (f"page-cache cold: {method} ({total / 1e6:.0f} MB of tier files; cached after "
-            f"fadvise {after_fadvise} B, after drop_caches ({dropped}) {after_drop} B, by fincore)")
-
-
-def _resident_bytes(files: list[Path]) -> int | None:
-    total = 0
-    for i in range(0, len(files), 256):
-        try:
-            out = subprocess.run(["fincore", "--raw", "--noheadings", "--bytes", "-o", "RES",
-                                  *map(str, files[i:i + 256])],
-                                 capture_output=True, text=True, check=True).stdout
-        except (OSError, subprocess.CalledProcessError):
-            return None
-        total += sum(int(v) for v in out.split())
-    return total
 
 
 # -- 2. restart with a full tier / an empty one

@@ -146,8 +146,8 @@ def parse_chat(body: Any) -> CompletionRequest:
     max_tokens = bounded_int(body, "max_completion_tokens", 1, MAX_INT32)
     if max_tokens is None:
         max_tokens = bounded_int(body, "max_tokens", 1, MAX_INT32)
-    chars = sum(len(m["content"]) + len(json.dumps(m.get("tool_calls") or "")) for m in
-                args["messages"]) + (len(json.dumps(tools.tools)) if tools else 0)
+    chars = sum(len(m["content"]) + (len(json.dumps(m["tool_calls"])) if m.get("tool_calls") else 0)
+                for m in args["messages"]) + (len(json.dumps(tools.tools)) if tools else 0)
     req = _finish(CHAT, body, args, max_tokens, "messages", chars)
     return replace(req, tools=tools, grammar_param=grammar_param)
 
