@@ -46,13 +46,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "docs" / "benchmarks.md"))
     parser.add_argument("--profile", action="store_true",
                         help="only print where a decode token's time goes (bench.profile)")
-    args, rest = parser.parse_known_args(argv)
-    if args.profile:
+    args = parser.parse_args(argv)
+    if args.profile:  # its own options and defaults (a short prompt): hand it the arguments
         from bench.profile import main as profile_main
 
-        return profile_main([*rest, *(["--model", args.model] if args.model else [])])
-    if rest:
-        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+        return profile_main([a for a in (sys.argv[1:] if argv is None else argv) if a != "--profile"])
 
     settings = load_settings(cli={"model": args.model})
     report = Report()

@@ -326,6 +326,16 @@ class KVCacheManager:
         touches, self.to_touch = self.to_touch, {}
         return touches
 
+    def landed(self, session: KVSession) -> None:
+        """The write-behind of ``session`` reached disk after the pool had evicted it (and
+        counted it lost): it is a disk session now, unless its id was saved again since."""
+        if self.sessions.get(session.session_id) is not None or session.session_id in self.disk:
+            return
+        self.disk.add(DiskSession(session.session_id, session.tenant, session.token_ids,
+                                  session.block_hashes, session.file_hashes, session.last_used))
+        self.num_lost -= 1
+        self.num_offloaded += 1
+
     def _take_evictions(self) -> None:
         for session in self.sessions.evicted:
             if self.disk_tier and session.durable:

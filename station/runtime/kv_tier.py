@@ -7,10 +7,9 @@ jobs over and applies the answers at its next step boundary (``before_step``), s
 never waits on a disk (docs/engine.md, "The disk tier"):
 
 * **write-behind**: every saved session (``KVCacheManager.take_writes``) is queued at
-  once, its blocks referenced until the job is done, so none is reused before it is read.
-  When the job is done the session is ``durable``: an eviction then moves it to the disk
-  index instead of losing it. A newer save of an id replaces its queued job. Save to
-  durable is the write-behind lag (p50/p99; late past ``kv_write_behind_s``). Uses of a
+  once, its blocks referenced until the job is done. Done, the session is ``durable`` (an
+  eviction moves it to the disk index), or, evicted meanwhile, a disk session. A newer save
+  of an id replaces its queued job. Save to durable is the write-behind lag. Uses of a
   durable session are sent as ``touch``: the disk budget evicts the least recently used.
 * **read-back**: a request whose session only the disk (or the host tier) holds waits in
   the scheduler while its blocks are read, checked and copied into fresh pool blocks;
@@ -91,10 +90,8 @@ class TierFigures:
 
 
 def _pct(values: collections.deque, q: float) -> float | None:
-    if not values:
-        return None
     ordered = sorted(values)
-    return round(ordered[min(len(ordered) - 1, int(q * len(ordered)))], 3)
+    return round(ordered[min(len(ordered) - 1, int(q * len(ordered)))], 3) if ordered else None
 
 
 class DiskTier:
@@ -103,9 +100,7 @@ class DiskTier:
     def __init__(self, io: KVIOProcess, store_stats: dict[str, Any], kv: KVCacheManager,
                  slots: PoolSlots | StagingSlots, wake: Callable[[], None],
                  on_load_done: Callable[[LoadPlan, SessionOutcome | None], None], write_behind_s: float = 1.0) -> None:
-        self.io = io
-        self.kv = kv
-        self.slots = slots
+        self.io, self.kv, self.slots = io, kv, slots
         self.write_behind_s = write_behind_s
         self._wake = wake  # tells the engine thread an answer is waiting
         self._on_load_done = on_load_done  # the scheduler's: admit the load's waiters
@@ -125,8 +120,7 @@ class DiskTier:
 
     # -- engine thread
     def before_step(self) -> None:
-        """Apply the I/O process's answers, queue the sessions saved (and used) since the
-        last step, and hand over the next jobs."""
+        """Apply the process's answers, queue what was saved and used since, hand jobs over."""
         while True:
             with self._lock:
                 if not self._answers:
@@ -145,12 +139,10 @@ class DiskTier:
         return {**self.figures.as_dict(), "kv_io_down": self.down, **self.slots.stats(),
                 **{f"disk_{k}": v for k, v in self.store_stats.items()}}
 
-    def has_work(self) -> bool:
-        """Answers to apply, or sessions saved or used to hand over."""
+    def has_work(self) -> bool:  # answers to apply, or sessions saved or used to hand over
         return bool(self._answers or self.kv.to_write or self.kv.to_touch)  # len() is atomic
 
-    def busy(self) -> bool:
-        """Loads in flight: the scheduler's waiters will be admitted when they end."""
+    def busy(self) -> bool:  # loads in flight: the scheduler's waiters are admitted at their end
         with self._lock:
             return bool(self._loads) or self._load is not None or bool(self._answers)
 
@@ -165,7 +157,7 @@ class DiskTier:
         self._pump()
 
     def delete(self, session_id: str) -> None:
-        """Forget a session's files (``kv_session.delete``), after any write in flight of it."""
+        """Forget a session's files (``kv_session.delete``), after a write in flight of it."""
         for op in ("write", "touch"):
             job = self._jobs.pop((op, session_id), None)
             if job is not None:
@@ -206,6 +198,13 @@ class DiskTier:
         self._jobs.pop(("touch", session.session_id), None)
         self._queue(_Job("write", session.session_id, time.perf_counter(), session=session,
                          block_ids=[b.block_id for b in blocks]))
+        # A stalled disk must not pin the pool: queued writes hold at most half of it
+        while sum(len(j.block_ids) for j in self._jobs.values()) > self.kv.pool.num_blocks // 2:
+            key = next(k for k, j in self._jobs.items() if j.block_ids)  # the oldest
+            if key == ("write", session.session_id):  # never the newest: it alone may be big
+                break
+            self._release(self._jobs.pop(key))
+            self.figures.write_errors += 1
 
     def _queue(self, job: _Job) -> None:
         if self.down:
@@ -216,8 +215,7 @@ class DiskTier:
             self._release(old)
         self.figures.queued_writes = len(self._jobs) + (self._job is not None)
 
-    def _release(self, job: _Job) -> None:
-        """Drop the references a write job held on its blocks."""
+    def _release(self, job: _Job) -> None:  # drop the references a write job held
         if job.block_ids:
             self.kv.pool.free([self.kv.pool.blocks[i] for i in job.block_ids])
             job.block_ids = []
@@ -311,10 +309,8 @@ class DiskTier:
             except IOProcessGone as exc:
                 self._io_gone(str(exc))
             return
-        self._job = None
-        self.figures.queued_writes = len(self._jobs)
-        evicted = answer.get("evicted", [])
-        self._forget_evicted(evicted)
+        self._job, self.figures.queued_writes = None, len(self._jobs)
+        self._forget_evicted(evicted := answer.get("evicted", []))
         self._release(job)
         if job.op == "touch":
             self.figures.touches += answer["ok"]
@@ -331,12 +327,15 @@ class DiskTier:
             self.figures.late_writes += 1
             log.warning("kv_tier_write_late", session_id=job.session_id,
                         lag_s=round(lag_s, 3), bound_s=self.write_behind_s)
-        if self.kv.sessions.get(job.session_id) is job.session and job.session_id not in evicted:
+        if job.session_id in evicted:
+            return
+        if self.kv.sessions.get(job.session_id) is job.session:
             job.session.durable = True
+        else:  # evicted from the pool while its write was on the way: on disk now
+            self.kv.landed(job.session)
 
     def _forget_evicted(self, evicted: list[str]) -> None:
-        """Sessions the disk budget removed are gone from the disk index, and a resident
-        one is no longer durable."""
+        """Sessions the disk budget removed leave the disk index; a resident one is not durable."""
         for session_id in evicted:
             self.kv.disk.remove(session_id)
             resident = self.kv.sessions.get(session_id)

@@ -74,3 +74,25 @@ def test_bench_runs_every_figure_on_a_tiny_model(tmp_path):
     assert re.search(r"= (\d+\.\d)x the", rows[FIGURES[9]][1])
     assert float(re.search(r"= (\d+\.\d)x the", rows[FIGURES[9]][1])[1]) >= 10
     assert f"{sum(r.startswith(('ok', 'MISS')) for r in proc.stdout.splitlines())}" == f"{len(FIGURES)}"
+
+
+def test_profile_splits_a_decode_token_on_a_tiny_model(tmp_path):
+    """`make profile` on a tiny model: every part is measured and the three depths agree
+    in kind (the API's per-token time is the sum the table's shares are taken of)."""
+    model_dir = build_tiny_model(tmp_path / "tiny-llama", "llama")
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench", "--profile", "--model", str(model_dir), "--prompt-tokens", "16",
+         "--decode-tokens", "8", "--rounds", "1"],
+        cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    table = {}
+    for line in proc.stdout.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 3 and re.fullmatch(r"\d+\.\d\d", cells[1]):
+            table[cells[0]] = float(cells[1])
+    from bench.profile import PARTS
+
+    assert list(table) == list(PARTS)
+    assert table["weights"] > 0 and table["attention"] > 0  # ops found and charged by name
+    total = re.search(r"\*\*total through the API\*\* \| \*\*(\d+\.\d\d)\*\*", proc.stdout)
+    assert total and float(total[1]) > 0

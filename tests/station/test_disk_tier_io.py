@@ -6,6 +6,7 @@ serving, every request with the right output."""
 from __future__ import annotations
 
 import os
+import signal
 import threading
 import time
 
@@ -184,3 +185,52 @@ def test_the_io_process_runs_at_kv_io_nice(tiny, tmp_path):
     ours = os.getpriority(os.PRIO_PROCESS, 0)
     with TierEngine(loaded, tmp_path / "state", 16, kv_io_nice=7) as t:
         assert os.getpriority(os.PRIO_PROCESS, t.engine.tier.io.proc.pid) == max(7, ours)
+
+
+def test_a_session_evicted_before_its_write_landed_is_kept_on_disk(tiny, tmp_path):
+    """A slow writer must not lose a session the pool evicts meanwhile: the job holds the
+    blocks, and when it lands the session becomes a disk session (not counted lost)."""
+    path, loaded = tiny
+    prompts = [prompt_of(1600 + i, 23) for i in range(10)]  # 5 full blocks saved each
+    with TierEngine(loaded, tmp_path / "state", 128, kv_session_budget=4) as t:
+        io = t.engine.tier.io.proc
+        os.kill(io.pid, signal.SIGSTOP)  # the writer makes no progress
+        try:
+            # The pool (and the session budget, 4) cannot hold 10 sessions: early ones are
+            # evicted while their writes wait.
+            first = [t.generate(p, 3, save_session=f"alice.slow.{i}").tokens
+                     for i, p in enumerate(prompts)]
+            assert t.engine.stats()["kv_sessions_lost"] > 0
+        finally:
+            os.kill(io.pid, signal.SIGCONT)
+        t.expected_writes = len(prompts)
+        t.settle()
+        stats = t.engine.stats()
+        assert stats["kv_sessions_lost"] == 0
+        assert stats["kv_disk_sessions"] + stats["kv_sessions"] == len(prompts)
+        assert stats["kv_disk_sessions"] >= len(prompts) - 4  # the evicted ones, on disk
+    with TierEngine(loaded, tmp_path / "state", 128, kv_session_budget=4) as t:
+        for i, prompt in enumerate(prompts):
+            again = t.generate(prompt, 3, match_session=True)
+            pre = again.one(Prefill)
+            assert (pre.session_id, pre.session_tier) == (f"alice.slow.{i}", "disk")
+            assert again.tokens == first[i] == reference(path, prompt, 3)
+
+
+def test_a_stalled_writer_never_pins_the_pool(tiny, tmp_path):
+    """Queued writes hold at most half the pool: with the I/O process stopped, saves far
+    beyond the pool keep being served (the oldest queued writes are dropped and counted)."""
+    path, loaded = tiny
+    prompts = [prompt_of(1700 + i, 23) for i in range(12)]  # 5 blocks each, 60 in all
+    with TierEngine(loaded, tmp_path / "state", 24) as t:
+        io = t.engine.tier.io.proc
+        os.kill(io.pid, signal.SIGSTOP)
+        try:
+            for i, prompt in enumerate(prompts):
+                done = t.generate(prompt, 3, save_session=f"alice.stall.{i}")
+                assert done.one(Prefill).saved is True  # served, never a capacity failure
+                assert done.tokens == reference(path, prompt, 3)
+            queued = sum(len(j.block_ids) for j in t.engine.tier._jobs.values())
+            assert queued <= 12 and t.engine.stats()["write_behind_errors"] > 0
+        finally:
+            os.kill(io.pid, signal.SIGCONT)
