@@ -69,6 +69,28 @@ class TierEngine:
 
     expected_writes = 0
 
+    def save_each(self, prompts, name: str, n: int, **kwargs) -> list[list[int]]:
+        """Each prompt saved as session ``{name}.{i}``, on disk before the next; -> outputs."""
+        outputs = []
+        for i, prompt in enumerate(prompts):
+            outputs.append(self.generate(prompt, n, save_session=f"{name}.{i}", **kwargs).tokens)
+            self.expected_writes += 1
+            self.settle()
+        return outputs
+
+    def hit_each(self, path, prompts, name: str, n: int, first) -> list[str]:
+        """Each prompt again: a hit on session ``{name}.{i}`` (its full blocks), with the
+        first output, which is ``model.generate``'s; -> the tier each hit came from."""
+        tiers = []
+        for i, prompt in enumerate(prompts):
+            again = self.generate(prompt, n, match_session=True)
+            pre = again.one(Prefill)
+            assert (pre.session_loaded, pre.session_id, pre.session_tokens) == (
+                True, f"{name}.{i}", len(prompt) // BS * BS), (i, pre)
+            assert again.tokens == first[i] == reference(path, prompt, n), i
+            tiers.append(pre.session_tier)
+        return tiers
+
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
@@ -95,21 +117,11 @@ def test_sessions_ten_times_the_pool_come_back_from_disk(tiny, tmp_path):
     num_blocks = 24  # 96 tokens of KV
     prompts = [prompt_of(700 + i, 23) for i in range(48)]  # 5 full blocks saved each: 240 blocks
     with TierEngine(loaded, tmp_path / "state", num_blocks) as t:
-        first = []
-        for i, prompt in enumerate(prompts):
-            first.append(t.generate(prompt, 4, save_session=f"alice.p.{i}", match_session=True).tokens)
-            t.expected_writes = i + 1
-            t.settle()
+        first = t.save_each(prompts, "alice.p", 4, match_session=True)
         stats = t.engine.stats()
         assert stats["kv_sessions_offloaded"] > 0 and stats["kv_sessions_lost"] == 0
         assert stats["kv_disk_sessions"] + stats["kv_sessions"] == len(prompts)
-        tiers = []
-        for i, prompt in enumerate(prompts):
-            again = t.generate(prompt, 4, match_session=True)
-            pre = again.one(Prefill)
-            assert (pre.session_loaded, pre.session_id, pre.session_tokens) == (True, f"alice.p.{i}", 20)
-            assert again.tokens == first[i] == reference(path, prompt, 4)
-            tiers.append(pre.session_tier)
+        tiers = t.hit_each(path, prompts, "alice.p", 4, first)
         assert tiers.count("disk") >= 40  # the pool holds at most 4 of these sessions
         assert t.engine.stats()["kv_disk_loads"] == tiers.count("disk")
 

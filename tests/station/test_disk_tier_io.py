@@ -44,19 +44,9 @@ def test_sessions_beyond_the_pool_pass_through_a_staging_area_smaller_than_a_ses
     # Three slots: a write or a load moves one block at a time through them.
     with TierEngine(loaded, tmp_path / "state", 24, kv_host_bytes=3 * block_bytes) as t:
         assert t.engine.kv_cache.shared is None and t.engine.tier.slots.part_blocks == 1
-        first = []
-        for i, prompt in enumerate(prompts):
-            first.append(t.generate(prompt, 4, save_session=f"alice.s.{i}").tokens)
-            t.expected_writes = i + 1
-            t.settle()
+        first = t.save_each(prompts, "alice.s", 4)
         assert t.engine.stats()["kv_sessions_lost"] == 0
-        tiers = []
-        for i, prompt in enumerate(prompts):
-            again = t.generate(prompt, 4, match_session=True)
-            pre = again.one(Prefill)
-            assert (pre.session_loaded, pre.session_id, pre.session_tokens) == (True, f"alice.s.{i}", 20)
-            assert again.tokens == first[i] == reference(path, prompt, 4)
-            tiers.append(pre.session_tier)
+        tiers = t.hit_each(path, prompts, "alice.s", 4, first)
         assert tiers.count("disk") >= 8  # the pool holds at most 4 of these sessions
         assert t.engine.tier.slots.room() == 3  # every slot given back
 
@@ -68,18 +58,8 @@ def test_the_host_tier_serves_sessions_evicted_from_the_pool_without_reading_a_f
     state = tmp_path / "state"
     # Host RAM for 128 blocks behind a pool of 24: every session stays in RAM once written.
     with TierEngine(loaded, state, 24, kv_host_bytes=128 * block_bytes) as t:
-        first = []
-        for i, prompt in enumerate(prompts):
-            first.append(t.generate(prompt, 4, save_session=f"alice.h.{i}").tokens)
-            t.expected_writes = i + 1
-            t.settle()
-        tiers = []
-        for i, prompt in enumerate(prompts):
-            again = t.generate(prompt, 4, match_session=True)
-            pre = again.one(Prefill)
-            assert (pre.session_loaded, pre.session_id, pre.session_tokens) == (True, f"alice.h.{i}", 20)
-            assert again.tokens == first[i] == reference(path, prompt, 4)
-            tiers.append(pre.session_tier)
+        first = t.save_each(prompts, "alice.h", 4)
+        tiers = t.hit_each(path, prompts, "alice.h", 4, first)
         stats = t.engine.stats()
         assert tiers.count("host") >= 6 and "disk" not in tiers  # the pool holds at most 4
         assert stats["disk_reads"] == 0 and stats["host_block_misses"] == 0
