@@ -331,21 +331,22 @@ class KVCacheManager:
         counted it lost): it is a disk session now, unless its id was saved again since."""
         if self.sessions.get(session.session_id) is not None or session.session_id in self.disk:
             return
-        self.disk.add(DiskSession(session.session_id, session.tenant, session.token_ids,
-                                  session.block_hashes, session.file_hashes, session.last_used))
+        self._offload(session)
         self.num_lost -= 1
-        self.num_offloaded += 1
 
     def _take_evictions(self) -> None:
         for session in self.sessions.evicted:
             if self.disk_tier and session.durable:
-                self.disk.add(DiskSession(session.session_id, session.tenant, session.token_ids,
-                                          session.block_hashes, session.file_hashes,
-                                          session.last_used))
-                self.num_offloaded += 1
+                self._offload(session)
             else:
                 self.num_lost += 1
         self.sessions.evicted = []
+
+    def _offload(self, session: KVSession) -> None:
+        """``session``, gone from the pool, is a disk session (its files are all written)."""
+        self.disk.add(DiskSession(session.session_id, session.tenant, session.token_ids,
+                                  session.block_hashes, session.file_hashes, session.last_used))
+        self.num_offloaded += 1
 
     def begin_load(self, on_disk: DiskSession) -> LoadPlan | None:
         """Fresh blocks for a disk session's KV (expiring pool sessions to make room, the

@@ -224,14 +224,18 @@ class DiskTier:
         """Hand the next write part and the next load part over, when none is in flight."""
         if self.down or self._closed:
             return
+        if self._job is None and self._jobs:
+            _key, self._job = self._jobs.popitem(last=False)
+            self._send_part(self._job)
+        if self._load is None and self._loads:
+            with self._lock:
+                self._load = self._loads.popleft()
+            self._send_load_part(self._load)
+
+    def _send(self, message: dict[str, Any]) -> None:
+        """Hand a job part over; a process that is gone takes the tier down (fails its jobs)."""
         try:
-            if self._job is None and self._jobs:
-                _key, self._job = self._jobs.popitem(last=False)
-                self._send_part(self._job)
-            if self._load is None and self._loads:
-                with self._lock:
-                    self._load = self._loads.popleft()
-                self._send_load_part(self._load)
+            self.io.send(message)
         except IOProcessGone as exc:
             self._io_gone(str(exc))
 
@@ -254,7 +258,7 @@ class DiskTier:
                                       "token_ids": list(session.token_ids),
                                       "hashes": list(session.file_hashes),
                                       "last_used": session.last_used}
-        self.io.send(message)
+        self._send(message)
 
     def _send_load_part(self, load: _Load) -> None:
         on_disk, bs = load.plan.session, self.kv.block_size
@@ -270,7 +274,7 @@ class DiskTier:
             return
         load.from_disk = True
         tokens = on_disk.token_ids
-        self.io.send({"op": "load", "load": id(load), "slots": [load.slots[i] for i in load.missing],
+        self._send({"op": "load", "load": id(load), "slots": [load.slots[i] for i in load.missing],
                       "hashes": [load.hashes[i] for i in load.missing],
                       "tokens": [t for i in load.missing
                                  for t in tokens[(first + i) * bs:(first + i + 1) * bs]]})
@@ -289,10 +293,7 @@ class DiskTier:
         ok = answer["ok"]
         self.slots.loaded(load.slots, load.block_ids, load.hashes, load.missing, ok)
         if ok and load.sent < len(load.plan.blocks):
-            try:
-                self._send_load_part(load)
-            except IOProcessGone as exc:
-                self._io_gone(str(exc))
+            self._send_load_part(load)
             return
         self._load = None
         load.plan.session.read_from = "disk" if load.from_disk else "host"
@@ -304,10 +305,7 @@ class DiskTier:
         self.slots.written(job.slots, job.hashes, answer["ok"])
         job.slots = []
         if answer["ok"] and not answer["final"] and not job.cancelled:
-            try:
-                self._send_part(job)
-            except IOProcessGone as exc:
-                self._io_gone(str(exc))
+            self._send_part(job)
             return
         self._job, self.figures.queued_writes = None, len(self._jobs)
         self._forget_evicted(evicted := answer.get("evicted", []))
