@@ -74,6 +74,10 @@ class Settings:
     max_batch_size: int = 32  # sequences decoded in one forward
     prefill_chunk_tokens: int = 512  # long prompts are prefilled in chunks of this many
     cpu_packed_linears: bool = True  # CPU fp32: linear layers through oneDNN, weights packed once
+    # The decoder's linear weights in memory: auto keeps a GGUF file's 4-bit groups (Q4_0,
+    # Q4_1) and int8 (Q8_0) and a float checkpoint's floats; int4 / int8 quantize the rest
+    # at load; float dequantizes everything (docs/engine.md, "Weights that stay quantized").
+    weights: str = "auto"
     tenant_salt: str = ""  # server-side secret mixed into prefix-cache keys
     max_waiting_requests: int = 256  # station: queued sequences; past it, generate gets capacity
     disable_capabilities: str = ""  # GNOSIS_STATION_DISABLE: stale-station drill
@@ -129,6 +133,8 @@ class Settings:
                "device", "auto, cpu, cuda or cuda:N")
         _check(self.dtype, self.dtype in {"auto", "float32", "bfloat16", "float16"}, "dtype",
                "one of auto, float32, bfloat16, float16")
+        _check(self.weights, self.weights in {"auto", "float", "int8", "int4"}, "weights",
+               "one of auto, float, int8, int4")
         _check(self.tool_parser, self.tool_parser in {"auto", "hermes", "mistral", "llama3", "none"},
                "tool_parser", "one of auto, hermes, mistral, llama3, none")
         for name in ("max_model_len", "max_tokens_default", "max_frame_bytes", "kv_cache_bytes",

@@ -29,6 +29,7 @@ import torch
 from gnosis_daemon.logs import get_logger
 from gnosis_daemon.settings import Settings
 from station.runtime.tokenizing import Codec
+from station.runtime.weights import apply_weights
 
 log = get_logger(__name__)
 
@@ -63,6 +64,7 @@ class LoadedModel:
     max_token_chars: int | None = None
     codec: Any = None  # station.runtime.tokenizing.Codec over ``tokenizer``
     grammars: Any = None  # station.runtime.grammar.Grammars, made at first use
+    weights: Any = None  # station.runtime.weights.WeightsReport: which linears stay quantized
 
 
 def default_model_path() -> Path:
@@ -92,13 +94,16 @@ def pick_device(settings: Settings) -> tuple[torch.device, torch.dtype]:
     return device, dtype
 
 
+def cache_base(settings: Settings) -> Path:
+    return Path(settings.model_cache_dir) if settings.model_cache_dir else (
+        Path.home() / ".cache" / "gnosis-daemon")
+
+
 def gguf_cache_dir(gguf: Path, settings: Settings) -> Path:
     """Cache location for a converted GGUF: changes whenever the file does."""
     stat = gguf.stat()
     key = hashlib.sha256(f"{gguf.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()
-    base = Path(settings.model_cache_dir) if settings.model_cache_dir else (
-        Path.home() / ".cache" / "gnosis-daemon")
-    return base / f"{gguf.stem}-{key[:16]}"
+    return cache_base(settings) / f"{gguf.stem}-{key[:16]}"
 
 
 def load_model(settings: Settings) -> LoadedModel:
@@ -130,16 +135,19 @@ def load_model(settings: Settings) -> LoadedModel:
     model.to(device)
     model.eval()
     model.requires_grad_(False)
+    weights = apply_weights(model, settings.weights, device, dtype,
+                            gguf=path if path.suffix == ".gguf" else None, choices_dir=cache_base(settings))
     config = model.config
     max_len = getattr(config, "max_position_embeddings", None) or settings.max_model_len
     return LoadedModel(
         model=model, tokenizer=tokenizer, device=device, dtype=dtype,
-        fingerprint=fingerprint(model, dtype), served_id=settings.served_model_name or served_name(path),
+        fingerprint=fingerprint(model, dtype, weights.tag), served_id=settings.served_model_name or served_name(path),
         eos_token_ids=eos_token_ids(model, tokenizer),
         max_model_len=min(settings.max_model_len, int(max_len)),
         path=str(path), loaded_from=str(source), model_type=str(config.model_type),
         vocab_size=int(getattr(config, "vocab_size", None) or len(tokenizer)),
         converted=converted, max_token_chars=max_token_chars(tokenizer), codec=Codec(tokenizer),
+        weights=weights,
     )
 
 
@@ -193,8 +201,9 @@ def clear_quantized_marker(model: Any) -> None:
             config._is_quantized = False
 
 
-def fingerprint(model: Any, dtype: torch.dtype) -> str:
-    """sha256 over architecture, every tensor's name/shape and a sample of its values, and dtype.
+def fingerprint(model: Any, dtype: torch.dtype, weights_tag: str = "float") -> str:
+    """sha256 over architecture, every tensor's name/shape and a sample of its values, dtype,
+    and which linears are quantized how (``weights_tag``; "float" adds nothing).
 
     Deterministic across processes, and the same whether weights came from the GGUF or its
     cache; sampling the first and last values of each tensor is cheap even for a 7B model.
@@ -206,6 +215,8 @@ def fingerprint(model: Any, dtype: torch.dtype) -> str:
         "num_key_value_heads", "intermediate_size")}
     digest.update(json.dumps(ident, sort_keys=True).encode())
     digest.update(str(dtype).encode())
+    if weights_tag != "float":
+        digest.update(f"weights={weights_tag}".encode())
     with torch.no_grad():
         for name, tensor in sorted(model.state_dict().items()):
             flat = tensor.detach().reshape(-1)

@@ -1,0 +1,135 @@
+"""A GGUF file's 4-bit weights as they are stored: Q4_0 and Q4_1 blocks, read without rounding.
+
+transformers dequantizes every GGUF tensor to float when it converts the file (and the
+station caches that checkpoint). To keep the 4-bit form we read the blocks themselves:
+
+* Q4_1, 20 bytes per 32 weights: ``d`` (float16), ``m`` (float16), 16 bytes of nibbles
+  (weights 0-15 in the low halves, 16-31 in the high): ``w = d * q + m``.
+* Q4_0, 18 bytes per 32 weights: ``d``, 16 bytes of nibbles: ``w = d * (q - 8)``.
+
+GGUF names and row orders are transformers' own: the same name map and tensor processor
+it used for the conversion (for Llama-family files that un-permutes the rows of Q and K)
+are applied to the nibbles and to each block's ``d`` and ``m``, which works because they
+only reorder rows. Each weight is then checked against the dense checkpoint: its blocks,
+dequantized with the file format's own arithmetic, must give the converted weight bit for
+bit, or the weight is not used (it stays float, and the log says which and why).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from gnosis_daemon.logs import get_logger
+from station.runtime.gguf_table import read_tensor_table
+from station.runtime.quantized_linears import GROUP, Int4Groups
+
+log = get_logger(__name__)
+
+_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20}
+
+
+@dataclass(slots=True)
+class GgufWeights:
+    int4: dict[str, Int4Groups]  # the model's parameter name -> its 4-bit groups
+    types: dict[str, str]  # the model's parameter name -> the file's tensor type (Q4_1, Q8_0, F32...)
+    rejected: dict[str, str]  # name -> why its blocks were not used
+
+
+def decode_blocks(data: np.ndarray, kind: str) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """One tensor's raw rows [rows, bytes] -> (q [rows, cols] uint8, d [rows, blocks], m or None)."""
+    rows = data.shape[0]
+    blocks = np.ascontiguousarray(data).reshape(rows, -1, _BLOCK_BYTES[kind])
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32) if kind == "Q4_1" else None
+    nibbles = blocks[..., 4:] if kind == "Q4_1" else blocks[..., 2:]
+    q = np.concatenate([nibbles & 0x0F, nibbles >> 4], axis=-1)  # [rows, blocks, 32]
+    return q.reshape(rows, -1), d, m
+
+
+def dequantize_like_gguf(q: np.ndarray, d: np.ndarray, m: np.ndarray | None) -> np.ndarray:
+    """The file format's own arithmetic (as gguf-py and transformers' conversion do it)."""
+    rows = q.shape[0]
+    qb = q.reshape(rows, -1, GROUP)
+    if m is None:
+        values = d[..., None] * (qb.astype(np.int8) - np.int8(8)).astype(np.float32)
+    else:
+        values = d[..., None] * qb.astype(np.float32) + m[..., None]
+    return values.reshape(rows, -1)
+
+
+def groups_of(q: np.ndarray, d: np.ndarray, m: np.ndarray | None) -> Int4Groups:
+    """Torch's (q - 8) * scale + zero form: Q4_0 has zero 0, Q4_1 zero m + 8 d."""
+    zero = np.zeros_like(d) if m is None else m + 8 * d
+    return Int4Groups(torch.from_numpy(np.ascontiguousarray(q, dtype=np.uint8)),
+                      torch.from_numpy(np.ascontiguousarray(d)), torch.from_numpy(zero))
+
+
+def read_gguf_weights(gguf: Path, model: Any) -> GgufWeights:
+    """The 4-bit weights of ``gguf`` that match ``model``'s (its dense conversion) exactly."""
+    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
+
+    arch, tensors = read_tensor_table(gguf)
+    config = model.config
+    processor = TENSOR_PROCESSORS.get(arch, TensorProcessor)(config={
+        "num_attention_heads": getattr(config, "num_attention_heads", None),
+        "num_key_value_heads": getattr(config, "num_key_value_heads", None)})
+    params = dict(model.named_parameters())
+    names = _gguf_names(arch, config, params)
+    out = GgufWeights({}, {}, {})
+    for tensor in tensors:
+        name = names.get(tensor.name)
+        if name is None:
+            continue
+        out.types[name] = tensor.kind
+        if tensor.kind not in _BLOCK_BYTES:
+            continue
+        try:
+            q, d, m = decode_blocks(tensor.rows(), tensor.kind)
+            q, d = _rows_as_converted(processor, q, tensor.name), _rows_as_converted(processor, d, tensor.name)
+            m = None if m is None else _rows_as_converted(processor, m, tensor.name)
+        except Exception as exc:  # noqa: BLE001 - an unexpected layout: this weight stays float
+            out.rejected[name] = f"{type(exc).__name__}: {exc}"
+            continue
+        dense = params[name].detach()
+        if tuple(dense.shape) != q.shape:
+            out.rejected[name] = f"blocks of shape {q.shape} for a weight of {tuple(dense.shape)}"
+            continue
+        # a bfloat16/float16 model (CUDA) was converted to its dtype from the same values
+        values = torch.from_numpy(dequantize_like_gguf(q, d, m)).to(dense.dtype)
+        if not torch.equal(values, dense.cpu()):
+            out.rejected[name] = "its blocks do not dequantize to the converted weight"
+            continue
+        out.int4[name] = groups_of(q, d, m)
+    if out.rejected:
+        log.warning("gguf_blocks_not_used", count=len(out.rejected),
+                    first=next(iter(out.rejected.items())))
+    return out
+
+
+def _gguf_names(arch: str, config: Any, params: dict[str, Any]) -> dict[str, str]:
+    """GGUF tensor name -> the model's parameter name, by gguf-py's own name table."""
+    from gguf import MODEL_ARCH_NAMES, get_tensor_name_map
+
+    arch_id = next((k for k, v in MODEL_ARCH_NAMES.items() if v == arch), None)
+    if arch_id is None:
+        return {}
+    table = get_tensor_name_map(arch_id, int(config.num_hidden_layers))
+    names = {}
+    for name in params:
+        base, _, suffix = name.rpartition(".")
+        gguf_name = table.get_name(base)
+        if gguf_name is not None:
+            names[f"{gguf_name}.{suffix}"] = name
+    return names
+
+
+def _rows_as_converted(processor: Any, array: np.ndarray, name: str) -> np.ndarray:
+    result = processor.process(weights=array, name=name, tensor_key_mapping={}, parsed_parameters={})
+    if result.weights.shape != array.shape:
+        raise ValueError(f"the conversion reshapes {name}")
+    return np.ascontiguousarray(result.weights)

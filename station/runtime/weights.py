@@ -1,0 +1,194 @@
+"""The ``weights`` setting: which of the decoder's linear layers stay quantized, and how.
+
+* ``float``: every weight dense in the model's dtype (a GGUF file is dequantized).
+* ``auto`` (default): a GGUF file's Q4_0/Q4_1 weights stay 4-bit groups (``gguf_groups``:
+  its own blocks, no new rounding of the weights) and its Q8_0 weights become int8 rows; a
+  float checkpoint stays float. Each layer runs the quantized kernel only where it measures
+  faster than the float one on this machine (``KernelChoices``), else the same values dense.
+* ``int4`` / ``int8``: every decoder linear quantized (a GGUF file's 4-bit blocks are kept
+  as they are for ``int4``; the rest is quantized from the dense weights at load), always
+  with the quantized kernel: the operator asked for the memory.
+
+Only the decoder's ``nn.Linear`` layers change. Embeddings, norms, the vocabulary head (tied
+to the embeddings in small models), the KV cache and everything the engine keeps are as
+before. The summary (``WeightsReport.tag``) joins the model's fingerprint, so KV computed
+with one set of weights is never served to another.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from gnosis_daemon.logs import get_logger
+from station.runtime.quantized_linears import (
+    Int4Groups,
+    Int4Linear,
+    Int8Linear,
+    Int8Rows,
+    KernelChoices,
+    checked,
+    int4_applies,
+    machine_tag,
+)
+
+log = get_logger(__name__)
+
+MODES = ("auto", "float", "int8", "int4")
+
+
+@dataclass(slots=True)
+class WeightsReport:
+    mode: str
+    forms: dict[str, str] = field(default_factory=dict)  # layer name -> int4 | int8 | float
+    source: dict[str, str] = field(default_factory=dict)  # layer name -> gguf | load (quantized here)
+    slower: list[str] = field(default_factory=list)  # quantized kernel measured slower: kept float
+    linear_bytes_before: int = 0
+    linear_bytes_after: int = 0
+
+    def count(self, form: str) -> int:
+        return sum(1 for f in self.forms.values() if f == form)
+
+    @property
+    def tag(self) -> str:
+        """What the fingerprint must change with: every layer's form (and so its numerics)."""
+        if not any(f != "float" for f in self.forms.values()):
+            return "float"
+        digest = hashlib.sha256(json.dumps(sorted(self.forms.items())).encode()).hexdigest()[:16]
+        return f"int4:{self.count('int4')},int8:{self.count('int8')},{digest}"
+
+    def summary(self) -> dict[str, Any]:
+        return {"mode": self.mode, "int4_layers": self.count("int4"), "int8_layers": self.count("int8"),
+                "float_layers": self.count("float"), "kept_float_faster": len(self.slower),
+                "linear_bytes": self.linear_bytes_after, "linear_bytes_dense": self.linear_bytes_before}
+
+
+def decoder_linears(model: nn.Module) -> list[tuple[str, nn.Module, str, nn.Linear]]:
+    """(parameter name prefix, parent, attribute, layer) for the decoder's ``nn.Linear``s."""
+    head = model.get_output_embeddings()
+    prefix = next(name for name, module in model.named_modules() if module is model.base_model)
+    found = []
+    for parent_name, parent in model.base_model.named_modules():
+        for attr, child in parent.named_children():
+            if type(child) is nn.Linear and child is not head:
+                name = ".".join(p for p in (prefix, parent_name, attr) if p)
+                found.append((name, parent, attr, child))
+    return found
+
+
+def apply_weights(model: nn.Module, mode: str, device: torch.device, dtype: torch.dtype, *,
+                  gguf: Path | None = None, choices_dir: Path | None = None) -> WeightsReport:
+    """Swap the decoder's linears for quantized ones as ``mode`` says; -> what was done."""
+    if mode not in MODES:
+        raise ValueError(f"weights must be one of {', '.join(MODES)}, not {mode!r}")
+    report = WeightsReport(mode)
+    layers = decoder_linears(model)
+    for name, _, _, layer in layers:
+        report.forms[name] = "float"
+        report.linear_bytes_before += _bytes(layer)
+    report.linear_bytes_after = report.linear_bytes_before
+    if mode == "float" or not layers or (mode == "auto" and gguf is None):
+        return report
+    from_file = None
+    if gguf is not None and mode in ("auto", "int4", "int8"):
+        from station.runtime.gguf_groups import read_gguf_weights
+
+        from_file = read_gguf_weights(gguf, model)
+    choices = KernelChoices(_choices_path(choices_dir, model, gguf) if mode == "auto" else None)
+    built: dict[str, list] = {"int4": [], "int8": []}  # form -> [(name, parent, attr, layer, new, values, source)]
+    for name, parent, attr, layer in layers:
+        weight_name = f"{name}.weight"
+        form = _form(mode, from_file.types.get(weight_name) if from_file else None)
+        if form is None or (mode == "auto" and form == "int4" and weight_name not in from_file.int4):
+            continue  # auto: a block that did not check out stays float, never re-rounded
+        bias = None if layer.bias is None else layer.bias.detach()
+        made = _build(form, layer, from_file.int4.get(weight_name) if from_file else None,
+                      device, dtype)
+        if made is None:
+            continue
+        quantized, values, source = made
+        if not checked(quantized, values.to(device), bias):
+            log.warning("quantized_layer_disagrees", layer=name, form=form)
+            continue
+        built[form].append((name, parent, attr, layer, quantized, values, source))
+    for form, entries in built.items():
+        if mode == "auto" and not choices.choose(form, [(e[4], e[5]) for e in entries], device, dtype):
+            report.slower.extend(e[0] for e in entries)  # the same values run faster dense here
+            continue
+        for name, parent, attr, layer, quantized, _, source in entries:
+            setattr(parent, attr, quantized)
+            report.forms[name], report.source[name] = form, source
+            report.linear_bytes_after += _bytes(quantized) - _bytes(layer)
+    del built
+    choices.save()
+    if report.count("float") < len(layers):
+        _own_memory(model)
+    log.info("weights_applied", **report.summary())
+    return report
+
+
+def _own_memory(model: nn.Module) -> None:
+    """Copy what stays float out of the checkpoint's mapping, so the mapping is released.
+
+    transformers maps a safetensors file and hands out views of it: the weights we replaced
+    keep their file pages resident for as long as any tensor of that file lives. One copy
+    of the embeddings and norms frees the rest, then glibc is asked to give back the heap
+    that loading left behind.
+    """
+    with torch.no_grad():
+        for tensor in [*model.parameters(), *model.buffers()]:
+            if tensor.device.type == "cpu":
+                tensor.data = tensor.data.clone()
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: nothing to ask
+        pass
+
+
+def _form(mode: str, file_type: str | None) -> str | None:
+    if mode in ("int4", "int8"):
+        return mode
+    if file_type in ("Q4_0", "Q4_1"):
+        return "int4"
+    if file_type == "Q8_0":
+        return "int8"
+    return None  # auto: a float tensor stays float
+
+
+def _build(form: str, layer: nn.Linear, from_file: Int4Groups | None, device: torch.device,
+           dtype: torch.dtype) -> tuple[nn.Module, torch.Tensor, str] | None:
+    """(the quantized layer, the values it stands for, where they came from) or None."""
+    weight = layer.weight.detach()
+    bias = None if layer.bias is None else layer.bias.detach()
+    if form == "int4":
+        groups, source = (from_file, "gguf") if from_file is not None else (None, "load")
+        if groups is None:
+            if weight.shape[1] % 32:
+                return None
+            groups = Int4Groups.quantize(weight)
+        if not int4_applies(groups):
+            return None
+        return Int4Linear(groups, bias, device), groups.dequantize(), source
+    rows = Int8Rows.quantize(weight)
+    return Int8Linear(rows, bias, device, dtype), rows.dequantize(), "load"
+
+
+def _bytes(module: nn.Module) -> int:
+    return sum(t.numel() * t.element_size() for t in [*module.parameters(), *module.buffers()])
+
+
+def _choices_path(base: Path | None, model: nn.Module, gguf: Path | None) -> Path | None:
+    if base is None:
+        return None
+    config = model.config
+    ident = json.dumps([machine_tag(), str(gguf or ""), config.model_type, config.hidden_size,
+                        config.num_hidden_layers])
+    return base / "kernel-choices" / f"{hashlib.sha256(ident.encode()).hexdigest()[:16]}.json"
