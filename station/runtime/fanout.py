@@ -36,8 +36,6 @@ if TYPE_CHECKING:
     from station.runtime.engine import PagedEngine
     from station.core.scheduler import SchedulerOutput
 
-MAX_N = 16  # choices per generate (docs/api.md)
-
 
 def choice_id(request_id: str, index: int) -> str:
     return request_id if index == 0 else f"{request_id}#{index}"
