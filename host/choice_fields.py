@@ -82,7 +82,7 @@ def prompt_list(prompt: Any) -> list[dict[str, Any]]:
         return [{"prompt": prompt}]
     if _token_ids(prompt):
         return [_tokens(prompt, "prompt")]
-    if isinstance(prompt, list) and prompt:
+    if isinstance(prompt, list) and prompt and not any(is_int(p) for p in prompt):
         if len(prompt) > MAX_PROMPTS:
             raise errors.invalid_value("prompt", f"array too long. Expected at most "
                                        f"{MAX_PROMPTS} prompts, but got {len(prompt)}.")
