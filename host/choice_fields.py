@@ -47,7 +47,7 @@ def chat_logprobs(body: dict[str, Any]) -> dict[str, Any]:
     if logprobs is not None and not isinstance(logprobs, bool):
         raise errors.invalid_type("logprobs", "a boolean", logprobs)
     top = _int(body, "top_logprobs", 0, MAX_TOP_LOGPROBS)
-    if top is not None and not logprobs:
+    if top and not logprobs:  # 0 without logprobs is the default: it changes nothing
         raise errors.invalid_value("top_logprobs", "requires 'logprobs' to be true.")
     return {"logprobs": top or 0} if logprobs else {}
 
@@ -70,9 +70,12 @@ def _token_ids(value: Any) -> bool:
 
 def _tokens(ids: list[int], param: str) -> dict[str, Any]:
     low, high = min(ids), max(ids)
-    if low < 0 or high > MAX_INT32:
-        raise errors.invalid_value(param, f"token ids must be integers in [0, {MAX_INT32}], "
-                                   f"but got {low if low < 0 else high}.")
+    if low < 0:
+        raise errors.invalid_value(param, f"token ids must be non-negative integers, but got "
+                                   f"{low}.")
+    if high > MAX_INT32:
+        raise errors.invalid_value(param, f"token ids must be below the vocabulary size "
+                                   f"{MAX_INT32 + 1}, but got {high}.")
     return {"tokens": list(ids)}
 
 

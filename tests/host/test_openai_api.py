@@ -120,7 +120,7 @@ def test_content_parts_are_joined_and_developer_is_system():
      "Invalid type for 'logprobs': expected a boolean, but got an integer instead."),
     (chat(logprobs=True, top_logprobs=21), "top_logprobs", "invalid_value",
      "Invalid 'top_logprobs': must be in [0, 20], but got 21."),
-    (chat(top_logprobs=2), "top_logprobs", "invalid_value",
+    (chat(top_logprobs=2, logprobs=False), "top_logprobs", "invalid_value",
      "Invalid 'top_logprobs': requires 'logprobs' to be true."),
     (chat(echo=True), "echo", "unknown_parameter",
      "Unrecognized request argument supplied: echo"),
