@@ -27,6 +27,7 @@ from quart import Response
 from gnosis_daemon.client import StationConnection, StationError, StationStream
 from gnosis_daemon.settings import Settings
 from host import errors, formatting, liquid, openai_api, sse
+from host.choices import PromptChoices
 from host.errors import ApiError
 from host.liquid import LiquidOutcome
 from host.liquid_memory import LiquidMemory, Prepared
@@ -55,46 +56,100 @@ async def complete(settings: Settings, link: StationLink, memory: LiquidMemory,
     model = (link.hello or {}).get("model") or {}
     req, parser = with_tools(req, model)
     check_grammar_support(req, link.capabilities)
-    check_prompt_fits(req, model, link.max_frame_bytes)
+    reqs = per_prompt(req)
+    for one in reqs:
+        check_prompt_fits(one, model, link.max_frame_bytes)
     record.model = model_id
     fmt = formatting.Formatter(req.kind, model_id, req.include_usage)
+    n = req.station_args.get("n", 1)
+    name = req.session_name if len(reqs) == 1 else None
     if not req.stream:
         try:
             with trio.fail_after(settings.request_timeout_s):
-                prepared, outcome, result = await _run(conn, memory, req, record, tenant)
+                runs = [None] * len(reqs)
+
+                async def run_one(i: int) -> None:
+                    runs[i] = await _run(conn, memory, reqs[i], record, tenant, name, i, n)
+
+                async with trio.open_nursery() as nursery:
+                    for i in range(len(reqs)):
+                        nursery.start_soon(run_one, i)
         except StationError as exc:
             raise station_error(exc, req) from None
         except trio.TooSlowError:
             raise ApiError(504, f"The completion did not finish within "
                            f"{settings.request_timeout_s:g} s.", errors.SERVER_ERROR, None,
                            "timeout") from None
-        memory.on_result(prepared, result)
-        _note_result(record, result)
-        usage = formatting.usage(result["prompt_tokens"], result["completion_tokens"],
-                                 result.get("cached_tokens", 0))
-        text, reason, calls = result.get("text", ""), result["finish_reason"], None
-        if parser is not None:
-            content, found = parse_tool_calls(text, parser, _max_calls(req))
-            if found:  # else the content is the whole text
-                text, reason, calls = content, "tool_calls", [c.openai() for c in found]
-        return json_response(fmt.completion(text, reason, usage, _gnosis(outcome, result), calls),
-                             headers=liquid.headers(outcome))
+        out = []
+        for prepared, outcome, result, prompt in runs:
+            memory.on_result(prepared, result)
+            for choice, part in zip(prompt.choices, prompt.results(result)):
+                text, reason, calls = part.get("text", ""), part["finish_reason"], None
+                if parser is not None:
+                    content, found = parse_tool_calls(text, parser, _max_calls(req))
+                    if found:  # else the content is the whole text
+                        text, reason, calls = content, "tool_calls", [c.openai() for c in found]
+                echo, echo_lps = prompt.echo(req.kind, choice) if req.echo else ("", None)
+                lps = choice.logprobs(req.kind, choice.entries if "logprobs" in req.station_args
+                                      else None)
+                text = echo + text
+                if echo_lps is not None and lps is not None:
+                    lps = {k: echo_lps[k] + lps[k] for k in lps}
+                out.append(fmt.choice(text, reason, index=choice.index, logprobs=lps,
+                                      tool_calls=calls))
+        total = _total([r[2] for r in runs])
+        _note_result(record, total)
+        usage = formatting.usage(total["prompt_tokens"], total["completion_tokens"],
+                                 total.get("cached_tokens", 0))
+        outcome = runs[0][1]
+        return json_response(fmt.completion(None, "", usage, _gnosis(outcome, total),
+                                            choices=out), headers=liquid.headers(outcome))
     stack = AsyncExitStack()
     record.closers.append(stack.aclose)
+    opened = []
     try:
-        prepared = memory.prepare(req.station_args, tenant=tenant, name=req.session_name)
-        stream = await stack.enter_async_context(
-            conn.open_stream("generate", prepared.args, rid=record.request_id))
-        first = await _next(stream)
+        for i, one in enumerate(reqs):
+            prepared = memory.prepare(one.station_args, tenant=tenant, name=name)
+            stream = await stack.enter_async_context(
+                conn.open_stream("generate", prepared.args, rid=record.request_id))
+            first = await _next(stream)
+            outcome = _outcome(memory, prepared, first, record)
+            prompt = PromptChoices(i, n, await _echo_text(conn, one) if req.echo else None)
+            opened.append((stream, first, prepared, outcome, prompt))
     except StationError as exc:
         raise station_error(exc, req) from None
-    outcome = _outcome(memory, prepared, first, record)
-    tool_parser = ToolCallParser(parser, _max_calls(req)) if parser is not None else None
-    body = _stream_body(stream, first, fmt, memory, prepared, outcome, record, req,
-                        tool_parser)
-    response = Response(body, 200, {**sse.HEADERS, **liquid.headers(outcome)})
+    body = _stream_body(opened, fmt, memory, record, req, parser)
+    response = Response(body, 200, {**sse.HEADERS, **liquid.headers(opened[0][3])})
     response.timeout = None  # a generation may outlast RESPONSE_TIMEOUT (60 s)
     return response
+
+
+def per_prompt(req: openai_api.CompletionRequest) -> list[openai_api.CompletionRequest]:
+    """One request per prompt; with several, each blames its own ``prompt[i]``."""
+    if not req.prompts:
+        return [req]
+    base = {k: v for k, v in req.station_args.items() if k not in ("prompt", "tokens")}
+    return [replace(req, station_args={**base, **p}, prompt_param=f"prompt[{i}]",
+                    prompt_chars=len(p.get("prompt", "")), prompts=None)
+            for i, p in enumerate(req.prompts)]
+
+
+async def _echo_text(conn: StationConnection, req: openai_api.CompletionRequest) -> str:
+    """The prompt's text, echoed before a text completion (token prompts: detokenized)."""
+    args = req.station_args
+    if "tokens" not in args:
+        return args.get("prompt", "")
+    result = await conn.request("detokenize", {"tokens": args["tokens"],
+                                               "skip_special_tokens": False})
+    return result["text"]
+
+
+def _total(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """The results of every prompt as one: each prompt counted once, every choice's tokens."""
+    total = dict(results[0])
+    for key in ("prompt_tokens", "completion_tokens", "cached_tokens"):
+        total[key] = sum(r.get(key, 0) for r in results)
+    return total
 
 
 def with_tools(req: openai_api.CompletionRequest,
@@ -223,76 +278,102 @@ def _outcome(memory: LiquidMemory, prepared: Prepared, first: dict[str, Any] | N
 
 
 async def _run(conn: StationConnection, memory: LiquidMemory,
-               req: openai_api.CompletionRequest, record: RequestRecord,
-               tenant: str) -> tuple[Prepared, LiquidOutcome, dict[str, Any]]:
-    """A whole non-streamed generation: (prepared call, outcome, the station's result)."""
-    prepared = memory.prepare(req.station_args, tenant=tenant, name=req.session_name)
+               req: openai_api.CompletionRequest, record: RequestRecord, tenant: str,
+               name: str | None, prompt_index: int, n: int
+               ) -> tuple[Prepared, LiquidOutcome, dict[str, Any], PromptChoices]:
+    """A whole non-streamed generation: (prepared call, outcome, the station's result, its
+    choices with their logprobs)."""
+    prepared = memory.prepare(req.station_args, tenant=tenant, name=name)
+    prompt = PromptChoices(prompt_index, n)
     async with conn.open_stream("generate", prepared.args, rid=record.request_id) as stream:
         first = await _next(stream)
         outcome = _outcome(memory, prepared, first, record)
-        if first is not None and first.get("type") == "tokens":
-            record.on_tokens(len(first.get("token_ids") or ()))
-        async for event in stream:
-            if event.get("type") == "tokens":
-                record.on_tokens(len(event.get("token_ids") or ()))
-    assert stream.result is not None
-    return prepared, outcome, stream.result
-
-
-async def _stream_body(stream: StationStream, first: dict[str, Any] | None,
-                       fmt: formatting.Formatter, memory: LiquidMemory, prepared: Prepared,
-                       outcome: LiquidOutcome, record: RequestRecord,
-                       req: openai_api.CompletionRequest,
-                       tools: ToolCallParser | None) -> AsyncIterator[bytes]:
-    """``tools``: the parser of a request with tools; content is streamed as it is known
-    not to start a call, each call when it is complete."""
-    role = fmt.role_chunk()
-    if role is not None:
-        yield sse.event(role)
-    completion_tokens = 0
-
-    def chunks(text: str, calls: list) -> list[bytes]:
-        out = [sse.event(fmt.delta_chunk(text))] if text else []
-        for call in calls:
-            index = tools.calls.index(call) if tools is not None else 0
-            out += [sse.event(c) for c in fmt.tool_call_chunks(index, call.openai())]
-        return out
-
-    try:
         event = first
         while event is not None:
+            prompt.on_event(event)
             if event.get("type") == "tokens":
-                count = len(event.get("token_ids") or ())
-                record.on_tokens(count)
-                completion_tokens += count
-                record.completion_tokens = completion_tokens
-                if event.get("text"):
-                    text, calls = (tools.feed(event["text"]) if tools is not None
-                                   else (event["text"], []))
-                    for chunk in chunks(text, calls):
-                        yield chunk
+                record.on_tokens(len(event.get("token_ids") or ()))
             event = await _next(stream)
-    except StationError as exc:
-        # Headers are gone: the error travels as an event, the way OpenAI streams report it.
-        record.outcome = f"error:{exc.code}"
-        error = errors.for_client(station_error(exc, req), record.request_id)
-        yield sse.event(error.body())
-        return
-    reason = None
-    if tools is not None:
-        for chunk in chunks(*tools.finish()):
-            yield chunk
-        reason = "tool_calls" if tools.calls else None
-    result = stream.result
-    assert result is not None
-    memory.on_result(prepared, result)
-    _note_result(record, result)
-    gnosis = _gnosis(outcome, result)
-    yield sse.event(fmt.finish_chunk(reason or result["finish_reason"],
-                                     None if fmt.include_usage else gnosis))
+    if req.echo:
+        prompt.echo_text = await _echo_text(conn, req)
+    assert stream.result is not None
+    return prepared, outcome, stream.result, prompt
+
+
+async def _stream_body(opened: list, fmt: formatting.Formatter, memory: LiquidMemory,
+                       record: RequestRecord, req: openai_api.CompletionRequest,
+                       parser: str | None) -> AsyncIterator[bytes]:
+    """Every prompt's stream in turn (the station runs them all at once: the streams
+    buffer); a request with tools (``parser``) streams content as it is known not to start
+    a call, each call when it is complete."""
+    tools: dict[int, ToolCallParser] = {}
+    completion_tokens = 0
+    results = []
+
+    def chunks(index: int, text: str, lps: dict | None, calls: Any = ()) -> list[bytes]:
+        out = [sse.event(fmt.delta_chunk(text, index, lps))] if text or lps else []
+        for call in calls:
+            at = tools[index].calls.index(call) if index in tools else 0
+            out += [sse.event(c) for c in fmt.tool_call_chunks(at, call.openai(), index)]
+        return out
+
+    for stream, first, prepared, outcome, prompt in opened:
+        for choice in prompt.choices:
+            role = fmt.role_chunk(choice.index)
+            if role is not None:
+                yield sse.event(role)
+            if parser is not None:
+                tools[choice.index] = ToolCallParser(parser, _max_calls(req))
+        try:
+            event = first
+            while event is not None:
+                choice, entries = prompt.on_event(event)
+                if event.get("type") == "prefill" and req.echo:
+                    for c in prompt.choices:
+                        for chunk in chunks(c.index, *prompt.echo(req.kind, c)):
+                            yield chunk
+                if event.get("type") == "tokens":
+                    count = len(event.get("token_ids") or ())
+                    record.on_tokens(count)
+                    completion_tokens += count
+                    record.completion_tokens = completion_tokens
+                    text = event.get("text") or ""
+                    calls: list = []
+                    if text and choice.index in tools:
+                        text, calls = tools[choice.index].feed(text)
+                    lps = choice.logprobs(req.kind, entries)
+                    for chunk in chunks(choice.index, text, lps, calls):
+                        yield chunk
+                event = await _next(stream)
+        except StationError as exc:
+            # Headers are gone: the error travels as an event, the way OpenAI streams report it.
+            record.outcome = f"error:{exc.code}"
+            error = errors.for_client(station_error(exc, req), record.request_id)
+            yield sse.event(error.body())
+            return
+        result = stream.result
+        assert result is not None
+        memory.on_result(prepared, result)
+        results.append(result)
+        for choice, part in zip(prompt.choices, prompt.results(result)):
+            reason = None
+            if choice.index in tools:
+                text, calls = tools[choice.index].finish()
+                for chunk in chunks(choice.index, text, None, calls):
+                    yield chunk
+                reason = "tool_calls" if tools[choice.index].calls else None
+            last = choice is prompt.choices[-1] and prompt is opened[-1][4]
+            gnosis = None
+            if last:
+                total = _total(results)
+                _note_result(record, total)
+                gnosis = _gnosis(opened[0][3], total)
+            yield sse.event(fmt.finish_chunk(reason or part["finish_reason"],
+                                             None if fmt.include_usage or not last else gnosis,
+                                             choice.index))
     if fmt.include_usage:
-        usage = formatting.usage(result["prompt_tokens"], result["completion_tokens"],
-                                 result.get("cached_tokens", 0))
+        usage = formatting.usage(total["prompt_tokens"], total["completion_tokens"],
+                                 total.get("cached_tokens", 0))
         yield sse.event(fmt.usage_chunk(usage, gnosis))
     record.outcome = "ok"
     yield sse.DONE

@@ -34,23 +34,28 @@ class Formatter:
 
     def completion(self, text: str | None, finish_reason: str, usage_: dict[str, Any],
                    gnosis: dict[str, Any],
-                   tool_calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+                   tool_calls: list[dict[str, Any]] | None = None, *,
+                   choices: list[dict[str, Any]] | None = None) -> dict[str, Any]:
         """``tool_calls`` (chat): the calls parsed from the output, ``text`` the content
-        before them (None when there is none)."""
-        if self.kind == CHAT:
-            out = self._envelope("chat.completion")
-            message: dict[str, Any] = {"role": "assistant", "content": text}
-            if tool_calls:
-                message["tool_calls"] = tool_calls
-            choice = {"index": 0, "message": message,
-                      "logprobs": None, "finish_reason": finish_reason}
-        else:
-            out = self._envelope("text_completion")
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
-        out["choices"] = [choice]
+        before them (None when there is none). ``choices``: several, made by ``choice``."""
+        out = self._envelope("chat.completion" if self.kind == CHAT else "text_completion")
+        out["choices"] = choices if choices is not None else \
+            [self.choice(text, finish_reason, tool_calls=tool_calls)]
         out["usage"] = usage_
         out["_gnosis"] = gnosis
         return out
+
+    def choice(self, text: str | None, finish_reason: str, *, index: int = 0,
+               logprobs: dict[str, Any] | None = None,
+               tool_calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+        """One choice of a whole completion (``logprobs``: host.choices' shapes)."""
+        if self.kind == CHAT:
+            message: dict[str, Any] = {"role": "assistant", "content": text}
+            if tool_calls:
+                message["tool_calls"] = tool_calls
+            return {"index": index, "message": message, "logprobs": logprobs,
+                    "finish_reason": finish_reason}
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
 
     def _chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
         out = self._envelope("chat.completion.chunk" if self.kind == CHAT else "text_completion")
@@ -59,31 +64,38 @@ class Formatter:
             out["usage"] = None  # OpenAI sends null usage on every chunk but the last
         return out
 
-    def _choice(self, text: str, finish_reason: str | None, *, role: bool = False) -> dict[str, Any]:
+    def _choice(self, text: str, finish_reason: str | None, *, role: bool = False,
+                index: int = 0, logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
         if self.kind == TEXT:
-            return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+            return {"index": index, "text": text, "logprobs": logprobs,
+                    "finish_reason": finish_reason}
         delta: dict[str, Any] = {"role": "assistant", "content": text} if role else \
             ({"content": text} if finish_reason is None else {})
-        return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        return {"index": index, "delta": delta, "logprobs": logprobs,
+                "finish_reason": finish_reason}
 
-    def role_chunk(self) -> dict[str, Any] | None:
+    def role_chunk(self, index: int = 0) -> dict[str, Any] | None:
         """The first chat chunk announces the role; text completions have none."""
-        return self._chunk([self._choice("", None, role=True)]) if self.kind == CHAT else None
+        return self._chunk([self._choice("", None, role=True, index=index)]) \
+            if self.kind == CHAT else None
 
-    def delta_chunk(self, text: str) -> dict[str, Any]:
-        return self._chunk([self._choice(text, None)])
+    def delta_chunk(self, text: str, index: int = 0,
+                    logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+        return self._chunk([self._choice(text, None, index=index, logprobs=logprobs)])
 
-    def tool_call_chunks(self, index: int, call: dict[str, Any]) -> list[dict[str, Any]]:
+    def tool_call_chunks(self, index: int, call: dict[str, Any],
+                         choice: int = 0) -> list[dict[str, Any]]:
         """A call streamed as OpenAI streams one: its id, type and name with empty
         arguments, then the arguments."""
         head = {"index": index, "id": call["id"], "type": "function",
                 "function": {"name": call["function"]["name"], "arguments": ""}}
         args = {"index": index, "function": {"arguments": call["function"]["arguments"]}}
-        return [self._chunk([{"index": 0, "delta": {"tool_calls": [part]}, "logprobs": None,
+        return [self._chunk([{"index": choice, "delta": {"tool_calls": [part]}, "logprobs": None,
                               "finish_reason": None}]) for part in (head, args)]
 
-    def finish_chunk(self, finish_reason: str, gnosis: dict[str, Any] | None) -> dict[str, Any]:
-        out = self._chunk([self._choice("", finish_reason)])
+    def finish_chunk(self, finish_reason: str, gnosis: dict[str, Any] | None,
+                     index: int = 0) -> dict[str, Any]:
+        out = self._chunk([self._choice("", finish_reason, index=index)])
         if gnosis is not None:
             out["_gnosis"] = gnosis
         return out

@@ -14,7 +14,7 @@ Field policy (docs/api.md lists every field):
 - ``tools``, ``tool_choice``, ``parallel_tool_calls``, ``response_format`` and the tool
   fields of messages are checked in ``host.tool_fields``;
 - fields OpenAI defines that would change the answer and are not implemented
-  (``functions``, ``logprobs``...) are refused with ``unsupported_value`` naming the field,
+  (``functions``, ``suffix``...) are refused with ``unsupported_value`` naming the field,
   unless the value equals the default, which changes nothing;
 - fields OpenAI defines that do not change the answer (``metadata``, ``store``,
   ``service_tier``...) are type-checked and have no effect;
@@ -35,7 +35,6 @@ from host.fields import (
     check_known,
     default_only,
     is_bool,
-    is_int,
     is_list,
     is_str,
     is_str_dict,
@@ -44,6 +43,7 @@ from host.fields import (
     present,
     typed,
 )
+from host.choice_fields import chat_logprobs, choices_n, prompt_list, text_logprobs
 from host.sampling_fields import sampling_controls
 from host.tool_fields import ToolRequest, message_tool_fields, response_format, tool_request
 
@@ -95,6 +95,10 @@ class CompletionRequest:
     tools: ToolRequest | None = None  # tools to render and calls to parse (chat only)
     # Where a grammar the station refuses is blamed (response_format / tool_choice).
     grammar_param: str | None = None
+    # Several prompts (/v1/completions): each one's prompt args ({"prompt"} or {"tokens"}),
+    # None for one prompt (station_args holds it).
+    prompts: tuple[dict[str, Any], ...] | None = None
+    echo: bool = False  # /v1/completions: the prompt's text before the completion's
 
     def __post_init__(self) -> None:
         assert self.kind in (CHAT, TEXT), self.kind
@@ -113,12 +117,7 @@ def parse_chat(body: Any) -> CompletionRequest:
         raise errors.invalid_value("messages", "empty array. Expected an array with minimum "
                                    "length 1, but got an empty array instead.")
     args = {"messages": [_message(m, f"messages[{i}]") for i, m in enumerate(messages)]}
-    if present(body, "logprobs"):
-        if not isinstance(body["logprobs"], bool):
-            raise errors.invalid_type("logprobs", "a boolean", body["logprobs"])
-        if body["logprobs"]:
-            raise errors.unsupported("logprobs", "is not supported by this server.")
-    default_only(body, "top_logprobs", is_int, "an integer", lambda v: v == 0)
+    args.update(chat_logprobs(body))
     default_only(body, "functions", is_list, "an array", lambda v: not v)
     # Without functions (the only way here) "none" and "auto" both mean: answer in text.
     default_only(body, "function_call", is_str_or_dict, "a string or an object",
@@ -157,16 +156,16 @@ def parse_completion(body: Any) -> CompletionRequest:
     check_known(body, TEXT_FIELDS)
     if not present(body, "prompt"):
         raise errors.missing("prompt")
-    args = _prompt(body["prompt"])
-    if present(body, "logprobs"):
-        raise errors.unsupported("logprobs", "is not supported by this server.")
-    default_only(body, "echo", is_bool, "a boolean", lambda v: v is False)
+    prompts = prompt_list(body["prompt"])
+    args = dict(prompts[0])
+    args.update(text_logprobs(body))
     if present(body, "suffix"):
         raise errors.unsupported("suffix", "is not supported by this server.")
-    default_only(body, "best_of", is_int, "an integer", lambda v: v == 1)
-    chars = len(args.get("prompt", ""))
-    return _finish(TEXT, body, args, bounded_int(body, "max_tokens", 1, MAX_INT32), "prompt",
-                   chars)
+    chars = max(len(p.get("prompt", "")) for p in prompts)
+    req = _finish(TEXT, body, args, bounded_int(body, "max_tokens", 1, MAX_INT32), "prompt",
+                  chars)
+    return replace(req, prompts=tuple(prompts) if len(prompts) > 1 else None,
+                   echo=bool(body.get("echo")))
 
 
 def _finish(kind: str, body: dict[str, Any], args: dict[str, Any], max_tokens: int | None,
@@ -184,12 +183,9 @@ def _finish(kind: str, body: dict[str, Any], args: dict[str, Any], max_tokens: i
     if top_k is not None and top_k > 0:
         args["top_k"] = top_k
     sampling_controls(body, args, max_tokens)
-    n = body.get("n")
-    if n is not None:
-        if not is_int(n):
-            raise errors.invalid_type("n", "an integer", n)
-        if n != 1:
-            raise errors.unsupported("n", f"must be 1 on this server, but got {n}.")
+    n = choices_n(body)
+    if n > 1:
+        args["n"] = n
     stop = body.get("stop")
     if stop is not None:
         args["stop"] = _stop(stop)
@@ -275,27 +271,6 @@ def _text_part(part: Any, where: str) -> str:
     if not isinstance(text, str):
         raise errors.invalid_type(f"{where}.text", "a string", text)
     return text
-
-
-def _token_ids(value: Any) -> bool:
-    return isinstance(value, list) and bool(value) and all(is_int(t) for t in value)
-
-
-def _prompt(prompt: Any) -> dict[str, Any]:
-    if isinstance(prompt, str):
-        return {"prompt": prompt}
-    if isinstance(prompt, list) and prompt:
-        if _token_ids(prompt):
-            return {"tokens": check_token_ids(prompt, MAX_TOKEN_ID + 1, "prompt")}
-        if len(prompt) == 1 and isinstance(prompt[0], str):
-            return {"prompt": prompt[0]}
-        if len(prompt) == 1 and _token_ids(prompt[0]):
-            return {"tokens": check_token_ids(prompt[0], MAX_TOKEN_ID + 1, "prompt")}
-        if len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
-            raise errors.unsupported("prompt", "must hold one prompt on this server (batched "
-                                     "prompts are not supported).")
-    raise errors.invalid_type("prompt", "a string, an array with one string, or an array of "
-                              "token ids", prompt)
 
 
 def check_token_ids(tokens: list[int], vocab_size: int, param: str) -> list[int]:

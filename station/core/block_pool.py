@@ -91,6 +91,7 @@ class BlockPool:
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.cached_block_hash_to_block: dict[BlockHash, KVBlock] = {}
         self.num_pinned_blocks = 0  # distinct blocks with pin_cnt > 0 (an int: safe to read anywhere)
+        self.num_allocated = 0  # blocks handed out by ``allocate`` since start (stats)
 
     # -- figures
     @property
@@ -162,6 +163,7 @@ class BlockPool:
     def allocate(self, num_blocks: int) -> list[KVBlock]:
         """Pop ``num_blocks`` from the free-queue head (evicting their cached hashes)."""
         assert self.can_allocate(num_blocks), "allocate() without can_allocate()"
+        self.num_allocated += num_blocks
         out: list[KVBlock] = []
         for _ in range(num_blocks):
             block_id, _ = self._free.popitem(last=False)

@@ -122,6 +122,7 @@ class KVCacheManager:
             "blocks_free": pool.num_free_blocks,  # allocatable, cached-but-unreferenced included
             "blocks_cached": pool.num_cached_blocks,
             "blocks_held": pool.num_held_blocks,
+            "blocks_allocated": pool.num_allocated,
             "kv_sessions": len(sessions),
             "kv_session_budget": sessions.budget,
             "kv_sessions_expired": sessions.num_expired,

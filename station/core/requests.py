@@ -98,6 +98,12 @@ class GenerationRequest:
     # Structured output: an xgrammar CompiledGrammar (opaque here, see
     # station.runtime.grammar); None: unconstrained.
     grammar: Any = None
+    # Issue 13: ``n`` choices share the prompt's prefill (``station.runtime.fanout``);
+    # ``logprobs``: top alternatives per sampled token (None: no logprobs);
+    # ``prompt_logprobs``: the same for every prompt token (no prefix-cache reuse then).
+    n: int = 1
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -158,12 +164,15 @@ class Prefill:
     session_error: str | None = None  # why no session was loaded (SessionOutcome value)
     saved: bool = False  # save_session pinned the prompt's full blocks
     save_error: str | None = None
+    # [None, TokenLogprobs...] per prompt token when prompt_logprobs was asked
+    prompt_logprobs: Any = None
 
 
 @dataclass(frozen=True, slots=True)
 class Token:
     request_id: str
     token_id: int
+    logprobs: Any = None  # a station.runtime.logprobs.TokenLogprobs when asked for
 
 
 @dataclass(frozen=True, slots=True)

@@ -28,7 +28,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field, replace
 
-from station.core.kv_manager import KVCacheManager, LoadPlan, SessionOutcome
+from station.core.kv_manager import ComputedBlocks, KVCacheManager, LoadPlan, SessionOutcome
 from station.core.sequence import Sequence, SequenceStatus
 from station.core.sessions import KVSession
 
@@ -40,6 +40,7 @@ class SchedulerOutput:
     preempted: list[Sequence] = field(default_factory=list)
     finished: list[Sequence] = field(default_factory=list)  # ended by the scheduler (no room)
     loads: list[LoadPlan] = field(default_factory=list)  # disk sessions to read back
+    forked: list[Sequence] = field(default_factory=list)  # choices forked after this step
 
     @property
     def is_empty(self) -> bool:
@@ -61,6 +62,7 @@ class Scheduler:
         self.prefix_cache_queries_tokens = 0
         self.prefix_cache_hits_tokens = 0
         self.num_preemptions = 0
+        self.prefill_tokens = 0  # tokens computed in prefill chunks since start (stats)
 
     # -- queue management
     def add(self, seq: Sequence) -> None:
@@ -180,12 +182,15 @@ class Scheduler:
             self.kv.cache_full_blocks(seq)
         for seq, n in out.prefills:
             seq.num_computed_tokens += n
+            self.prefill_tokens += n
             self.kv.cache_full_blocks(seq)
 
     # -- internals
     def _admit(self, seq: Sequence, out: SchedulerOutput) -> bool:
         first_admission = seq.num_preemptions == 0
         computed = self.kv.find_computed_blocks(seq, seq.load_session)
+        if seq.prompt_logprobs is not None:  # every prompt row's logits are needed: no reuse
+            computed = ComputedBlocks((), 0)
         if computed.session_outcome is SessionOutcome.ON_DISK:
             on_disk = computed.disk_session
             plan = None if on_disk.loading else self.kv.begin_load(on_disk)

@@ -45,7 +45,8 @@ from station.runtime.engine_calls import EngineCalls, RequestState, answer, sess
 from station.runtime.kv_cache import KVCache, KVCacheShape, num_blocks_for
 from station.runtime.kv_tier import DiskTier
 from station.runtime.model_runner import ModelRunner
-from station.runtime.logits_processing import SequenceSampling, sample_sequences
+from station.runtime import fanout
+from station.runtime.logprobs import prompt_logprobs_of
 from station.core.kv_manager import KVCacheManager
 from station.core.scheduler import Scheduler
 from station.core.sequence import Sequence, SequenceKind
@@ -144,20 +145,9 @@ class PagedEngine:
         self.calls.shutdown()
 
     def add_request(self, request: GenerationRequest, on_event: EventCallback) -> None:
-        prompt = list(request.prompt_ids)
-        self.limits.check(prompt, room=1)  # at least one token to generate
-        params = request.params
-        stop_ids = set(params.stop_token_ids)
-        if not params.ignore_eos:
-            stop_ids.update(self.loaded.eos_token_ids)
-        seq = Sequence(
-            request.request_id, prompt, params,
-            extra_keys=self.kv.extra_keys(request.tenant), tenant=request.tenant,
-            load_session=request.load_session, match_session=request.match_session,
-            sampling=SequenceSampling(params, prompt, stop_ids, self.device, request.grammar),
-            user=RequestState(on_event, frozenset(stop_ids), save_session=request.save_session,
-                         save_final_session=request.save_final_session),
-        )
+        self.limits.check(list(request.prompt_ids), room=1)  # at least one token to generate
+        seqs = fanout.make_sequences(self, request, on_event)  # n > 1: the choices to fork
+        seq = seqs[0]
         with self._cond:
             if self._stopping:
                 raise OpError(ErrorCode.SHUTTING_DOWN, "the station is shutting down")
@@ -165,7 +155,7 @@ class PagedEngine:
                 raise OpError(ErrorCode.BAD_REQUEST,
                               f"request id {request.request_id!r} is already running")
             self._check_queue()
-            self._known.add(request.request_id)
+            self._known.update(s.seq_id for s in seqs)
             self._inbox.append(seq)
             self._cond.notify_all()
 
@@ -234,6 +224,7 @@ class PagedEngine:
             "waiting": len(sched.waiting) + num_inbox,
             "preemptions": sched.num_preemptions,
             "steps": self.num_steps,
+            "prefill_tokens": sched.prefill_tokens,
             "host_sequences": len(self.calls.seqs),
             "embed_calls": len(self.calls.embeds),
             "embed_inputs": self.calls.embed_inputs_done,
@@ -305,20 +296,17 @@ class PagedEngine:
         try:
             logits, sampled = self.runner.run(out)
             sched.on_step_done(out)
-            rows = [i for i, s in enumerate(sampled) if s.kind is SequenceKind.GENERATE]
-            gens = [sampled[i] for i in rows]
-            tokens = sample_sequences(logits[rows], [s.sampling for s in gens]).tolist() if gens else []
+            held, gens, tokens, lps = fanout.sample_step(self, out, logits, sampled)
         except Exception as exc:  # one bad step must not take the engine down
             log.exception("engine_step_failed")
-            for seq in [*out.decodes, *(s for s, _ in out.prefills)]:
+            for seq in [*out.decodes, *(s for s, _ in out.prefills), *out.forked]:
                 sched.finish(seq, "error")
                 self._end(seq, ErrorCode.INTERNAL, f"model step failed: {type(exc).__name__}: {exc}")
             return
-        for i, seq in enumerate(sampled):
-            if seq.kind is SequenceKind.HELD:
-                self.calls.on_logits(seq, logits[i])
-        for seq, token in zip(gens, tokens):
-            self._postprocess(seq, token)
+        for seq, row in held:
+            self.calls.on_logits(seq, logits[row])
+        for seq, token, lp in zip(gens, tokens, lps):
+            self._postprocess(seq, token, lp)
 
     # -- KV sessions (engine thread)
     def _save_named(self, session_id: str | None, seq: Sequence, num_tokens: int) -> tuple[bool, str | None]:
@@ -337,7 +325,7 @@ class PagedEngine:
             saved, error = self._save_named(client.save_final_session, seq, seq.num_tokens)
             client.final_saved, client.final_save_error = saved, error
 
-    def _postprocess(self, seq: Sequence, token: int) -> None:
+    def _postprocess(self, seq: Sequence, token: int, logprobs: Any = None) -> None:
         client: RequestState = seq.user
         if not seq.prefill_reported:
             seq.prefill_reported = True
@@ -345,9 +333,9 @@ class PagedEngine:
             self._emit(seq, Prefill(
                 seq.seq_id, seq.num_prompt_tokens, seq.num_cached_tokens,
                 (time.perf_counter() - client.arrival) * 1000, **session_fields(seq),
-                saved=saved, save_error=save_error))
+                saved=saved, save_error=save_error, prompt_logprobs=prompt_logprobs_of(seq)))
         seq.token_ids.append(token)
-        self._emit(seq, Token(seq.seq_id, token))
+        self._emit(seq, Token(seq.seq_id, token, logprobs))
         if token in client.stop_ids or seq.sampling.finished:  # eos, or the grammar's end
             reason = "stop"
         elif (seq.num_completion_tokens >= seq.params.max_tokens
@@ -365,6 +353,7 @@ class PagedEngine:
             # Only the scheduler ends a held sequence this way: it outgrew the pool.
             self._end(seq, ErrorCode.CAPACITY, "the sequence no longer fits the KV pool")
             return
+        fanout.end_forks(self, seq)  # choices not forked yet end with their parent
         self._forget(seq)
         final_saved, final_error = client.final_saved, client.final_save_error
         if client.save_final_session and not final_saved and final_error is None:
@@ -378,6 +367,7 @@ class PagedEngine:
         if seq.kind is SequenceKind.HELD:
             self.calls.fail(seq, OpError(code, message))
             return
+        fanout.end_forks(self, seq, (code, message))
         self._forget(seq)
         self._emit(seq, Failed(seq.seq_id, OpError(code, message)))
 

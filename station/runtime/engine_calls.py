@@ -71,6 +71,7 @@ class RequestState:
     final_saved: bool = False
     final_save_error: str | None = None
     held: HeldState | None = None  # set for held sequences (forward/decode_next)
+    prompt_lps: list[Any] | None = None  # prompt_logprobs so far (station.runtime.logprobs)
     arrival: float = field(default_factory=time.perf_counter)
 
 

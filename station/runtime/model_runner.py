@@ -148,7 +148,8 @@ class ModelRunner:
         self._head = VocabHead.for_model(model, pack=pack_linears)
 
     def run(self, batch: SchedulerOutput) -> tuple[torch.Tensor | None, list[Sequence]]:
-        """One forward for the step -> (logits [K, V] float32, the K sequences to sample)."""
+        """One forward for the step -> (logits [K, V] float32, the K sequences to sample);
+        rows past K: the prompt rows of ``prompt_logprobs`` sequences (``self.prompt_rows``)."""
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
@@ -184,6 +185,7 @@ class ModelRunner:
             sampled.extend(decodes)
 
         prefills: list[PrefillMeta] = []
+        extra: list[tuple[Sequence, int, int, int]] = []
         ids_parts = [torch.tensor(input_ids, dtype=torch.long)]
         pos_parts = [torch.tensor(positions, dtype=torch.long)]
         slot_parts = [torch.tensor(slots, dtype=torch.long)]
@@ -207,7 +209,17 @@ class ModelRunner:
             if ctx_len == seq.num_tokens:
                 keep.append(q_start + n - 1)
                 sampled.append(seq)
+            if seq.prompt_logprobs is not None and not seq.prefill_reported:
+                # Issue 13: the rows that predict prompt tokens, kept after the sampled ones.
+                upto = min(ctx_len, seq.num_prompt_tokens - 1)
+                if upto > start:
+                    extra.append((seq, start, q_start, upto - start))
             q_start += n
+        # (seq, first position, first row in the returned logits, rows) per prompt_logprobs chunk
+        self.prompt_rows = []
+        for seq, start, q, n in extra:
+            self.prompt_rows.append((seq, start, len(keep), n))
+            keep.extend(range(q, q + n))
 
         dev = self.device
         ctx = StepContext(

@@ -27,6 +27,9 @@ from gnosis_daemon.protocol import Capability, ErrorCode, OpError
 from gnosis_daemon.settings import Settings
 from gnosis_daemon.grammar_spec import GrammarSpecError, check_grammar
 from station.core.requests import MAX_LOGIT_BIAS, SamplingParams
+
+MAX_CHOICES = 16  # generate's n (station.runtime.fanout)
+MAX_LOGPROBS = 20  # top alternatives per token (station.runtime.logprobs)
 from station.runtime.model_loader import LoadedModel
 from station.serving.chat import (check_messages, check_tools, codec, json_chars, messages_chars,
                                   render_chat)
@@ -206,6 +209,7 @@ class GenerateArgs:
     save_session: str | None
     save_final_session: str | None = None
     grammar: Any = None  # an xgrammar CompiledGrammar (station.runtime.grammar)
+    choices: dict[str, Any] | None = None  # n, logprobs, prompt_logprobs (choices_args)
 
 
 @dataclass(frozen=True, slots=True)
@@ -227,6 +231,7 @@ class GeneratePlan:
     save_final_session: str | None
     tools: list[dict[str, Any]] | None = None
     grammar: dict[str, Any] | None = None  # checked (gnosis_daemon.grammar_spec), not compiled
+    choices: dict[str, Any] | None = None  # n, logprobs, prompt_logprobs (choices_args)
 
     @property
     def needs_encoding(self) -> bool:
@@ -255,7 +260,7 @@ class GeneratePlan:
             stop=self.stop, tenant=self.tenant, load_session=self.load_session,
             match_session=self.match_session,
             save_session=self.save_session, save_final_session=self.save_final_session,
-            grammar=grammar)
+            grammar=grammar, choices=self.choices)
 
 
 def plan_generate(loaded: LoadedModel, settings: Settings, args: dict[str, Any]) -> GeneratePlan:
@@ -321,8 +326,23 @@ def plan_generate(loaded: LoadedModel, settings: Settings, args: dict[str, Any])
         match_session=arg(args, "match_session", bool, False),
         save_session=arg(args, "save_session", str, None, nullable=True),
         save_final_session=arg(args, "save_final_session", str, None, nullable=True),
-        tools=tools, grammar=grammar_arg(args),
+        tools=tools, grammar=grammar_arg(args), choices=choices_args(args),
     )
+
+
+def choices_args(args: dict[str, Any]) -> dict[str, Any] | None:
+    """Issue 13: ``n`` (1 to 16 choices), ``logprobs`` / ``prompt_logprobs`` (0 to 20 top
+    alternatives, null: none); None when all are defaults."""
+    n = arg(args, "n", int, 1)
+    if not 1 <= n <= MAX_CHOICES:
+        raise bad(f"argument 'n' must be in [1, {MAX_CHOICES}], got {n}")
+    out = {"n": n}
+    for name in ("logprobs", "prompt_logprobs"):
+        value = arg(args, name, int, None, nullable=True)
+        if value is not None and not 0 <= value <= MAX_LOGPROBS:
+            raise bad(f"argument {name!r} must be in [0, {MAX_LOGPROBS}] or null, got {value}")
+        out[name] = value
+    return out if n > 1 or out["logprobs"] is not None or out["prompt_logprobs"] is not None else None
 
 
 def grammar_arg(args: dict[str, Any]) -> dict[str, Any] | None:

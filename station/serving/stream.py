@@ -24,6 +24,8 @@ from gnosis_daemon.protocol import ErrorCode, error_frame, event_frame, result_f
 from station.serving.detok import IncrementalDetokenizer
 from station.core.requests import EngineEvent, Failed, Finished, GenerationRequest, Prefill, Token
 from station.serving.ops import GenerateArgs
+from station.serving.token_text import token_texts
+from station.runtime.fanout import choice_id
 
 if TYPE_CHECKING:
     from station.runtime.engine import PagedEngine
@@ -40,8 +42,23 @@ def _deliver(channel: trio.MemorySendChannel, event: EngineEvent) -> None:
         pass  # the request already ended (client gone or cancelled): drop late events
 
 
+class _Choice:
+    """One choice of a generate (``n`` > 1: several, issue 13): its detokenizer and tokens."""
+
+    def __init__(self, index: int, engine_id: str, gen: GenerateArgs, tokenizer: Any) -> None:
+        self.index = index
+        self.engine_id = engine_id
+        self.detok = IncrementalDetokenizer(tokenizer, gen.prompt_ids, gen.stop)
+        self.token_ids: list[int] = []
+        self.done = False
+        self.reason: str | None = None
+        self.stopped = False  # a stop string ended it; waiting for the engine's final save
+        self.final_saved = False
+        self.final_save_error: str | None = None
+
+
 class GenerateStream:
-    """State of one in-flight generate: its channel, detokenizer and timings."""
+    """State of one in-flight generate: its channel, its choices' detokenizers, timings."""
 
     def __init__(self, frame_id: Any, engine_id: str, gen: GenerateArgs, tokenizer: Any,
                  eos_ids: tuple[int, ...], token: trio.lowlevel.TrioToken) -> None:
@@ -50,26 +67,32 @@ class GenerateStream:
         self.gen = gen
         self._token = token
         self._send, self._receive = trio.open_memory_channel[EngineEvent](math.inf)
-        self.detok = IncrementalDetokenizer(tokenizer, gen.prompt_ids, gen.stop)
+        self.choices_args = gen.choices or {}
+        self.n = self.choices_args.get("n", 1)
+        self.texts = token_texts(tokenizer) if gen.choices else None
+        self.choices = [_Choice(i, choice_id(engine_id, i), gen, tokenizer) for i in range(self.n)]
+        self._by_id = {c.engine_id: c for c in self.choices}
         params = gen.params
         # The token that ends generation is not text (vLLM's default): eos / stop_token_ids.
         self._final_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_ids))
-        self.token_ids: list[int] = []
         self.done = False
         self.started = time.perf_counter()
         self.first_token_at: float | None = None
         self.cached_tokens = 0
-        self.stopped = False  # a stop string ended it; waiting for the engine's final save
-        self.final_saved = False
-        self.final_save_error: str | None = None
+
+    @property
+    def token_ids(self) -> list[int]:
+        return [t for c in self.choices for t in c.token_ids]
 
     def engine_request(self) -> GenerationRequest:
         """What the engine schedules for this stream (``add_request`` with ``on_event``)."""
-        gen = self.gen
+        gen, extra = self.gen, self.choices_args
         return GenerationRequest(self.engine_id, gen.prompt_ids, gen.params, tenant=gen.tenant,
                                  load_session=gen.load_session, match_session=gen.match_session,
                                  save_session=gen.save_session,
-                                 save_final_session=gen.save_final_session, grammar=gen.grammar)
+                                 save_final_session=gen.save_final_session, grammar=gen.grammar,
+                                 n=self.n, logprobs=extra.get("logprobs"),
+                                 prompt_logprobs=extra.get("prompt_logprobs"))
 
     def on_event(self, event: EngineEvent) -> None:
         """Engine thread: hand the event to trio (never blocks)."""
@@ -105,85 +128,112 @@ class GenerateStream:
         finally:
             self.done = True
             self.close()
+            for choice in self.choices[1:]:  # the server aborts the first one
+                if not choice.done:
+                    engine.abort(choice.engine_id)
             self._log(outcome)
 
+    def _frame(self, choice: _Choice, data: dict[str, Any]) -> bytes:
+        if self.n > 1:
+            data["index"] = choice.index
+        return event_frame(self.frame_id, data)
+
     async def _handle(self, event: EngineEvent, send: Send, engine: "PagedEngine") -> str | None:
+        choice = self._by_id.get(event.request_id, self.choices[0])
         match event:
             case Prefill():
                 self.cached_tokens = event.cached_tokens
-                await send(event_frame(self.frame_id, {
-                    "type": "prefill", "prompt_tokens": event.prompt_tokens,
-                    "cached_tokens": event.cached_tokens,
-                    "session_loaded": event.session_loaded,
-                    "session_id": event.session_id,
-                    "session_tokens": event.session_tokens,
-                    "session_tier": event.session_tier,
-                    "session_error": event.session_error,
-                    "saved": event.saved, "save_error": event.save_error}))
+                data = {"type": "prefill", "prompt_tokens": event.prompt_tokens,
+                        "cached_tokens": event.cached_tokens,
+                        "session_loaded": event.session_loaded,
+                        "session_id": event.session_id,
+                        "session_tokens": event.session_tokens,
+                        "session_tier": event.session_tier,
+                        "session_error": event.session_error,
+                        "saved": event.saved, "save_error": event.save_error}
+                if event.prompt_logprobs is not None and self.texts is not None:
+                    data["prompt_logprobs"] = [self.texts.entry(lp) for lp in event.prompt_logprobs]
+                await send(event_frame(self.frame_id, data))
                 return None
             case Token():
-                if self.stopped:
+                if choice.stopped or choice.done:
                     return None  # decoded before the engine saw the stop: not part of the answer
-                return await self._on_tokens([event.token_id], send, engine)
+                return await self._on_tokens(choice, event, send, engine)
             case Finished():
-                reason = "stop" if self.stopped else event.finish_reason
-                self.final_saved = event.final_saved
-                self.final_save_error = event.final_save_error
+                if choice.done:
+                    return None
+                reason = "stop" if choice.stopped else event.finish_reason
+                choice.final_saved = event.final_saved
+                choice.final_save_error = event.final_save_error
                 if reason == "cancelled":
                     self.done = True
                     await send(error_frame(self.frame_id, ErrorCode.CANCELLED, "request cancelled"))
                     return "cancelled"
-                tail = self.detok.finish()
+                tail = choice.detok.finish()
                 if tail:
-                    await send(event_frame(self.frame_id, {"type": "tokens", "token_ids": [],
-                                                           "text": tail}))
-                await self._finish(reason, send)
-                return reason
+                    data = {"type": "tokens", "token_ids": [], "text": tail}
+                    if self.choices_args.get("logprobs") is not None:
+                        data["logprobs"] = []
+                    await send(self._frame(choice, data))
+                return await self._finish(choice, reason, send)
             case Failed():
                 self.done = True
                 await send(error_frame(self.frame_id, event.error.code, event.error.message))
                 return event.error.code.value
         raise AssertionError(f"unknown engine event {event!r}")
 
-    async def _on_tokens(self, ids: list[int], send: Send, engine: "PagedEngine") -> str | None:
+    async def _on_tokens(self, choice: _Choice, event: Token, send: Send,
+                         engine: "PagedEngine") -> str | None:
         if self.first_token_at is None:
             self.first_token_at = time.perf_counter()
-        self.token_ids.extend(ids)
+        ids = [event.token_id]
+        choice.token_ids.extend(ids)
         text_ids = [t for t in ids if t not in self._final_ids]
-        out = self.detok.feed(text_ids)
-        await send(event_frame(self.frame_id, {"type": "tokens", "token_ids": ids,
-                                               "text": out.text}))
+        out = choice.detok.feed(text_ids)
+        data: dict[str, Any] = {"type": "tokens", "token_ids": ids, "text": out.text}
+        if event.logprobs is not None and self.texts is not None:
+            data["logprobs"] = [self.texts.entry(event.logprobs)]
+        await send(self._frame(choice, data))
         if out.stopped:
-            if self.gen.save_final_session:
-                self.stopped = True  # the result follows the engine's finished event
-                engine.finish_early(self.engine_id)
+            if self.gen.save_final_session and choice.index == 0:
+                choice.stopped = True  # the result follows the engine's finished event
+                engine.finish_early(choice.engine_id)
                 return None
-            engine.abort(self.engine_id)  # its late "cancelled" event is dropped
-            await self._finish("stop", send)
-            return "stop"
+            engine.abort(choice.engine_id)  # its late "cancelled" event is dropped
+            return await self._finish(choice, "stop", send)
         return None
 
-    async def _finish(self, reason: str, send: Send) -> None:
+    async def _finish(self, choice: _Choice, reason: str, send: Send) -> str | None:
+        choice.done, choice.reason = True, reason
+        if not all(c.done for c in self.choices):
+            return None
         self.done = True
-        await send(result_frame(self.frame_id, self.result(reason)))
+        await send(result_frame(self.frame_id, self.result()))
+        return self.choices[0].reason
 
-    def result(self, reason: str) -> dict[str, Any]:
+    def _choice_result(self, choice: _Choice) -> dict[str, Any]:
+        return {"finish_reason": choice.reason, "completion_tokens": len(choice.token_ids),
+                "token_ids": list(choice.token_ids), "text": choice.detok.text,
+                "final_saved": choice.final_saved, "final_save_error": choice.final_save_error}
+
+    def result(self, reason: str | None = None) -> dict[str, Any]:
         now = time.perf_counter()
         first = self.first_token_at or now
         decode_s = now - first
         n = len(self.token_ids)
-        return {
-            "finish_reason": reason,
+        out = {
+            **self._choice_result(self.choices[0]),
             "prompt_tokens": len(self.gen.prompt_ids),
             "completion_tokens": n,
             "cached_tokens": self.cached_tokens,
-            "token_ids": list(self.token_ids),
-            "text": self.detok.text,
             "ttft_ms": round((first - self.started) * 1000, 3),
             "decode_tokens_per_s": round((n - 1) / decode_s, 3) if n > 1 and decode_s > 0 else 0.0,
-            "final_saved": self.final_saved,
-            "final_save_error": self.final_save_error,
         }
+        if reason is not None:
+            out["finish_reason"] = reason
+        if self.n > 1:
+            out["choices"] = [{"index": c.index, **self._choice_result(c)} for c in self.choices]
+        return out
 
     def _log(self, outcome: str) -> None:
         now = time.perf_counter()

@@ -193,9 +193,9 @@ def test_stop_string_cuts_the_text(client, model_id, reference):
         "message": "Invalid 'temperature': decimal above maximum value. Expected a value <= 2, "
                    "but got 9 instead.", "type": "invalid_request_error",
         "param": "temperature", "code": "invalid_value"}),
-    ({"messages": MESSAGES, "n": 2}, 400, {
-        "message": "Unsupported value: 'n' must be 1 on this server, but got 2.",
-        "type": "invalid_request_error", "param": "n", "code": "unsupported_value"}),
+    ({"messages": MESSAGES, "n": 17}, 400, {
+        "message": "Invalid 'n': must be in [1, 16], but got 17.",
+        "type": "invalid_request_error", "param": "n", "code": "invalid_value"}),
     ({"messages": [], "stream": True}, 400, {
         "message": "Invalid 'messages': empty array. Expected an array with minimum length 1, "
                    "but got an empty array instead.", "type": "invalid_request_error",
