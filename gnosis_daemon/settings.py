@@ -74,6 +74,9 @@ class Settings:
     max_batch_size: int = 32  # sequences decoded in one forward
     prefill_chunk_tokens: int = 512  # long prompts are prefilled in chunks of this many
     cpu_packed_linears: bool = True  # CPU fp32: linear layers through oneDNN, weights packed once
+    # Llama-family models: the decoder's forward in one loop over the same modules, without
+    # transformers' per-call wrappers (bit for bit the same output); off: the model's forward.
+    lean_decoder: bool = True
     # The decoder's linear weights in memory: auto keeps a GGUF file's 4-bit groups (Q4_0,
     # Q4_1) and int8 (Q8_0) and a float checkpoint's floats; int4 / int8 quantize the rest
     # at load; float dequantizes everything (docs/engine.md, "Weights that stay quantized").

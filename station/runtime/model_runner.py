@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from station.runtime.kv_cache import KVCache
+from station.runtime.lean_decoder import LeanDecoder
 from station.runtime.linear_kernels import VocabHead, pack_decoder_linears
 from station.core.scheduler import SchedulerOutput
 from station.core.sequence import Sequence
@@ -125,6 +126,12 @@ def _first_if_consecutive(block_ids: list[int]) -> int | None:
     return first if block_ids == list(range(first, first + len(block_ids))) else None
 
 
+def _registered_attention():
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    return ALL_ATTENTION_FUNCTIONS[ATTN_IMPLEMENTATION]
+
+
 def register_attention() -> None:
     from transformers import AttentionInterface
 
@@ -133,7 +140,7 @@ def register_attention() -> None:
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, kv_cache: KVCache, device: torch.device,
-                 pack_linears: bool = True) -> None:
+                 pack_linears: bool = True, lean: bool = True) -> None:
         register_attention()
         model.set_attn_implementation(ATTN_IMPLEMENTATION)
         self.model = model.eval()
@@ -146,6 +153,14 @@ class ModelRunner:
         if pack_linears:
             pack_decoder_linears(model)
         self._head = VocabHead.for_model(model, pack=pack_linears)
+        # station.runtime.lean_decoder: the same layers' arithmetic without transformers'
+        # per-call wrappers (Llama family); None: the model's own forward.
+        self._lean = LeanDecoder.for_model(model, _registered_attention) if lean else None
+
+    def _decoder(self, ids: torch.Tensor, pos_ids: torch.Tensor) -> torch.Tensor:
+        if self._lean is not None:
+            return self._lean(ids, pos_ids)
+        return self.model.base_model(input_ids=ids, position_ids=pos_ids, use_cache=False).last_hidden_state
 
     def run(self, batch: SchedulerOutput) -> tuple[torch.Tensor | None, list[Sequence]]:
         """One forward for the step -> (logits [K, V] float32, the K sequences to sample);
@@ -238,12 +253,11 @@ class ModelRunner:
         try:
             with torch.inference_mode():
                 if not keep:  # a mid-prompt chunk only: no logits needed, so no vocab head either
-                    self.model.base_model(input_ids=ids, position_ids=pos_ids, use_cache=False)
+                    self._decoder(ids, pos_ids)
                     return None, []
                 rows = torch.tensor(keep, device=dev)
                 if self._head is not None:
-                    hidden = self.model.base_model(input_ids=ids, position_ids=pos_ids,
-                                                   use_cache=False).last_hidden_state
+                    hidden = self._decoder(ids, pos_ids)
                     return self._head(hidden[0, rows]).float(), sampled
                 out = self.model(input_ids=ids, position_ids=pos_ids, use_cache=False, logits_to_keep=rows)
         finally:

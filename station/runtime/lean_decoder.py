@@ -1,0 +1,126 @@
+"""The decoder's forward for a step, without transformers' per-call wrappers.
+
+A decode token of a 30-layer model calls about 400 modules through transformers'
+``forward`` methods: keyword plumbing, deprecation and output-capture decorators, the
+causal-mask builder (which our paged attention never reads), the attention-interface
+lookup per layer, and ``nn.Module.__call__`` hooks. On a small model that Python is a
+quarter of a token. ``LeanDecoder`` runs the same modules' arithmetic in one loop: the same
+submodules (so quantized, packed or stock linears alike), the model's own rotary embedding
+and ``apply_rotary_pos_emb``, and the same operations in the same order as the Llama-family
+decoder layer, so its output is bit for bit the model's (a test compares them).
+
+It applies to the Llama-family layer shape (Llama, Mistral without a sliding window,
+Qwen2 without one, SmolLM): pre-norm RMSNorm, q/k/v/o projections, gated SiLU MLP. Any
+other model, or one whose modules differ from that shape, keeps transformers' forward.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from gnosis_daemon.logs import get_logger
+
+log = get_logger(__name__)
+
+FAMILIES = frozenset({"llama", "mistral", "qwen2"})
+_LAYER_PARTS = ("self_attn", "mlp", "input_layernorm", "post_attention_layernorm")
+_ATTN_PARTS = ("q_proj", "k_proj", "v_proj", "o_proj")
+_MLP_PARTS = ("gate_proj", "up_proj", "down_proj", "act_fn")
+
+
+class LeanDecoder:
+    """``base_model(input_ids, position_ids).last_hidden_state``, computed in one loop."""
+
+    def __init__(self, base: nn.Module, rotate: Callable, attention: Callable[[], Callable]) -> None:
+        self.embed = base.embed_tokens
+        self.rotary = base.rotary_emb
+        self.norm = base.norm
+        self.rotate = rotate
+        self.attention = attention  # -> the registered attention function (looked up per step)
+        self.layers = []
+        for layer in base.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            self.layers.append((
+                layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon,
+                layer.post_attention_layernorm.weight, layer.post_attention_layernorm.variance_epsilon,
+                attn, attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, attn.head_dim, attn.scaling,
+                mlp.gate_proj, mlp.up_proj, mlp.down_proj, mlp.act_fn))
+        self.final_weight, self.final_eps = base.norm.weight, base.norm.variance_epsilon
+
+    @classmethod
+    def for_model(cls, model: nn.Module, attention: Callable[[], Callable]) -> LeanDecoder | None:
+        config = model.config
+        base = model.base_model
+        reason = _unsupported(config, base)
+        if reason is not None:
+            log.info("lean_decoder_not_used", model_type=getattr(config, "model_type", None),
+                     reason=reason)
+            return None
+        rotate = getattr(sys.modules[type(base.layers[0].self_attn).__module__],
+                         "apply_rotary_pos_emb", None)
+        if rotate is None:
+            return None
+        return cls(base, rotate, attention)
+
+    def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids, position_ids: [1, T] -> the final hidden states [1, T, H]."""
+        attention = self.attention()
+        hidden = self.embed(input_ids)
+        cos, sin = self.rotary(hidden, position_ids=position_ids)
+        rotate = self.rotate
+        num_tokens = hidden.shape[1]
+        for (norm1, eps1, norm2, eps2, attn, q_proj, k_proj, v_proj, o_proj, head_dim, scaling,
+             gate_proj, up_proj, down_proj, act) in self.layers:
+            residual = hidden
+            x = _rms_norm(hidden, norm1, eps1)
+            shape = (1, num_tokens, -1, head_dim)
+            q = q_proj(x).view(shape).transpose(1, 2)
+            k = k_proj(x).view(shape).transpose(1, 2)
+            v = v_proj(x).view(shape).transpose(1, 2)
+            q, k = rotate(q, k, cos, sin)
+            out, _ = attention(attn, q, k, v, None, dropout=0.0, scaling=scaling)
+            hidden = residual + o_proj(out.reshape(1, num_tokens, -1).contiguous())
+            residual = hidden
+            x = _rms_norm(hidden, norm2, eps2)
+            hidden = residual + down_proj(act(gate_proj(x)) * up_proj(x))
+        return _rms_norm(hidden, self.final_weight, self.final_eps)
+
+
+def _rms_norm(hidden: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' LlamaRMSNorm.forward, operation for operation."""
+    dtype = hidden.dtype
+    hidden = hidden.to(torch.float32)
+    variance = hidden.pow(2).mean(-1, keepdim=True)
+    hidden = hidden * torch.rsqrt(variance + eps)
+    return weight * hidden.to(dtype)
+
+
+def _unsupported(config: Any, base: nn.Module) -> str | None:
+    """Why the lean loop would not compute this model's forward exactly (None: it would)."""
+    if getattr(config, "model_type", None) not in FAMILIES:
+        return "not a Llama-family model"
+    if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
+        return "sliding-window attention"
+    if not all(hasattr(base, part) for part in ("embed_tokens", "layers", "norm", "rotary_emb")):
+        return "unexpected model layout"
+    for layer in base.layers:
+        if type(layer).forward.__qualname__.split(".")[0] not in {
+                "LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer"}:
+            return f"decoder layer {type(layer).__name__}"
+        if not all(hasattr(layer, p) for p in _LAYER_PARTS):
+            return "unexpected decoder layer parts"
+        if not all(hasattr(layer.self_attn, p) for p in _ATTN_PARTS + ("head_dim", "scaling")):
+            return "unexpected attention parts"
+        if getattr(layer.self_attn, "sliding_window", None):
+            return "sliding-window attention"
+        if not all(hasattr(layer.mlp, p) for p in _MLP_PARTS):
+            return "unexpected MLP parts"
+        for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+            if type(norm).forward.__qualname__.split(".")[0] not in {
+                    "LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm"}:
+                return f"norm {type(norm).__name__}"
+    return None
