@@ -127,7 +127,7 @@ def apply_weights(model: nn.Module, mode: str, device: torch.device, dtype: torc
             report.linear_bytes_after += _bytes(quantized) - _bytes(layer)
     del built
     choices.save()
-    if report.count("float") < len(layers):
+    if any(form != "float" for form in report.forms.values()):
         _own_memory(model)
     log.info("weights_applied", **report.summary())
     return report

@@ -141,3 +141,45 @@ def test_grammar_rows_masked_on_cuda_match_the_cpu():
         if gpu[0].finished:
             break
     assert out[-1] == 258 and json.loads(tokenizer.decode(out[:-1]))["ok"] in (True, False)
+
+
+def test_int4_weights_and_the_lean_decoder_on_cuda_equal_that_models_generate(tiny_dir, tmp_path):
+    """Issue 12 on the GPU: the decoder's linears as 4-bit groups through
+    ``_weight_int4pack_mm`` (bfloat16 model), the lean one-loop forward, and the engine's
+    greedy output equal to the same quantized model's ``model.generate``."""
+    from station.runtime.quantized_linears import Int4Linear
+
+    settings = Settings(model=str(tiny_dir), runtime_dir=str(tmp_path), model_cache_dir=str(tmp_path),
+                        weights="int4", kv_cache_gpu_fraction=0.02)
+    loaded = load_model(settings)
+    assert sum(isinstance(m, Int4Linear) for m in loaded.model.modules()) == 14
+    assert all(m.packed.device.type == "cuda" for m in loaded.model.modules() if isinstance(m, Int4Linear))
+    prompts = [list(range(3 + i, 30 + 5 * i)) for i in range(4)]
+    expected = []
+    for prompt in prompts:
+        ids = torch.tensor([prompt], device="cuda")
+        with torch.no_grad():
+            expected.append(loaded.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12,
+                                                  do_sample=False)[0, len(prompt):].tolist())
+    engine = PagedEngine(loaded, settings)
+    assert engine.runner._lean is not None
+    engine.start()
+    results = [([], threading.Event()) for _ in prompts]
+
+    def on_event_for(tokens, done):
+        def on_event(event):
+            if isinstance(event, Token):
+                tokens.append(event.token_id)
+            elif isinstance(event, (Finished, Failed)):
+                done.set()
+        return on_event
+
+    try:
+        for i, (prompt, (tokens, done)) in enumerate(zip(prompts, results)):
+            engine.add_request(GenerationRequest(f"int4-{i}", prompt, SamplingParams(max_tokens=12, temperature=0)),
+                               on_event_for(tokens, done))
+        for i, (tokens, done) in enumerate(results):
+            assert done.wait(60)
+            assert tokens == expected[i], f"prompt {i} in a batch"
+    finally:
+        engine.shutdown()

@@ -81,6 +81,7 @@ def test_float_checkpoint_auto_stays_float_and_int4_changes_the_fingerprint(tiny
     assert summary["int4_layers"] == 14 and summary["float_layers"] == 0  # 7 linears x 2 layers
     assert summary["linear_bytes"] < summary["linear_bytes_dense"] / 4
     assert sum(isinstance(m, Int4Linear) for m in int4.model.modules()) == 14
+    assert type(int4.model.lm_head) is torch.nn.Linear  # the head keeps the model's dtype
     # KV made by one set of weights is never served to another
     assert int4.fingerprint != auto.fingerprint
     again = load_model(Settings(model=str(tiny_dir), model_cache_dir=str(tmp_path), weights="int4"))
