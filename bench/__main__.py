@@ -31,6 +31,7 @@ from bench.common import (
 )
 from bench.liquid import decode_next_figures, liquid_figures, start_host
 from bench.tier import tier_figures
+from bench.weights import weights_figures
 from gnosis_daemon.client import open_station_client
 from gnosis_daemon.settings import load_settings
 
@@ -83,6 +84,8 @@ def main(argv: list[str] | None = None) -> int:
             stop_station(proc)
         # 4. the disk tier behind the KV pool: stations of their own, one after another
         tier_figures(report, settings, args, Path(tmp))
+        # 5. weights: the GGUF's 4-bit blocks against the same file dequantized
+        weights_figures(report, settings, args.rounds, args.decode_tokens, Path(tmp))
 
     report.print()
     report.write(Path(args.out), settings, args)
