@@ -44,11 +44,13 @@ class LeanDecoder:
         self.layers = []
         for layer in base.layers:
             attn, mlp = layer.self_attn, layer.mlp
+            qkv = fuse_int4(attn.q_proj, attn.k_proj, attn.v_proj) or _Separate(
+                attn.q_proj, attn.k_proj, attn.v_proj)
+            gate_up = fuse_int4(mlp.gate_proj, mlp.up_proj) or _Separate(mlp.gate_proj, mlp.up_proj)
             self.layers.append((
                 layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon,
                 layer.post_attention_layernorm.weight, layer.post_attention_layernorm.variance_epsilon,
-                attn, attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, attn.head_dim, attn.scaling,
-                mlp.gate_proj, mlp.up_proj, mlp.down_proj, mlp.act_fn))
+                attn, qkv, attn.o_proj, attn.head_dim, attn.scaling, gate_up, mlp.down_proj, mlp.act_fn))
         self.final_weight, self.final_eps = base.norm.weight, base.norm.variance_epsilon
 
     @classmethod
@@ -73,21 +75,88 @@ class LeanDecoder:
         cos, sin = self.rotary(hidden, position_ids=position_ids)
         rotate = self.rotate
         num_tokens = hidden.shape[1]
-        for (norm1, eps1, norm2, eps2, attn, q_proj, k_proj, v_proj, o_proj, head_dim, scaling,
-             gate_proj, up_proj, down_proj, act) in self.layers:
+        for (norm1, eps1, norm2, eps2, attn, qkv, o_proj, head_dim, scaling,
+             gate_up, down_proj, act) in self.layers:
             residual = hidden
             x = _rms_norm(hidden, norm1, eps1)
             shape = (1, num_tokens, -1, head_dim)
-            q = q_proj(x).view(shape).transpose(1, 2)
-            k = k_proj(x).view(shape).transpose(1, 2)
-            v = v_proj(x).view(shape).transpose(1, 2)
-            q, k = rotate(q, k, cos, sin)
+            q, k, v = qkv(x)
+            q, k = rotate(q.view(shape).transpose(1, 2), k.view(shape).transpose(1, 2), cos, sin)
+            v = v.view(shape).transpose(1, 2)
             out, _ = attention(attn, q, k, v, None, dropout=0.0, scaling=scaling)
             hidden = residual + o_proj(out.reshape(1, num_tokens, -1).contiguous())
             residual = hidden
             x = _rms_norm(hidden, norm2, eps2)
-            hidden = residual + down_proj(act(gate_proj(x)) * up_proj(x))
+            gate, up = gate_up(x)
+            hidden = residual + down_proj(act(gate) * up)
         return _rms_norm(hidden, self.final_weight, self.final_eps)
+
+
+class _Separate:
+    """Several linear layers on one input, one call each (the model's own modules)."""
+
+    def __init__(self, *layers: nn.Module) -> None:
+        self.layers = layers
+
+    def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
+        return [layer(x) for layer in self.layers]
+
+
+class FusedInt4:
+    """Int4 layers that share an input as one kernel call: q, k, v (or gate, up) at once.
+
+    torch's packed int4 layout (CPU) holds each output row's nibbles in its own row, so
+    the layers' packed weights stacked along the outputs are the packed weight of the
+    stacked layer, and each output is computed alike either way: the results are the
+    separate layers' bit for bit (a test checks it). The layers' own buffers become views
+    of the stacked one, so memory does not grow, and ``model.generate`` still calls them.
+    """
+
+    def __init__(self, layers: tuple[nn.Module, ...]) -> None:
+        from station.runtime.quantized_linears import GROUP
+
+        self.group = GROUP
+        self.in_features = layers[0].in_features
+        self.sizes = [layer.out_features for layer in layers]
+        self.packed = torch.cat([layer.packed for layer in layers])
+        self.scales_and_zeros = torch.cat([layer.scales_and_zeros for layer in layers], 1).contiguous()
+        start = 0
+        for layer in layers:
+            rows = layer.packed.shape[0]
+            layer.packed = self.packed[start:start + rows]
+            start += rows
+
+    def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
+        rows = x.reshape(-1, self.in_features).to(torch.bfloat16)
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.packed, self.group,
+                                                        self.scales_and_zeros)
+        return [part.to(x.dtype).view(*x.shape[:-1], part.shape[-1]) for part in y.split(self.sizes, -1)]
+
+
+def fuse_int4(*layers: nn.Module) -> FusedInt4 | None:
+    """One call for CPU int4 layers on the same input without biases; None: keep them apart."""
+    from station.runtime.quantized_linears import Int4Linear
+
+    if not all(type(layer) is Int4Linear and layer.bias is None and layer.packed.device.type == "cpu"
+               and layer.in_features == layers[0].in_features for layer in layers):
+        return None
+    # torch packs rows in blocks of 64: stacking is exact when every part but the last fills
+    # whole blocks (tested below, bit for bit, before anything is changed)
+    if any(layer.packed.shape[0] != layer.out_features for layer in layers) or any(
+            layer.out_features % 64 for layer in layers[:-1]):
+        return None
+    x = torch.randn(3, layers[0].in_features, generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        want = [layer(x) for layer in layers]
+        saved = [layer.packed for layer in layers]
+        fused = FusedInt4(layers)
+        if all(torch.equal(a, b) for a, b in zip(fused(x), want)) and all(
+                torch.equal(layer(x), w) for layer, w in zip(layers, want)):
+            return fused
+    for layer, packed in zip(layers, saved):  # put the layers' own buffers back
+        layer.packed = packed
+    log.warning("int4_fusion_inexact", sizes=[layer.out_features for layer in layers])
+    return None
 
 
 def _rms_norm(hidden: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -53,3 +53,25 @@ def test_the_engine_setting_chooses_the_forward(tmp_path):
     assert on.runner._lean is not None
     off = PagedEngine(loaded, Settings(runtime_dir=str(tmp_path), lean_decoder=False), num_blocks=8)
     assert off.runner._lean is None
+
+
+def test_int4_layers_on_one_input_run_as_one_call_with_the_same_results():
+    from station.runtime.lean_decoder import FusedInt4, fuse_int4
+    from station.runtime.quantized_linears import Int4Groups, Int4Linear
+
+    gen = torch.Generator().manual_seed(3)
+
+    def layer(rows: int) -> Int4Linear:
+        return Int4Linear(Int4Groups.quantize(torch.randn(rows, 96, generator=gen)), None, torch.device("cpu"))
+
+    q, k, v = layer(128), layer(64), layer(32)  # every part but the last fills blocks of 64 rows
+    x = torch.randn(1, 5, 96, generator=gen)
+    with torch.inference_mode():
+        want = [q(x), k(x), v(x)]
+        fused = fuse_int4(q, k, v)
+        assert isinstance(fused, FusedInt4)
+        assert all(torch.equal(a, b) for a, b in zip(fused(x), want))
+        # the layers now read views of the stacked weight, with the same results
+        assert q.packed.data_ptr() == fused.packed.data_ptr()
+        assert all(torch.equal(a, b) for a, b in zip((q(x), k(x), v(x)), want))
+    assert fuse_int4(layer(32), layer(32)) is None  # a part that does not fill its blocks
