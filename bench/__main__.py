@@ -29,6 +29,7 @@ from bench.common import (
     station_ttft,
     stop_station,
 )
+from bench.grammar import grammar_figures
 from bench.liquid import decode_next_figures, liquid_figures, start_host
 from bench.tier import tier_figures
 from gnosis_daemon.client import open_station_client
@@ -77,6 +78,7 @@ def main(argv: list[str] | None = None) -> int:
                                     liquid=False))
             liquid_figures(report, liquid_port, native_port, args.decode_tokens, args.rounds,
                            args.prompt_tokens)
+            grammar_figures(report, liquid_port, args.rounds)
         finally:
             for host in hosts:
                 stop_station(host)
