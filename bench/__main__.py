@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
                                     liquid=False))
             liquid_figures(report, liquid_port, native_port, args.decode_tokens, args.rounds,
                            args.prompt_tokens)
-            grammar_figures(report, liquid_port, args.rounds)
+            grammar_figures(report, liquid_port, args.rounds, 2 * args.decode_tokens + 32)
         finally:
             for host in hosts:
                 stop_station(host)

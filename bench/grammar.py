@@ -101,6 +101,8 @@ def stream(port: int, max_tokens: int, *, constrained: bool) -> Run:
 
 
 def grammar_figures(report: Report, port: int, rounds: int, max_tokens: int = 160) -> None:
+    """``max_tokens``: room for the whole JSON (SmolLM2-135M writes about 115 tokens); in
+    `make bench` 2 x --decode-tokens + 32, 160 at the default 64."""
     warm = stream(port, max_tokens, constrained=True)  # also compiles (and caches) the grammar
     n = warm.completion_tokens
     stream(port, n, constrained=False)
@@ -112,11 +114,13 @@ def grammar_figures(report: Report, port: int, rounds: int, max_tokens: int = 16
         pairs.add(runs[True].tps, runs[False].tps)
         valid += _valid(runs[True].text)
         counts = (runs[True].completion_tokens, runs[False].completion_tokens)
+    plain = [b for _, b in pairs.pairs]
     report.add("decode tok/s grammar-constrained (json_schema) / unconstrained", pairs.ratio,
                ">=", 0.8,
                f"json_schema {pairs.median(0):.1f} tok/s ({counts[0]} tokens, finish "
                f"{warm.finish_reason}, {valid}/{rounds} rounds' JSON parsed), unconstrained "
-               f"{pairs.median(1):.1f} tok/s ({counts[1]} tokens); {pairs.spread()}")
+               f"{pairs.median(1):.1f} tok/s ({counts[1]} tokens); {pairs.spread()}; A/A: "
+               f"slowest / fastest unconstrained round {min(plain) / max(plain):.3f}")
 
 
 def _valid(text: str) -> bool:

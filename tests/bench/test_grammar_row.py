@@ -25,11 +25,13 @@ def test_grammar_row_alone_on_a_tiny_model(tmp_path):
     m = re.search(r": (\d+\.\d{3}) \(goal >= 0\.8\) -- json_schema (\d+\.\d) tok/s \((\d+) tokens, "
                   r"finish (\w+), (\d)/2 rounds' JSON parsed\), unconstrained (\d+\.\d) tok/s "
                   r"\((\d+) tokens\); median of 2 interleaved rounds, per round "
-                  r"(\d+\.\d{3}) (\d+\.\d{3})$", line)
+                  r"(\d+\.\d{3}) (\d+\.\d{3}); A/A: slowest / fastest unconstrained round "
+                  r"(\d\.\d{3})$", line)
     assert m, line
-    ratio, grammar_tps, n, finish, _, plain_tps, plain_n, r1, r2 = m.groups()
+    ratio, grammar_tps, n, finish, _, plain_tps, plain_n, r1, r2, control = m.groups()
     assert float(grammar_tps) > 0 and float(plain_tps) > 0
     assert 0 < float(ratio) and float(r1) > 0 and float(r2) > 0
+    assert 0 < float(control) <= 1
     # the unconstrained side is asked for exactly as many tokens as the grammar produced
     assert n == plain_n and 1 < int(n) <= 12
     assert finish in ("stop", "length")
