@@ -29,6 +29,7 @@ from bench.common import (
     station_ttft,
     stop_station,
 )
+from bench.grammar import grammar_figures
 from bench.liquid import decode_next_figures, liquid_figures, start_host
 from bench.tier import tier_figures
 from bench.weights import weights_figures
@@ -78,6 +79,7 @@ def main(argv: list[str] | None = None) -> int:
                                     liquid=False))
             liquid_figures(report, liquid_port, native_port, args.decode_tokens, args.rounds,
                            args.prompt_tokens)
+            grammar_figures(report, liquid_port, args.rounds, 2 * args.decode_tokens + 32)
         finally:
             for host in hosts:
                 stop_station(host)
