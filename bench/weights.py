@@ -38,11 +38,17 @@ def weights_figures(report: Report, settings, rounds: int, decode_tokens: int, t
     station_figures(report, settings, rounds, decode_tokens, tmp)
 
 
+def quantized_mode(settings) -> str:
+    """``auto`` keeps a GGUF file's blocks; a float checkpoint has none, so it is quantized."""
+    model = settings.model
+    return "auto" if model is None or str(model).endswith(".gguf") else "int4"
+
+
 def quality_figures(report: Report, settings) -> None:
     from station.runtime.model_loader import load_model
 
     dense = load_model(replace(settings, weights="float"))
-    quant = load_model(replace(settings, weights="auto"))
+    quant = load_model(replace(settings, weights=quantized_mode(settings)))
     if quant.weights.count("int4") + quant.weights.count("int8") == 0:
         report.add("quantized / float greedy agreement", 0.0, "info", None,
                    f"nothing was quantized ({quant.weights.summary()}): no quality figures")
@@ -64,7 +70,8 @@ def quality_figures(report: Report, settings) -> None:
     # so a token whose top two logits are closer than that rounding can go either way.
     report.add("greedy prompts whose 64 tokens are the same, quantized / float (5 prompts)", same / 5,
                "info", None, f"{same} of 5 the same for 64 tokens" + ("; " + "; ".join(notes) if notes else "")
-               + f"; weights: {quant.weights.summary()['int4_layers']} int4 layers from the GGUF")
+               + f"; weights {quant.weights.mode}: {quant.weights.summary()['int4_layers']} int4 layers "
+               f"({', '.join(sorted(set(quant.weights.source.values())))})")
     ids = _chat_ids(tok, ESSAY)
     text = _greedy(dense.model, ids, 512)
     full = torch.tensor([ids + text])
@@ -80,20 +87,22 @@ def quality_figures(report: Report, settings) -> None:
 def station_figures(report: Report, settings, rounds: int, decode_tokens: int, tmp: Path) -> None:
     procs = {}
     try:
-        for mode in ("auto", "float"):
+        for mode in ("auto", "float"):  # "auto": the quantized side (int4 for a float checkpoint)
             run = tmp / f"weights-{mode}"
-            procs[mode] = (start_station(replace(settings, weights=mode), run, tmp / f"station-{mode}.log"),
+            weights = quantized_mode(settings) if mode == "auto" else mode
+            procs[mode] = (start_station(replace(settings, weights=weights), run, tmp / f"station-{mode}.log"),
                            run / "station.sock")
         decode, rss = trio.run(_decode_rounds, {m: s for m, (_, s) in procs.items()},
                                {m: p.pid for m, (p, _) in procs.items()}, rounds, decode_tokens)
     finally:
         for proc, _ in procs.values():
             stop_station(proc)
-    report.add("station single-stream decode, weights auto (GGUF int4) / float", decode.ratio, ">=", 1.0,
-               f"auto {decode.median(0):.1f} tok/s, float {decode.median(1):.1f} tok/s; {decode.spread()}")
-    report.add("station RSS after one request, weights auto / float", rss["auto"] / rss["float"], "<=", 1.0,
-               f"auto {rss['auto'] / 2**20:.0f} MiB, float {rss['float'] / 2**20:.0f} MiB "
-               "(VmRSS of the station process)")
+    report.add("station single-stream decode, quantized weights / float", decode.ratio, ">=", 1.0,
+               f"{quantized_mode(settings)} {decode.median(0):.1f} tok/s, float {decode.median(1):.1f} "
+               f"tok/s; {decode.spread()}")
+    report.add("station RSS after one request, quantized weights / float", rss["auto"] / rss["float"],
+               "<=", 1.0, f"{quantized_mode(settings)} {rss['auto'] / 2**20:.0f} MiB, float "
+               f"{rss['float'] / 2**20:.0f} MiB (VmRSS of the station process)")
 
 
 async def _decode_rounds(sockets: dict, pids: dict, rounds: int, decode_tokens: int):

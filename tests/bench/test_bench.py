@@ -48,6 +48,10 @@ FIGURES = [
     "A/A control: slowest / fastest idle decode round",
     "write-behind lag p99 under load (ms)",
     "at kv_io_nice 0: decode busy / idle",
+    "greedy prompts whose 64 tokens are the same, quantized / float (5 prompts)",
+    "top-1 agreement over 512 teacher-forced tokens, quantized / float",
+    "station single-stream decode, quantized weights / float",
+    "station RSS after one request, quantized weights / float",
 ]
 
 
@@ -66,7 +70,10 @@ def test_bench_runs_every_figure_on_a_tiny_model(tmp_path):
         if len(cells) == 5 and re.fullmatch(r"\d+\.\d{3}", cells[1]):
             rows[cells[0]] = (float(cells[1]), cells[4])
     assert list(rows) == FIGURES
-    assert all(value > 0 for value, _ in rows.values())
+    # every figure is a positive ratio but the share of prompts whose greedy output survives
+    # quantizing, which on a random tiny model may well be none
+    assert all(value > 0 for name, (value, _) in rows.items() if name != FIGURES[15])
+    assert 0 <= rows[FIGURES[15]][0] <= 1
     # 96 prompt tokens = 6 blocks of 16; the last token is always recomputed: 5 blocks hit
     assert "(cached 80)" in rows[FIGURES[0]][1]
     assert "(hit, cached" in rows[FIGURES[7]][1]
@@ -74,6 +81,8 @@ def test_bench_runs_every_figure_on_a_tiny_model(tmp_path):
     assert "(session_tier disk, cached 80," in rows[FIGURES[9]][1]
     assert re.search(r"= (\d+\.\d)x the", rows[FIGURES[10]][1])
     assert float(re.search(r"= (\d+\.\d)x the", rows[FIGURES[10]][1])[1]) >= 10
+    # a float checkpoint's quantized side is int4 at load: all 14 of the tiny model's linears
+    assert "weights int4: 14 int4 layers (load)" in rows[FIGURES[15]][1]
     assert f"{sum(r.startswith(('ok', 'MISS')) for r in proc.stdout.splitlines())}" == f"{len(FIGURES)}"
 
 
