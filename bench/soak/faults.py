@@ -42,14 +42,20 @@ class Faults:
         for name, child, sig in plan:
             await trio.sleep(max(self.warm_s, gap * (len(self.faults) + 1) - self.now()))
             fault = Fault(name, child)
+            written = await self._tier_writes()  # (writes done, queued) when the probes are saved
             probes = await self._save_probes(len(self.faults))
             # Past the write-behind bound, the probes are on disk: a station fault keeps them.
+            # Under load the I/O process (nice 19 by default) writes when decode leaves a core
+            # idle, so the fault also waits for the writes queued by then (the wait is reported).
             await trio.sleep(WRITE_BEHIND_WAIT_S)
+            fault.durable_wait_s = await self._await_written(written)
             fault.old_pid = self.daemon.pids().get(child)
             fault.at, wall_at = self.now(), time.time()
             os.kill(fault.old_pid, sig)
             self.faults.append(fault)
-            print(f"  {fault.at:6.1f} s  {name} (pid {fault.old_pid})", flush=True)
+            wait = ("write-behind figures unreadable" if fault.durable_wait_s is None else
+                    f"the probes' writes were done {fault.durable_wait_s:.1f} s after the bound")
+            print(f"  {fault.at:6.1f} s  {name} (pid {fault.old_pid}; {wait})", flush=True)
             try:
                 await self._await_replacement(fault, wall_at)
                 await self._await_recovery(fault)
@@ -89,6 +95,33 @@ class Faults:
                 fault.failed_during = sum(1 for r in after if not r.ok and r.start < first.end)
                 return
             await trio.sleep(0.1)
+
+    async def _tier_writes(self) -> tuple[float, float] | None:
+        """(write-behind jobs done, queued) from the host's /metrics; None when unreadable."""
+        try:
+            from prometheus_client.parser import text_string_to_metric_families
+
+            response = await self.http.get("/metrics")
+            found = {s.name: s.value for family in text_string_to_metric_families(response.text)
+                     for s in family.samples}
+            return (found["gnosis_kv_tier_writes_total"], found["gnosis_kv_tier_write_behind_queued"])
+        except (httpx.HTTPError, KeyError, ValueError):
+            return None
+
+    async def _await_written(self, before: tuple[float, float] | None,
+                             limit_s: float = 60.0) -> float | None:
+        """Wait until the writes queued at ``before`` (and the probes' own) are done -> seconds
+        (None: the host's /metrics did not say)."""
+        start = self.now()
+        if before is None:
+            return None
+        target = before[0] + before[1] + PROBE_SESSIONS
+        while self.now() - start < limit_s:
+            now = await self._tier_writes()
+            if now is not None and now[0] >= target:
+                break
+            await trio.sleep(0.25)
+        return self.now() - start
 
     # -- probe sessions: saved before a fault, asked again after it
     def _probe_body(self, tag: int, i: int) -> dict[str, Any]:

@@ -22,9 +22,11 @@ from bench.soak.measures import Fault, Record, Sample
 
 BEGIN, END = "<!-- soak:begin -->", "<!-- soak:end -->"
 SESSIONS_WHY_STATION = (
-    "The probes were saved more than `kv_write_behind_s` before the fault, so the write-behind "
-    "had them on disk; the restarted station finds them in its disk tier, so these must all "
-    "be hits.")
+    "The probes were saved more than `kv_write_behind_s` before the fault, and the drill "
+    "waited for the writes queued by then to be done (the wait is printed with the fault: the "
+    "I/O process runs at `kv_io_nice` 19, after decode, on a loaded machine), so the "
+    "write-behind had them on disk; the restarted station finds them in its disk tier, so "
+    "these must all be hits.")
 SESSIONS_WHY_HOST = (
     "Sessions live in the station, which kept running, and the station matches them; "
     "these must all be hits.")

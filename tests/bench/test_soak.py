@@ -29,6 +29,8 @@ def test_quick_soak_on_a_tiny_model(tmp_path):
         cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=600)
     report = out.read_text()
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-3000:]
+    # before each station fault the drill saw the probes' writes done (from the host's /metrics)
+    assert proc.stdout.count("the probes' writes were done") == 3, proc.stdout[-4000:]
     assert report.startswith("# Reliability\n\nHand-written text stays.\n\n" + BEGIN)
     assert report.endswith(END + "\n\nTail.\n") and "\nold\n" not in report
 
