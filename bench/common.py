@@ -271,7 +271,9 @@ class Report:
             "process behind its socket, the plain baseline in the bench process. A goal with a",
             "noise figure compares two paths that run the same code: the ratio may fall short",
             "of it by the spread measured in the same run between identical runs (the A/A",
-            "control row), because the machine resolves nothing finer.",
+            "control row), because the machine resolves nothing finer. llama.cpp's rows beside",
+            "the daemon's are in their own section below (`python -m bench --peer-only` reruns",
+            "only that section; `make bench PEER=0` skips them, writing why).",
             "",
             *table_lines(self.rows),
         ]

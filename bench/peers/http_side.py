@@ -132,7 +132,8 @@ def aggregate(side, prompts: list[str], max_tokens: int) -> tuple[float, list[Co
     for thread in threads:
         thread.start()
     for thread in threads:
-        thread.join()
+        while thread.is_alive():  # a timed join, so that Ctrl-C reaches the bench at once
+            thread.join(0.5)
     for result in results:
         if isinstance(result, BaseException):
             raise result

@@ -29,14 +29,28 @@ import time
 
 
 def load(model: str, threads: int, n_ctx: int):
+    """``Llama`` with llama.cpp's extra buffer types (its AMX path) off. Where ``Llama`` does
+    not take ``use_extra_bufts`` (0.3.36 does not), the model parameters it starts from
+    (``llama_model_default_params``) are given it."""
+    import inspect
+
     import llama_cpp
+    import llama_cpp.llama_cpp as low
 
     kwargs = dict(model_path=model, n_threads=threads, n_threads_batch=threads, n_ctx=n_ctx,
                   n_batch=512, verbose=False)
-    try:
+    if "use_extra_bufts" in inspect.signature(llama_cpp.Llama.__init__).parameters:
         return llama_cpp.Llama(**kwargs, use_extra_bufts=False)
-    except TypeError:  # a llama-cpp-python without the option (nor the AMX path it avoids)
-        return llama_cpp.Llama(**kwargs)
+    if any(name == "use_extra_bufts" for name, *_ in low.llama_model_params._fields_):
+        defaults = low.llama_model_default_params
+
+        def without_extra_bufts():
+            params = defaults()
+            params.use_extra_bufts = False
+            return params
+
+        low.llama_model_default_params = without_extra_bufts
+    return llama_cpp.Llama(**kwargs)
 
 
 def eog_tokens(llm) -> list[int]:
