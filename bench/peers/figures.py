@@ -4,7 +4,9 @@ same GGUF file, interleaved round by round; see ``section.METHOD`` for the metho
 from __future__ import annotations
 
 import os
+import signal
 import statistics
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -76,6 +78,9 @@ def peer_figures(settings, args, tmp: Path, out: Path) -> PeerResult:
         print(f"peer rows skipped: {result.skipped}", flush=True)
         return result
     threads = os.cpu_count() or 1
+    # SIGTERM (and SIGINT, which a shell's background job ignores) unwinds through the
+    # finally below, so no paused llama.cpp child or station outlives the bench
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     result.facts += [f"peer: llama-cpp-python {llama_cpp_version()}, n_threads {threads}, "
                      f"`use_extra_bufts=False`, on {model.name}",
                      f"decode tokens {args.decode_tokens}, long prompt ~{args.prompt_tokens} "
