@@ -86,6 +86,7 @@ def peer_figures(settings, args, tmp: Path, out: Path) -> PeerResult:
                      f"decode tokens {args.decode_tokens}, long prompt ~{args.prompt_tokens} "
                      f"tokens, {args.streams} streams, {args.rounds} rounds a row, "
                      f"{args.plot_rounds} a plot point"]
+    result.facts.append(_load("at the start"))
     runtime_dir = tmp / "peer-run"
     station = start_station(settings, runtime_dir, tmp / "peer-station.log")
     procs = [station]
@@ -104,6 +105,7 @@ def peer_figures(settings, args, tmp: Path, out: Path) -> PeerResult:
                           Side("llama.cpp in-process", inproc, inproc), result)
         bench.rows()
         bench.plots(out.parent / "img")
+        result.facts.append(_load("at the end"))
     finally:
         for peer in peers:
             peer.stop()
@@ -204,15 +206,24 @@ class PeerBench:
         try:
             plots.plot_decode_by_concurrency(
                 levels, decode, img_dir / DECODE_PNG,
-                f"aggregate decode, {n} tokens a stream (median of {args.plot_rounds} rounds)")
+                f"aggregate decode, {n} tokens a stream (median of {args.plot_rounds} round(s))")
             plots.plot_ttft_by_prompt(
                 lengths, ttft, img_dir / TTFT_PNG,
-                f"time to first token, miss then prefix hit (median of {args.plot_rounds} rounds)")
+                f"time to first token, miss then prefix hit (median of {args.plot_rounds} round(s))")
         except ImportError as exc:
             self.result.notes.append(f"Plots not drawn: {exc} (`pip install -e '.[bench]'`).")
             return
         self.result.images += [("decode tok/s by concurrency", f"img/{DECODE_PNG}"),
                                ("TTFT by prompt length", f"img/{TTFT_PNG}")]
+
+
+def _load(when: str) -> str:
+    """The machine's load beside the figures: on a shared machine it explains their spread."""
+    try:
+        load = os.getloadavg()[0]
+    except OSError:
+        return f"load average {when}: unknown"
+    return f"load average {when}: {load:.1f} ({os.cpu_count()} CPUs)"
 
 
 def miss_then_hit(side: Side, prompt: str):

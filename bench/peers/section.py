@@ -19,7 +19,7 @@ from pathlib import Path
 from bench.common import Report, table_lines
 
 PEER_REQUIREMENT = "llama-cpp-python[server]"  # the `peer` extra in pyproject.toml
-BEGIN = "<!-- peer section: begin (written by `make bench` or `python -m bench --only peer`) -->"
+BEGIN = "<!-- peer section: begin (written by `make bench` or `python -m bench --peer-only`) -->"
 END = "<!-- peer section: end -->"
 
 METHOD = """\
