@@ -25,8 +25,13 @@ run: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest $(PYTEST_ARGS)
 
+# The bench's extras, installed when missing: `bench` (matplotlib, for docs/img/) and `peer`
+# (llama-cpp-python[server], compiled from source: ~10 minutes on two cores; the bench itself
+# installs it with --peer install, printing what it does). PEER=0 skips the llama.cpp rows.
+PEER ?= 1
 bench: $(STAMP)
-	$(PY) -m bench $(ARGS)
+	@$(PY) -c 'import matplotlib' 2>/dev/null || { echo "bench: installing the bench extra (matplotlib) for the plots"; $(PIP) install -e '.[bench]'; }
+	$(PY) -m bench --peer $(if $(filter 0,$(PEER)),off,install) $(ARGS)
 
 # Where a decode token's time goes on the default model (about two minutes): docs/engine.md
 profile: $(STAMP)

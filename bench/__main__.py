@@ -5,6 +5,10 @@ shared, noisy machine moves both sides together. Results go to stdout and to
 docs/benchmarks.md with the machine described.
 
     python -m bench [--model PATH] [--prompt-tokens 2000] [--decode-tokens 64] [--out FILE]
+                    [--peer auto|install|off] [--peer-only]
+
+The peer rows (bench.peers) put llama.cpp beside the daemon on the same GGUF file; with
+--peer-only they run alone and rewrite only their section of --out.
 """
 
 from __future__ import annotations
@@ -31,6 +35,9 @@ from bench.common import (
 )
 from bench.grammar import grammar_figures
 from bench.liquid import decode_next_figures, liquid_figures, start_host
+from bench.peers.figures import add_arguments as add_peer_arguments
+from bench.peers.figures import peer_figures
+from bench.peers.section import splice
 from bench.tier import tier_figures
 from bench.weights import weights_figures
 from gnosis_daemon.client import open_station_client
@@ -48,6 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "docs" / "benchmarks.md"))
     parser.add_argument("--profile", action="store_true",
                         help="only print where a decode token's time goes (bench.profile)")
+    add_peer_arguments(parser)
     args = parser.parse_args(argv)
     if args.profile:  # its own options and defaults (a short prompt): hand it the arguments
         from bench.profile import main as profile_main
@@ -58,6 +66,12 @@ def main(argv: list[str] | None = None) -> int:
     report = Report()
     print(f"machine: {platform.machine()}, {os.cpu_count()} cpus, python {platform.python_version()}",
           flush=True)
+    if args.peer_only:
+        with tempfile.TemporaryDirectory(prefix="gnosis-bench-") as tmp:
+            peer = peer_figures(settings, args, Path(tmp), Path(args.out))
+        peer.report.print()
+        splice(Path(args.out), peer.markdown())
+        return 0 if peer.report.all_met() else 1
 
     # 1. the plain in-process baseline (same weights, contiguous DynamicCache), kept loaded
     #    so that its measurements interleave with the station's (best of --rounds each)
@@ -88,10 +102,12 @@ def main(argv: list[str] | None = None) -> int:
         tier_figures(report, settings, args, Path(tmp))
         # 5. weights: the GGUF's 4-bit blocks against the same file dequantized
         weights_figures(report, settings, args.rounds, args.decode_tokens, Path(tmp))
+        # 6. llama.cpp beside the daemon, on the same GGUF file (skipped with its reason)
+        peer = peer_figures(settings, args, Path(tmp), Path(args.out))
 
-    report.print()
-    report.write(Path(args.out), settings, args)
-    return 0 if report.all_met() else 1
+    Report(report.rows + peer.report.rows).print()
+    report.write(Path(args.out), settings, args, extra=peer.markdown())
+    return 0 if report.all_met() and peer.report.all_met() else 1
 
 
 async def _station_figures(socket_path, args, plain: Plain, report: Report) -> None:

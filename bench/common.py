@@ -250,7 +250,8 @@ class Report:
         met = sum(row.met for row in self.rows)
         print(f"\n{met}/{len(self.rows)} goals met")
 
-    def write(self, path: Path, settings, args) -> None:
+    def write(self, path: Path, settings, args, extra: str = "") -> None:
+        """The whole file; ``extra``: sections to follow the table (the peer's)."""
         lines = [
             "# Benchmarks",
             "",
@@ -270,15 +271,21 @@ class Report:
             "process behind its socket, the plain baseline in the bench process. A goal with a",
             "noise figure compares two paths that run the same code: the ratio may fall short",
             "of it by the spread measured in the same run between identical runs (the A/A",
-            "control row), because the machine resolves nothing finer.",
+            "control row), because the machine resolves nothing finer. llama.cpp's rows beside",
+            "the daemon's are in their own section below (`python -m bench --peer-only` reruns",
+            "only that section; `make bench PEER=0` skips them, writing why).",
             "",
-            "| figure | ratio | goal | met | measured |",
-            "|---|---|---|---|---|",
+            *table_lines(self.rows),
         ]
-        for row in self.rows:
-            met = "-" if row.op == "info" else ("yes" if row.met else "no")
-            lines.append(f"| {row.name} | {row.value:.3f} | {row.goal} | {met} | {row.detail} |")
-        path.write_text("\n".join(lines) + "\n")
+        path.write_text("\n".join(lines) + "\n" + ("\n" + extra if extra else ""))
+
+
+def table_lines(rows: list[Row]) -> list[str]:
+    lines = ["| figure | ratio | goal | met | measured |", "|---|---|---|---|---|"]
+    for row in rows:
+        met = "-" if row.op == "info" else ("yes" if row.met else "no")
+        lines.append(f"| {row.name} | {row.value:.3f} | {row.goal} | {met} | {row.detail} |")
+    return lines
 
 
 def cpu_model() -> str:
