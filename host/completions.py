@@ -15,6 +15,8 @@ every tenant the station connection that an oversized frame would end.
 
 from __future__ import annotations
 
+import functools
+
 import json
 import time
 from contextlib import AsyncExitStack
@@ -25,6 +27,7 @@ import trio
 from quart import Response
 
 from gnosis_daemon.client import StationConnection, StationError, StationStream
+from host.gather import gather
 from gnosis_daemon.settings import Settings
 from host import errors, formatting, liquid, openai_api, sse
 from host.choices import PromptChoices
@@ -66,14 +69,9 @@ async def complete(settings: Settings, link: StationLink, memory: LiquidMemory,
     if not req.stream:
         try:
             with trio.fail_after(settings.request_timeout_s):
-                runs = [None] * len(reqs)
-
-                async def run_one(i: int) -> None:
-                    runs[i] = await _run(conn, memory, reqs[i], record, tenant, name, i, n)
-
-                async with trio.open_nursery() as nursery:
-                    for i in range(len(reqs)):
-                        nursery.start_soon(run_one, i)
+                runs = await gather([
+                    functools.partial(_run, conn, memory, one, record, tenant, name, i, n)
+                    for i, one in enumerate(reqs)])
         except StationError as exc:
             raise station_error(exc, req) from None
         except trio.TooSlowError:
@@ -92,7 +90,8 @@ async def complete(settings: Settings, link: StationLink, memory: LiquidMemory,
                 echo, echo_lps = prompt.echo(req.kind, choice) if req.echo else ("", None)
                 lps = choice.logprobs(req.kind, choice.entries if "logprobs" in req.station_args
                                       else None)
-                text = echo + text
+                if echo:  # completions only; a tool call's content may be None
+                    text = echo + (text or "")
                 if echo_lps is not None and lps is not None:
                     lps = {k: echo_lps[k] + lps[k] for k in lps}
                 out.append(fmt.choice(text, reason, index=choice.index, logprobs=lps,

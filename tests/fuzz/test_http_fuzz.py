@@ -318,12 +318,12 @@ def test_fuzzed_requests(fuzz_daemon, watch, http):
 
 # Fields that would change the answer and are not implemented: refused, never ignored
 # (tools: the fuzz model's chat template does not render them).
+# (tools, logprobs, n and echo are implemented now: tests/host/test_choices_logprobs.py)
 UNSUPPORTED = st.one_of(
-    st.tuples(st.just(CHAT), st.just("tools"),
-              st.just([{"type": "function", "function": {"name": "f", "parameters": {}}}])),
-    st.tuples(st.just(CHAT), st.just("logprobs"), st.just(True)),
-    st.tuples(st.sampled_from((CHAT, COMPLETIONS)), st.just("n"), st.integers(2, 8)),
-    st.tuples(st.just(COMPLETIONS), st.just("echo"), st.just(True)),
+    st.tuples(st.just(CHAT), st.just("prediction"), st.just({"type": "content", "content": "x"})),
+    st.tuples(st.just(CHAT), st.just("audio"), st.just({"voice": "alloy", "format": "wav"})),
+    st.tuples(st.just(COMPLETIONS), st.just("suffix"), st.just("and so on")),
+    st.tuples(st.just(COMPLETIONS), st.just("best_of"), st.integers(2, 8)),
     st.tuples(st.just(EMBEDDINGS), st.just("dimensions"), st.integers(1, 64)),
 )
 

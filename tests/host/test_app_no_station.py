@@ -43,8 +43,10 @@ async def test_malformed_json_is_400(client, path, raw):
 
 async def test_a_bad_field_is_rejected_before_the_station_is_asked(client):
     status, _, body = await post(client, "/v1/chat/completions",
-                                 {"messages": [{"role": "user", "content": "x"}], "n": 3})
-    assert (status, body["error"]["code"], body["error"]["param"]) == (400, "unsupported_value", "n")
+                                 {"messages": [{"role": "user", "content": "x"}],
+                                  "prediction": {"type": "content", "content": "x"}})
+    assert (status, body["error"]["code"], body["error"]["param"]) == (400, "unsupported_value",
+                                                                       "prediction")
 
 
 @pytest.mark.parametrize("path, data", [
