@@ -81,6 +81,11 @@ def test_bench_runs_every_figure_on_a_tiny_model(tmp_path):
     assert "(session_tier disk, cached 80," in rows[FIGURES[9]][1]
     assert re.search(r"= (\d+\.\d)x the", rows[FIGURES[10]][1])
     assert float(re.search(r"= (\d+\.\d)x the", rows[FIGURES[10]][1])[1]) >= 10
+    # the grammar row: the unconstrained side is asked for exactly as many tokens as the
+    # grammar produced (bench.grammar runs alone too: python -m bench.grammar)
+    m = re.search(r"json_schema [\d.]+ tok/s \((\d+) tokens, finish (\w+), .*unconstrained "
+                  r"[\d.]+ tok/s \((\d+) tokens\)", rows[FIGURES[8]][1])
+    assert m and m[1] == m[3] and int(m[1]) > 1 and m[2] in ("stop", "length"), rows[FIGURES[8]][1]
     # a float checkpoint's quantized side is int4 at load: all 14 of the tiny model's linears
     assert "weights int4: 14 int4 layers (load)" in rows[FIGURES[15]][1]
     assert f"{sum(r.startswith(('ok', 'MISS')) for r in proc.stdout.splitlines())}" == f"{len(FIGURES)}"

@@ -113,17 +113,17 @@ def test_engine_on_quantized_weights_equals_that_models_generate(tiny_dir, tmp_p
             assert hit.tokens == want
 
 
-def test_the_default_gguf_keeps_its_q4_1_blocks_exactly(tmp_path):
+def test_the_default_gguf_keeps_its_q4_1_blocks_exactly():
     """The real file: every 4-bit weight's blocks dequantize to the dense conversion bit for bit
-    (which also proves the Q/K row order), and the quantized model still answers."""
-    from station.runtime.gguf_groups import read_gguf_weights
+    (``auto`` uses no block that did not, which also proves the Q/K row order), and the
+    quantized model still answers."""
+    from station.runtime.gguf_table import read_tensor_table
     from station.runtime.model_loader import default_model_path
 
-    loaded = load_model(Settings(model_cache_dir=None, weights="float"))
-    found = read_gguf_weights(default_model_path(), loaded.model)
-    assert len(found.int4) == 210 and not found.rejected
-    assert found.types["model.embed_tokens.weight"] == "Q8_0"
-    del loaded, found
+    arch, tensors = read_tensor_table(default_model_path())
+    kinds = {t.name: t.kind for t in tensors}
+    assert arch == "llama" and kinds["token_embd.weight"] == "Q8_0"
+    assert sum(kind == "Q4_1" for kind in kinds.values()) == 210
     quantized = load_model(Settings(weights="auto"))
     summary = quantized.weights.summary()
     assert summary["int4_layers"] + summary["kept_float_faster"] == 210
