@@ -27,6 +27,20 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def sse_chunks(port: int, body: dict):
+    """POST ``body`` to the host's chat completions, streamed -> each ``data:`` chunk, parsed."""
+    import json
+
+    import httpx
+
+    with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/chat/completions", json=body,
+                      timeout=600) as resp:
+        resp.raise_for_status()
+        for line in resp.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                yield json.loads(line[6:])
+
+
 def make_prompt_ids(vocab_size: int, n: int, seed: int) -> list[int]:
     """Deterministic ordinary token ids (the low range avoids special tokens at the top)."""
     rng = random.Random(seed)

@@ -24,9 +24,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
-
-from bench.common import Pairs, Report
+from bench.common import Pairs, Report, sse_chunks
 
 MESSAGES = [{"role": "system", "content": "You are a librarian. Answer in JSON."},
             {"role": "user", "content": "Describe a library: its name, its address, how many "
@@ -81,21 +79,15 @@ def stream(port: int, max_tokens: int, *, constrained: bool) -> Run:
     usage: dict = {}
     finish = ""
     pieces: list[str] = []
-    with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/chat/completions", json=body,
-                      timeout=600) as resp:
-        resp.raise_for_status()
-        for line in resp.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            usage = chunk.get("usage") or usage
-            for choice in chunk.get("choices", []):
-                content = (choice.get("delta") or {}).get("content")
-                if content:
-                    first = first or time.perf_counter()
-                    pieces.append(content)
-                if choice.get("finish_reason"):
-                    end, finish = time.perf_counter(), choice["finish_reason"]
+    for chunk in sse_chunks(port, body):
+        usage = chunk.get("usage") or usage
+        for choice in chunk.get("choices", []):
+            content = (choice.get("delta") or {}).get("content")
+            if content:
+                first = first or time.perf_counter()
+                pieces.append(content)
+            if choice.get("finish_reason"):
+                end, finish = time.perf_counter(), choice["finish_reason"]
     assert first is not None and end is not None and usage, "no content, finish or usage streamed"
     return Run(first - start, end - first, usage["completion_tokens"], finish, "".join(pieces))
 

@@ -9,7 +9,6 @@ against ``generate``'s per-token time on the same sequence.
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 import time
@@ -18,7 +17,7 @@ from pathlib import Path
 
 import httpx
 
-from bench.common import REPO, Pairs, Report
+from bench.common import REPO, Pairs, Report, sse_chunks
 
 WORDS = ("river stone lantern harbor quiet meadow copper signal orbit garden winter "
          "mirror canyon thunder pillar ember violet marble falcon cedar").split()
@@ -64,22 +63,16 @@ def stream_chat(port: int, messages: list[dict], max_tokens: int, *, user: str |
     first = end = None
     pieces: list[str] = []
     gnosis: dict = {}
-    with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/chat/completions", json=body,
-                      timeout=600) as resp:
-        resp.raise_for_status()
-        for line in resp.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            gnosis = chunk.get("_gnosis") or gnosis
-            for choice in chunk.get("choices", []):
-                content = (choice.get("delta") or {}).get("content")
-                if content:
-                    if first is None:
-                        first = time.perf_counter()
-                    pieces.append(content)
-                if choice.get("finish_reason"):
-                    end = time.perf_counter()
+    for chunk in sse_chunks(port, body):
+        gnosis = chunk.get("_gnosis") or gnosis
+        for choice in chunk.get("choices", []):
+            content = (choice.get("delta") or {}).get("content")
+            if content:
+                if first is None:
+                    first = time.perf_counter()
+                pieces.append(content)
+            if choice.get("finish_reason"):
+                end = time.perf_counter()
     assert first is not None and end is not None, "no content or no finish streamed"
     # Decode rate as the client sees it: the tokens after the first (the station's count: a
     # token need not complete a character, so text chunks are not tokens) over the time

@@ -162,8 +162,9 @@ def _time_passes(sides: list[list], inputs: list[torch.Tensor], reps: int = 5) -
     best = [float("inf")] * len(sides)
     with torch.inference_mode():
         for rep in range(reps + 1):
-            for i, layers in enumerate(sides if rep % 2 == 0 else sides[::-1]):
-                side = i if rep % 2 == 0 else len(sides) - 1 - i
+            order = range(len(sides)) if rep % 2 == 0 else reversed(range(len(sides)))
+            for side in order:
+                layers = sides[side]
                 if inputs[0].is_cuda:
                     torch.cuda.synchronize()
                 start = time.perf_counter()

@@ -95,8 +95,8 @@ def apply_weights(model: nn.Module, mode: str, device: torch.device, dtype: torc
     report.linear_bytes_after = report.linear_bytes_before
     if mode == "float" or not layers or (mode == "auto" and gguf is None):
         return report
-    from_file = None
-    if gguf is not None and mode in ("auto", "int4", "int8"):
+    from_file = None  # mode is auto, int4 or int8 from here on
+    if gguf is not None:
         from station.runtime.gguf_groups import read_gguf_weights
 
         from_file = read_gguf_weights(gguf, model)
