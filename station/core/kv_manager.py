@@ -61,9 +61,14 @@ class ComputedBlocks:
     session_outcome: SessionOutcome | None = None  # None: no session was asked for
     num_session_tokens: int = 0  # of num_cached_tokens: served by the session
     disk_session: DiskSession | None = None  # ON_DISK: the session to read back first
+    # LOADED from a disk-tier session whose blocks the prefix cache still holds (freed, not
+    # yet reused): served from the pool, nothing to read back
+    cached_disk_session: DiskSession | None = None
 
     def __post_init__(self) -> None:
-        assert (self.session is not None) == (self.session_outcome is SessionOutcome.LOADED)
+        loaded = self.session is not None or self.cached_disk_session is not None
+        assert loaded == (self.session_outcome is SessionOutcome.LOADED)
+        assert self.session is None or self.cached_disk_session is None
         assert (self.disk_session is not None) == (self.session_outcome is SessionOutcome.ON_DISK)
 
 
@@ -155,24 +160,25 @@ class KVCacheManager:
             max_blocks = (seq.num_tokens - 1) // bs
             found, depth = self.sessions.deepest_match(seq.tenant, seq.block_hashes, max_blocks)
             on_disk, disk_depth = self.disk.deepest_match(seq.tenant, seq.block_hashes, max_blocks)
-            if on_disk is not None and disk_depth > max(depth, len(hits)):
-                # Only the disk holds this much of the prompt: read it back first.
-                return ComputedBlocks(tuple(hits), len(hits) * bs,
-                                      session_outcome=SessionOutcome.ON_DISK, disk_session=on_disk)
+            if on_disk is not None and disk_depth > depth:
+                return self._from_disk_session(on_disk, disk_depth, hits)
             load_session = found.session_id if found is not None else None
         if not load_session:
             return ComputedBlocks(tuple(hits), len(hits) * bs)
         session = self.sessions.get(load_session)
         if session is None:
             on_disk = self.disk.get(load_session)
-            if (on_disk is not None and on_disk.tenant == seq.tenant
-                    and min(common_prefix_len(on_disk.token_ids, seq.token_ids),
-                            seq.num_tokens - 1) // bs > len(hits)):
+            if on_disk is None:
                 return ComputedBlocks(tuple(hits), len(hits) * bs,
-                                      session_outcome=SessionOutcome.ON_DISK, disk_session=on_disk)
-            outcome = (SessionOutcome.TENANT_MISMATCH if on_disk is not None and on_disk.tenant != seq.tenant
-                       else SessionOutcome.NOT_FOUND)
-            return ComputedBlocks(tuple(hits), len(hits) * bs, session_outcome=outcome)
+                                      session_outcome=SessionOutcome.NOT_FOUND)
+            if on_disk.tenant != seq.tenant:
+                return ComputedBlocks(tuple(hits), len(hits) * bs,
+                                      session_outcome=SessionOutcome.TENANT_MISMATCH)
+            n = min(common_prefix_len(on_disk.token_ids, seq.token_ids), seq.num_tokens - 1) // bs
+            if n == 0:
+                return ComputedBlocks(tuple(hits), len(hits) * bs,
+                                      session_outcome=SessionOutcome.NO_COMMON_PREFIX)
+            return self._from_disk_session(on_disk, n, hits)
         if session.tenant != seq.tenant:
             return ComputedBlocks(tuple(hits), len(hits) * bs,
                                   session_outcome=SessionOutcome.TENANT_MISMATCH)
@@ -185,6 +191,18 @@ class KVCacheManager:
         # Cache hits past the session hold the same prefix's KV: keep them too.
         blocks = (*session.blocks[:n], *hits[n:])
         return ComputedBlocks(blocks, len(blocks) * bs, session, SessionOutcome.LOADED, n * bs)
+
+    def _from_disk_session(self, on_disk: DiskSession, num_blocks: int,
+                           hits: Seq[KVBlock]) -> ComputedBlocks:
+        """A disk-tier session sharing ``num_blocks`` full blocks with the prompt: read back
+        first, unless the prefix cache still holds those blocks (the session was evicted, its
+        freed blocks not reused yet): then it is loaded from the pool as it stands."""
+        bs = self.block_size
+        if num_blocks > len(hits):
+            return ComputedBlocks(tuple(hits), len(hits) * bs,
+                                  session_outcome=SessionOutcome.ON_DISK, disk_session=on_disk)
+        return ComputedBlocks(tuple(hits), len(hits) * bs, session_outcome=SessionOutcome.LOADED,
+                              num_session_tokens=num_blocks * bs, cached_disk_session=on_disk)
 
     def allocate_slots(self, seq: Sequence, num_new_tokens: int,
                        computed: ComputedBlocks | None = None, *, reclaim: bool = True) -> bool:
@@ -207,6 +225,10 @@ class KVCacheManager:
             num_held = len(hits)
             if computed.session is not None:
                 self._use(computed.session)
+            elif computed.cached_disk_session is not None:  # the disk's LRU learns of it
+                on_disk = computed.cached_disk_session
+                on_disk.last_used = self.sessions.clock()
+                self.to_touch[on_disk.session_id] = on_disk.last_used
         num_new = self.num_blocks_for(start + num_new_tokens) - num_held
         if num_new <= 0 and computed is None:
             return True

@@ -207,8 +207,9 @@ class Scheduler:
                 outcome = SessionOutcome(seq.load_error)
             seq.session_outcome = outcome
             seq.num_session_tokens = computed.num_session_tokens
-            seq.loaded_session = computed.session.session_id if computed.session else None
-            if computed.session is not None:
+            loaded = computed.session if computed.session is not None else computed.cached_disk_session
+            seq.loaded_session = loaded.session_id if loaded is not None else None
+            if loaded is not None:
                 seq.session_tier = seq.loaded_tier or "pool"
         if not self.kv.allocate_slots(seq, seq.num_tokens - computed.num_cached_tokens, computed):
             return False

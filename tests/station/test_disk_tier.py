@@ -217,3 +217,26 @@ def test_another_models_station_never_touches_this_models_tier(tiny, other, tmp_
         assert first[0] == reference(path, prompts[0], 4)
         stats = t.engine.stats()
         assert (stats["kv_disk_loads"], stats["disk_quarantined_total"]) == (6, 0)
+
+
+def test_an_evicted_session_whose_blocks_are_still_cached_is_a_pool_hit(tiny, tmp_path):
+    """A durable session expired to the disk tier leaves its freed blocks in the prefix
+    cache: asked again (matched, or by name), it is loaded from those, a hit from the pool
+    with nothing read back, not a miss that happens to find the same KV cached."""
+    path, loaded = tiny
+    prompts = [prompt_of(950 + i, 23) for i in range(2)]
+    with TierEngine(loaded, tmp_path / "state", 64, kv_session_budget=1) as t:
+        first = t.save_each(prompts, "alice.p", 4)  # the second save expires the first to disk
+        stats = t.engine.stats()
+        assert (stats["kv_sessions"], stats["kv_disk_sessions"], stats["kv_sessions_offloaded"]) == (1, 1, 1)
+        matched = t.generate(prompts[0], 4, match_session=True)
+        named = t.generate(prompts[0] + prompt_of(9, 3), 4, load_session="alice.p.0")
+        for got, prompt in ((matched, prompts[0]), (named, prompts[0] + prompt_of(9, 3))):
+            pre = got.one(Prefill)
+            assert (pre.session_loaded, pre.session_id, pre.session_tokens, pre.session_tier,
+                    pre.session_error) == (True, "alice.p.0", 20, "pool", None), pre
+            assert got.one(Finished).cached_tokens == 20
+            assert got.tokens == reference(path, prompt, 4)
+        assert matched.tokens == first[0]
+        assert t.engine.stats()["kv_disk_loads"] == 0
+        assert len(t.engine.kv.to_touch) + t.engine.tier.figures.touches >= 1  # the disk's LRU heard
