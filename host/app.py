@@ -219,14 +219,16 @@ def create_app(settings: Settings, link: StationLink,
     @app.post("/v1/chat/completions")
     async def chat_completions() -> Response:
         admission.admit(current())
-        return await complete(settings, link, memory, openai_api.parse_chat(await _body()),
-                              current(), g.tenant)
+        req = openai_api.parse_chat(await _body())
+        req = openai_api.with_session_header(req, request.headers.get(openai_api.SESSION_HEADER))
+        return await complete(settings, link, memory, req, current(), g.tenant)
 
     @app.post("/v1/completions")
     async def completions() -> Response:
         admission.admit(current())
-        return await complete(settings, link, memory,
-                              openai_api.parse_completion(await _body()), current(), g.tenant)
+        req = openai_api.parse_completion(await _body())
+        req = openai_api.with_session_header(req, request.headers.get(openai_api.SESSION_HEADER))
+        return await complete(settings, link, memory, req, current(), g.tenant)
 
     @app.post("/v1/embeddings")
     async def create_embeddings() -> Response:

@@ -54,6 +54,9 @@ MAX_STOP = 4
 # Fields that name a liquid-memory session, first present wins (OpenAI's prompt_cache_key
 # and user are such names; session_id is this server's own).
 SESSION_FIELDS = ("session_id", "prompt_cache_key", "user")
+# The header routers hash to keep a conversation on one replica (vllm-router's
+# consistent_hash, HAProxy/nginx hash on it); it names the session when the body does not.
+SESSION_HEADER = "X-Session-Id"
 # The largest max_tokens / top_k accepted: far past any context, and an int32 everywhere.
 MAX_INT32 = 2**31 - 1
 # seed is an int64, as in OpenAI's API; the station folds it into its generator's 64 bits.
@@ -311,3 +314,11 @@ def _stop(stop: Any) -> list[str]:
                                    f"length {MAX_STOP}, but got an array with length "
                                    f"{len(stop)} instead.")
     return [s for s in stop if s]
+
+
+def with_session_header(req: CompletionRequest, header: str | None) -> CompletionRequest:
+    """``req`` named by the ``X-Session-Id`` header when no body field names it (the body's
+    ``session_id`` / ``prompt_cache_key`` / ``user`` wins: it is the more specific)."""
+    if req.session_name is not None or header is None or not header.strip():
+        return req
+    return replace(req, session_name=header.strip())

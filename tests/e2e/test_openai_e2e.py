@@ -17,8 +17,13 @@ MAX_TOKENS = 24
 
 
 @pytest.fixture(scope="module")
-def daemon(tmp_path_factory):
-    root = tmp_path_factory.mktemp("e2e")
+def daemon_root(tmp_path_factory):
+    return tmp_path_factory.mktemp("e2e")
+
+
+@pytest.fixture(scope="module")
+def daemon(daemon_root):
+    root = daemon_root
     model_dir = build_tiny_model(root / "tiny-llama", "llama")
     port = free_port()
     with run_daemon(model_dir, root / "run", port, log_path=root / "daemon.log"):
@@ -127,3 +132,33 @@ def test_penalties_and_seed_reproduce_and_bad_values_are_400(daemon):
         with pytest.raises(openai.BadRequestError) as info:
             client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=4, **body)
         assert info.value.body["param"] == param
+
+
+def test_the_x_session_id_header_names_the_conversation(daemon, daemon_root):
+    """The router recipe: the official client sends ``X-Session-Id`` on every request
+    (``default_headers``); the daemon saves the conversation under that name, as it would
+    under ``session_id``, and the next turn loads it. A body field still wins."""
+    from host.session_names import save_ids
+    from tests.host.conftest import station_call
+
+    model_dir, plain = daemon
+    client = plain.with_options(default_headers={"X-Session-Id": "conv-header-7"})
+    model = client.models.list().data[0].id
+    turn1 = [{"role": "system", "content": "You keep a ship's log. " * 12},
+             {"role": "user", "content": "First entry."}]
+    first = client.chat.completions.with_raw_response.create(
+        model=model, messages=turn1, max_tokens=4, temperature=0)
+    answer = first.parse().choices[0].message.content
+    turn2 = turn1 + [{"role": "assistant", "content": answer},
+                     {"role": "user", "content": "Second entry."}]
+    second = client.chat.completions.with_raw_response.create(
+        model=model, messages=turn2, max_tokens=4, temperature=0)
+    assert second.headers["X-Thoth-Liquid-Memory"] == "hit"
+    sock = daemon_root / "run" / "station.sock"
+    listed = {s["session_id"] for s in station_call(sock, "kv_session.list")["sessions"]}
+    assert save_ids("anon", None, "conv-header-7").save_session in listed
+    # a body session_id wins over the header
+    client.chat.completions.create(model=model, messages=turn1, max_tokens=2, temperature=0,
+                                   extra_body={"session_id": "conv-body-8"})
+    listed = {s["session_id"] for s in station_call(sock, "kv_session.list")["sessions"]}
+    assert save_ids("anon", None, "conv-body-8").save_session in listed
