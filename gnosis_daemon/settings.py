@@ -107,6 +107,14 @@ class Settings:
     # kv_write_behind_s under a sustained stream of saves; each late write is counted). 0:
     # the bound holds under that load, and decode pays for the cores the writes take.
     kv_io_nice: int = 19
+    # A disk tier shared by a fleet (a read-write-many volume every replica mounts): the
+    # tier lives at <kv_shared_dir>/<model> instead of <state_dir>/kv-tier/<model>, each
+    # replica learns of the sessions the others write by rescanning the manifests every
+    # kv_shared_scan_s, and a conversation whose replica died is read back from there.
+    # Replicas sharing it need the same tenant_salt to share block files (else each stores
+    # its own copy; sessions are found either way). Empty: the tier is this host's own.
+    kv_shared_dir: str = ""
+    kv_shared_scan_s: float = 1.0
     # -- timeouts and supervision (seconds)
     request_timeout_s: float = 600.0
     station_start_timeout_s: float = 300.0

@@ -16,6 +16,10 @@ the memfd). Jobs, in order:
 * ``load``: the named blocks, each verified, into the named slots -> ``loaded``;
 * ``close`` (``flush``: after every write sent before it) -> ``closed``, and the process exits.
 
+On a fleet's shared tier (``open``'s ``shared_scan_s``) the writer thread also rescans the
+manifests that often and sends what the other replicas saved, replaced or removed as
+``discovered`` (unasked: ``added`` records, ``removed`` ids).
+
 Writes, deletes and touches run in order on one thread, loads on another, so a read-back
 never waits behind a long write. At EOF (the station died, a SIGKILL included) the jobs
 already received are finished, then the store closes: a crash loses only what was never
@@ -69,6 +73,8 @@ class Worker:
         self._jobs: collections.deque[dict[str, Any]] = collections.deque()  # writer's, in order
         self._loads: collections.deque[dict[str, Any]] = collections.deque()
         self._eof = False
+        self.scan_s: float | None = None  # a shared tier's rescan period
+        self._scanned = 0.0
 
     def send(self, message: dict[str, Any]) -> None:
         data = encode(message)
@@ -128,9 +134,10 @@ class Worker:
             deadline = time.monotonic() + message["busy_wait_s"]
             while True:
                 try:
+                    self.scan_s = message.get("shared_scan_s")
                     self.store = KVStore(message["root"], message["fingerprint"],
                                          message["block_size"], self.block_shape, self.dtype,
-                                         message["budget"])
+                                         message["budget"], shared=self.scan_s is not None)
                     break
                 except StoreBusy:
                     if time.monotonic() > deadline:
@@ -141,8 +148,10 @@ class Worker:
             error = str(exc) if isinstance(exc, StoreBusy) else f"{type(exc).__name__}: {exc}"
             self.send({"kind": "opened", "error": error, "stats": {}})
             return
-        records = [[r.session_id, r.tenant, list(r.token_ids), list(r.block_hashes), r.last_used]
-                   for r in self.store.load_sessions()]
+        records = [_wire(r) for r in self.store.load_sessions()]
+        with self._cond:  # the writer thread waits without a timeout until it knows
+            self._scanned = time.monotonic()
+            self._cond.notify_all()
         for i in range(0, len(records), SESSIONS_PER_FRAME):
             self.send({"kind": "sessions", "records": records[i:i + SESSIONS_PER_FRAME]})
         self.send({"kind": "opened", "error": None, "stats": self.stats()})
@@ -152,10 +161,20 @@ class Worker:
         while True:
             with self._cond:
                 while not self._jobs and not self._eof:
-                    self._cond.wait()
-                if not self._jobs:  # EOF and nothing left
+                    if self.scan_s is None:
+                        self._cond.wait()
+                        continue
+                    due = self._scanned + self.scan_s - time.monotonic()
+                    if due <= 0:
+                        break
+                    self._cond.wait(due)
+                if not self._jobs and self._eof:  # EOF and nothing left
                     break
-                job = self._jobs.popleft()
+                job = self._jobs.popleft() if self._jobs else None
+            if self.scan_s is not None and time.monotonic() - self._scanned >= self.scan_s:
+                self._rescan()
+            if job is None:
+                continue
             if job["op"] == "close":
                 if not job.get("flush"):
                     with self._cond:
@@ -166,6 +185,21 @@ class Worker:
             stats = self.stats()
             self.store.close()
             self.send({"kind": "closed", "stats": stats})
+
+    def _rescan(self) -> None:
+        """A shared tier: tell the station what the other replicas wrote or removed."""
+        self._scanned = time.monotonic()
+        if self.store is None:
+            return
+        try:
+            added, removed = self.store.rescan()
+        except OSError:  # the volume is unreachable now: the next look may do better
+            log.exception("kv_tier_rescan_failed")
+            return
+        if added or removed:
+            for i in range(0, max(len(added), 1), SESSIONS_PER_FRAME):
+                self.send({"kind": "discovered", "added": [_wire(r) for r in added[i:i + SESSIONS_PER_FRAME]],
+                           "removed": removed if i == 0 else []})
 
     def _do_write(self, job: dict[str, Any]) -> dict[str, Any]:
         reply: dict[str, Any] = {"kind": "written", "job": job["job"], "final": job.get("final", True),
@@ -229,6 +263,11 @@ class Worker:
                 reply["quarantined"] = isinstance(exc, Quarantined)
             reply["stats"] = self.stats()
             self.send(reply)
+
+
+def _wire(r: Any) -> list[Any]:
+    """A session record as ``sessions`` and ``discovered`` carry it."""
+    return [r.session_id, r.tenant, list(r.token_ids), list(r.block_hashes), r.last_used]
 
 
 def main(argv: list[str]) -> int:

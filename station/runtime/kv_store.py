@@ -8,6 +8,17 @@ Layout under ``root`` (directories 0700, files 0600: they hold every tenant's to
     quarantine/<original name>.<UTC time>   files that failed a check, moved intact
     lock                                     flock'd while a store has the root open
 
+A fleet's **shared** tier (``shared=True``: a read-write-many volume every replica's store
+opens) differs in four ways: the lock is shared, not exclusive (a private store still
+cannot open a shared root, nor the reverse); a temp file or a block no manifest names is
+another replica's write in progress unless it is older than ``STALE_S``, so only then is it
+removed; blocks a manifest names that the start's listing missed are looked for on disk
+before the manifest is judged incomplete; and ``rescan`` reads the manifests the other
+replicas wrote, replaced or removed since the last look. Eviction judges by what this
+store's index knows: a block it removes may be named by a manifest another replica writes
+at that moment, and that session is then dropped as incomplete at the next look (a miss,
+never a wrong answer: every read is checked).
+
 A block's name is its ``block_pool.hash_block`` chain hash, which covers every token
 before it, the model fingerprint and the tenant (through the extra keys): sessions that
 share a prefix share its block files, stored once. Each file carries its own layout and a
@@ -81,6 +92,9 @@ class Evicted:
     bytes: int
 
 
+STALE_S = 600.0  # shared tier: another replica's temp file or unnamed block is this old at most
+
+
 def _utc_stamp() -> str:
     return time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
 
@@ -97,7 +111,7 @@ def _unlink(path: Path) -> None:
 class KVStore:
     def __init__(self, root: str | os.PathLike[str], fingerprint: str, block_size: int,
                  block_shape: tuple[int, ...], dtype: torch.dtype, disk_budget_bytes: int,
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time, shared: bool = False) -> None:
         shape = tuple(int(d) for d in block_shape)
         if block_size < 1 or not shape or min(shape) < 1 or disk_budget_bytes < 0:
             raise ValueError("block_size and every block dimension must be positive, "
@@ -110,6 +124,10 @@ class KVStore:
         self.sessions_dir = self.root / "sessions"
         self.quarantine_dir = self.root / "quarantine"
         self.index = StoreIndex()
+        self.shared = shared
+        # Manifest file name -> (mtime_ns, session id) as last read or written here: what
+        # ``rescan`` compares the directory with.
+        self._seen: dict[str, tuple[int, str]] = {}
         self._mutate = threading.RLock()  # held by every change on disk (see module doc)
         self._lock_fd: int | None = self._take_lock()
         try:
@@ -124,11 +142,13 @@ class KVStore:
         os.chmod(self.root, 0o700)
         fd = os.open(self.root / "lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         try:
-            # Two processes on one root would delete each other's temp files at open.
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            # Two private stores on one root would delete each other's temp files at open;
+            # shared stores spare the fresh ones, and share the lock.
+            fcntl.flock(fd, (fcntl.LOCK_SH if self.shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(fd)
-            raise StoreBusy(f"{self.root} is open in another store") from None
+            raise StoreBusy(f"{self.root} is open in another store"
+                            + (" (a private one)" if self.shared else "")) from None
         return fd
 
     def close(self) -> None:
@@ -171,11 +191,26 @@ class KVStore:
                  incomplete=stats["incomplete_sessions"], tmp_removed=stats["tmp_removed"],
                  ms=round((time.monotonic() - started) * 1000, 1))
 
-    def _index_block(self, subdir: str, entry: os.DirEntry[str]) -> None:
-        """Index one file under blocks/ by its name alone: its bytes are checked at read."""
-        if _is_tmp(entry):  # a write cut short: never trusted, never read
+    def _stale(self, entry: os.DirEntry[str] | Path) -> bool:
+        """A temp file (or an unnamed block) that no write in progress can own: any, in a
+        private store; one older than ``STALE_S`` in a shared one."""
+        if not self.shared:
+            return True
+        try:
+            mtime = entry.stat(follow_symlinks=False).st_mtime
+        except FileNotFoundError:
+            return False  # gone meanwhile: nothing to remove
+        return time.time() - mtime > STALE_S
+
+    def _remove_tmp(self, entry: os.DirEntry[str]) -> None:
+        if self._stale(entry):  # a write cut short: never trusted, never read
             _unlink(Path(entry.path))
             self.index.count(tmp_removed=1)
+
+    def _index_block(self, subdir: str, entry: os.DirEntry[str]) -> None:
+        """Index one file under blocks/ by its name alone: its bytes are checked at read."""
+        if _is_tmp(entry):
+            self._remove_tmp(entry)
         elif (BLOCK_NAME.fullmatch(entry.name) and entry.name.startswith(subdir)
               and entry.is_file(follow_symlinks=False)):
             self.index.add_block(BlockHash(bytes.fromhex(entry.name[:2 * HASH_BYTES])),
@@ -186,27 +221,80 @@ class KVStore:
     def _index_session(self, entry: os.DirEntry[str]) -> None:
         path = Path(entry.path)
         if _is_tmp(entry):
-            _unlink(path)
-            self.index.count(tmp_removed=1)
+            self._remove_tmp(entry)
             return
         if not SESSION_NAME.fullmatch(entry.name):
             self._quarantine(path, Quarantined("name", "not a session file name"))
             return
+        self._read_manifest(entry)
+
+    def _read_manifest(self, entry: os.DirEntry[str]) -> SessionRecord | None:
+        """Index the session of one manifest -> its record (None: bad, gone or incomplete)."""
+        path = Path(entry.path)
         try:
+            mtime = entry.stat(follow_symlinks=False).st_mtime_ns
             record, size = decode_session(path, self.layout)
         except Quarantined as exc:
             self._quarantine(path, exc)
-            return
+            return None
+        except FileNotFoundError:
+            return None  # another replica removed it meanwhile
         except (Missing, Unreadable) as exc:
             log.warning("kv_store_session_unreadable", file=entry.name, error=str(exc))
-            return
+            return None
+        self._seen[entry.name] = (mtime, record.session_id)
+        if self.shared:  # blocks written after the start's listing of blocks/
+            self._find_blocks(record.block_hashes)
         if self.index.count_missing(record.block_hashes):
-            # Sound bytes naming KV that is not all there: useless, and no bad file.
-            _unlink(path)
-            self.index.mark_dirty(self.sessions_dir)
+            # Sound bytes naming KV that is not all there: useless, and no bad file. (A
+            # shared tier's is left to the replica that wrote it.)
+            if not self.shared:
+                _unlink(path)
+                self._seen.pop(entry.name, None)
+                self.index.mark_dirty(self.sessions_dir)
             self.index.count(incomplete_sessions=1)
-            return
+            return None
         self.index.put_session(record, size)
+        return record
+
+    def _find_blocks(self, hashes: Sequence[BlockHash]) -> None:
+        for h in hashes:
+            if not self.index.has_block(h):
+                with contextlib.suppress(FileNotFoundError):
+                    size = (self.blocks_dir / block_relpath(h)).stat().st_size
+                    self.index.add_block(h, size)
+
+    def rescan(self) -> tuple[list[SessionRecord], list[str]]:
+        """Read the manifests written or replaced since the last look, and forget the sessions
+        whose manifests are gone (a shared tier: the other replicas' saves, evictions and
+        deletes) -> (sessions added or replaced, session ids removed)."""
+        added: list[SessionRecord] = []
+        removed: list[str] = []
+        with self._mutate:
+            with os.scandir(self.sessions_dir) as it:
+                entries = {e.name: e for e in it if SESSION_NAME.fullmatch(e.name)}
+            for name, entry in entries.items():
+                try:
+                    mtime = entry.stat(follow_symlinks=False).st_mtime_ns
+                except FileNotFoundError:
+                    continue
+                seen = self._seen.get(name)
+                if seen is not None and seen[0] == mtime:
+                    continue
+                record = self._read_manifest(entry)
+                if record is not None:
+                    added.append(record)
+                elif seen is not None and self.index.has_session(seen[1]):
+                    self.index.remove_session(seen[1])  # replaced by one that is no good
+                    removed.append(seen[1])
+            for name in [n for n in self._seen if n not in entries]:
+                _mtime, session_id = self._seen.pop(name)
+                if self.index.has_session(session_id):
+                    for h in self.index.remove_session(session_id):
+                        if not os.path.lexists(self.blocks_dir / block_relpath(h)):
+                            self.index.forget_block(h)
+                    removed.append(session_id)
+        return added, removed
 
     # -- quarantine
     def _quarantine(self, path: Path, exc: Quarantined) -> Quarantined:
@@ -325,6 +413,8 @@ class KVStore:
     def _put_session(self, record: SessionRecord) -> None:
         path = self.sessions_dir / session_name(record.session_id)
         size = write_atomic(path, encode_session(self.layout, record))
+        with contextlib.suppress(FileNotFoundError):  # our own write: no news for rescan
+            self._seen[path.name] = (path.stat().st_mtime_ns, record.session_id)
         self.index.put_session(record, size)
         self.index.mark_dirty(self.sessions_dir)
         self.index.count(writes=1, bytes_written=size)
@@ -351,6 +441,7 @@ class KVStore:
     def _drop_session(self, session_id: str) -> list[BlockHash]:
         # The manifest goes first: a crash after it leaves orphans, never a dangling name.
         _unlink(self.sessions_dir / session_name(session_id))
+        self._seen.pop(session_name(session_id), None)
         self.index.mark_dirty(self.sessions_dir)
         return self._remove_blocks(self.index.remove_session(session_id))
 
@@ -372,7 +463,10 @@ class KVStore:
         session names, or a pending one, is never removed."""
         with self._mutate:
             before = self.index.bytes
-            blocks = self._remove_blocks(self.index.orphans())
+            orphans = self.index.orphans()
+            if self.shared:  # a fresh one is another replica's, its manifest on the way
+                orphans = [h for h in orphans if self._stale(self.blocks_dir / block_relpath(h))]
+            blocks = self._remove_blocks(orphans)
             sessions: list[str] = []
             for record in self.index.sessions_lru():
                 if self.index.bytes <= self.disk_budget_bytes:

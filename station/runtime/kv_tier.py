@@ -32,7 +32,9 @@ from gnosis_daemon.logs import get_logger
 from station.core.kv_manager import KVCacheManager, LoadPlan, SessionOutcome
 from station.core.sessions import KVSession
 from station.runtime.kv_io_process import CLOSE_TIMEOUT_S, IOProcessGone, KVIOProcess
+from station.runtime.kv_store_format import SessionRecord
 from station.runtime.kv_tier_slots import PoolSlots, StagingSlots
+from station.runtime.kv_tier_start import disk_session
 
 log = get_logger(__name__)
 
@@ -76,6 +78,8 @@ class TierFigures:
     queued_writes: int = 0
     late_writes: int = 0  # made durable later than kv_write_behind_s after the save
     touches: int = 0
+    shared_added: int = 0  # a shared tier: sessions other replicas saved, learned by rescan
+    shared_removed: int = 0  # ... and sessions whose manifests they removed
 
     def as_dict(self) -> dict[str, Any]:
         # Not "disk_*": those are the store's own figures (files written, bytes...).
@@ -86,7 +90,9 @@ class TierFigures:
                 "read_back_ms_p99": _pct(self.load_ms, 0.99),
                 "write_behind_lag_ms_p50": _pct(self.lag_ms, 0.5),
                 "write_behind_lag_ms_p99": _pct(self.lag_ms, 0.99),
-                "write_behind_queued": self.queued_writes, "disk_touches": self.touches}
+                "write_behind_queued": self.queued_writes, "disk_touches": self.touches,
+                "shared_sessions_added": self.shared_added,
+                "shared_sessions_removed": self.shared_removed}
 
 
 def _pct(values: collections.deque, q: float) -> float | None:
@@ -287,7 +293,36 @@ class DiskTier:
             self._write_answer(self._job, answer)
         elif answer["kind"] == "loaded" and self._load is not None:
             self._load_part_done(self._load, answer)
+        elif answer["kind"] == "discovered":
+            self._discovered(answer)
         self._pump()
+
+    def _discovered(self, answer: dict[str, Any]) -> None:
+        """A shared tier's rescan: sessions the other replicas saved (a conversation whose
+        replica died, or moved) join the disk index; removed ones leave it."""
+        for session_id in answer.get("removed", []):
+            on_disk = self.kv.disk.get(session_id)
+            if on_disk is not None and not on_disk.loading:
+                self.kv.disk.remove(session_id)
+                self.figures.shared_removed += 1
+            resident = self.kv.sessions.get(session_id)
+            if resident is not None:
+                resident.durable = False
+        for sid, tenant, tokens, hashes, last_used in answer.get("added", []):
+            record = SessionRecord(sid, tenant, tuple(tokens), tuple(hashes), last_used, 0.0)
+            on_disk = disk_session(self.kv, record)
+            known = self.kv.disk.get(sid)
+            if on_disk is None or (known is not None and known.loading):
+                continue
+            resident = self.kv.sessions.get(sid)
+            if resident is not None:
+                if tuple(resident.file_hashes) == on_disk.file_hashes:
+                    continue  # the same KV: this replica's copy is current
+                if ("write", sid) in self._jobs or (self._job is not None and self._job.session_id == sid):
+                    continue  # saved here since: this replica's write replaces theirs
+                self.kv.sessions.delete(sid)  # another replica saved a later turn of it
+            self.kv.disk.add(on_disk)
+            self.figures.shared_added += 1
 
     def _load_part_done(self, load: _Load, answer: dict[str, Any]) -> None:
         ok = answer["ok"]

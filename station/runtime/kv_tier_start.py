@@ -19,8 +19,11 @@ from station.runtime.kv_tier_slots import tier_slots
 log = get_logger(__name__)
 
 
-def tier_root(state_dir: Path, fingerprint: str) -> Path:
-    """``<state_dir>/kv-tier/<first 16 hex of the model fingerprint>``."""
+def tier_root(state_dir: Path, fingerprint: str, shared_dir: str = "") -> Path:
+    """``<state_dir>/kv-tier/<first 16 hex of the model fingerprint>``, or
+    ``<shared_dir>/<first 16 hex>`` for a tier a fleet shares."""
+    if shared_dir:
+        return Path(shared_dir) / fingerprint[:16]
     return state_dir / "kv-tier" / fingerprint[:16]
 
 
@@ -36,9 +39,10 @@ def open_tier(engine: Any, settings: Any, io: KVIOProcess | None = None) -> dict
     # One directory per model: another model's tier is never read, evicted or deleted, and
     # switching models back finds it whole. Files of another model found in this one (copied
     # in by hand) are quarantined on read like any other bad file.
-    root = tier_root(settings.effective_state_dir, engine.loaded.fingerprint)
+    shared = bool(settings.kv_shared_dir)
+    root = tier_root(settings.effective_state_dir, engine.loaded.fingerprint, settings.kv_shared_dir)
     report: dict[str, Any] = {"path": str(root), "enabled": bool(settings.kv_persistence),
-                              "error": None}
+                              "shared": shared, "error": None}
     legacy = settings.effective_state_dir / "kv-sessions"
     if legacy.exists():  # the clean-stop-only tier of earlier versions: kept, not read
         report["legacy"] = str(legacy)
@@ -52,32 +56,36 @@ def open_tier(engine: Any, settings: Any, io: KVIOProcess | None = None) -> dict
         io = io or KVIOProcess(settings.log_level, settings.log_format, settings.kv_io_nice)
         area, slots = tier_slots(engine, settings)
         records, stats = io.open(root, engine.loaded.fingerprint, shape.block_size, block_shape,
-                                 str(shape.dtype), settings.kv_disk_bytes, area, _BUSY_WAIT_S)
+                                 str(shape.dtype), settings.kv_disk_bytes, area, _BUSY_WAIT_S,
+                                 shared_scan_s=settings.kv_shared_scan_s if shared else None)
     except Exception as exc:  # an unusable directory, or no process: serve without the tier
         log.exception("kv_tier_open_failed", path=str(root))
         report["error"] = str(exc) if isinstance(exc, TierOpenFailed) else f"{type(exc).__name__}: {exc}"
         if io is not None:
             io.abandon()
         return report
-    kv = engine.kv
-    bs = shape.block_size
-    sessions = []
-    for record in records:
-        if not record.block_hashes:
-            continue
-        extra = kv.extra_keys(record.tenant)
-        # Files are named by the hashes of the run that wrote them; the tenant salt may
-        # have changed since, so check the first and re-key the rest only when it did.
-        first = hash_block(None, record.token_ids[:bs], extra)
-        hashes = (record.block_hashes if first == record.block_hashes[0]
-                  else tuple(block_hashes_for(record.token_ids, bs, extra)))
-        sessions.append(DiskSession(record.session_id, record.tenant, record.token_ids,
-                                    tuple(hashes), tuple(record.block_hashes), record.last_used))
+    sessions = [s for s in (disk_session(engine.kv, r) for r in records) if s is not None]
     engine.attach_disk_tier(io, stats, slots, sessions)
     report.update(start_sessions=len(sessions), start_bytes=stats["bytes"],
                   start_quarantined=stats["quarantined_total"],
                   start_incomplete=stats["incomplete_sessions"])
     return report
+
+
+def disk_session(kv: Any, record: Any) -> DiskSession | None:
+    """The disk index's entry for a manifest's ``record`` (None: it names no block)."""
+    if not record.block_hashes:
+        return None
+    bs = kv.block_size
+    extra = kv.extra_keys(record.tenant)
+    # Files are named by the hashes of the run that wrote them; the tenant salt may have
+    # changed since (or, on a shared tier, another replica with another salt wrote it), so
+    # check the first and re-key the rest only when it differs.
+    first = hash_block(None, record.token_ids[:bs], extra)
+    hashes = (record.block_hashes if first == record.block_hashes[0]
+              else tuple(block_hashes_for(record.token_ids, bs, extra)))
+    return DiskSession(record.session_id, record.tenant, tuple(record.token_ids), tuple(hashes),
+                       tuple(record.block_hashes), record.last_used)
 
 
 def tier_report(start: dict[str, Any], stats: dict[str, Any]) -> dict[str, Any]:

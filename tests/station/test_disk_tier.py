@@ -7,6 +7,7 @@ reads, evicts or deletes a file of this model's tier."""
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import pytest
 
@@ -240,3 +241,42 @@ def test_an_evicted_session_whose_blocks_are_still_cached_is_a_pool_hit(tiny, tm
         assert matched.tokens == first[0]
         assert t.engine.stats()["kv_disk_loads"] == 0
         assert len(t.engine.kv.to_touch) + t.engine.tier.figures.touches >= 1  # the disk's LRU heard
+
+
+def test_a_shared_tier_serves_a_conversation_another_replica_saved(tiny, tmp_path):
+    """Two replicas (two engines, each with its own state dir) on one shared tier: a session
+    replica a saves is found by replica b's rescan and read back from the shared files, a
+    disk hit with ``model.generate``'s output; a manifest removed behind b's back (another
+    replica's eviction) leaves b's index at the next look."""
+    from station.runtime.kv_store_format import session_name
+
+    path, loaded = tiny
+    shared = tmp_path / "shared"
+    prompts = [prompt_of(1100 + i, 23) for i in range(2)]
+    opts = dict(kv_shared_dir=str(shared), kv_shared_scan_s=0.05)
+    with TierEngine(loaded, tmp_path / "a", 64, **opts) as a, \
+            TierEngine(loaded, tmp_path / "b", 64, **opts) as b:
+        assert a.report["shared"] and a.report["path"] == b.report["path"]
+        assert a.report["path"].startswith(str(shared))
+        first = a.save_each(prompts, "alice.p", 4)
+
+        def learned(ids) -> bool:
+            return all(b.engine.kv.disk.get(i) is not None for i in ids)
+
+        deadline = time.monotonic() + 30
+        while not learned(["alice.p.0", "alice.p.1"]) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert learned(["alice.p.0", "alice.p.1"]), b.engine.stats()
+        hit = b.generate(prompts[0], 4, match_session=True)
+        pre = hit.one(Prefill)
+        assert (pre.session_loaded, pre.session_id, pre.session_tier) == (True, "alice.p.0", "disk")
+        assert hit.tokens == first[0] == reference(path, prompts[0], 4)
+        manifest = Path(a.report["path"]) / "sessions" / session_name("alice.p.1")
+        manifest.unlink()
+        deadline = time.monotonic() + 30
+        while b.engine.kv.disk.get("alice.p.1") is not None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        stats = b.engine.stats()
+        assert b.engine.kv.disk.get("alice.p.1") is None
+        assert (stats["shared_sessions_added"], stats["shared_sessions_removed"]) == (2, 1)
+        assert b.engine.kv.disk.get("alice.p.0") is None  # loaded: resident in b's pool now

@@ -85,7 +85,7 @@ def test_a_tier_path_that_is_not_a_directory_leaves_the_station_serving(tiny_dir
     station = Station(tiny_dir, state)
     try:
         assert station.torch.tier_report == {
-            "path": str(root), "enabled": True,
+            "path": str(root), "enabled": True, "shared": False,
             "error": f"FileExistsError: [Errno 17] File exists: '{root}'"}
         assert station.engine.tier is None
         assert station.engine.capabilities()["kv_persistence"] is False
@@ -110,7 +110,8 @@ def test_a_tier_another_station_holds_is_not_shared(tiny_dir, layout, tmp_path, 
         station = Station(tiny_dir, state)
         try:
             assert station.torch.tier_report == {
-                "path": str(root), "enabled": True, "error": f"{root} is open in another store"}
+                "path": str(root), "enabled": True, "shared": False,
+                "error": f"{root} is open in another store"}
             assert station.engine.tier is None
             serves_from_the_pool(station, tiny_dir)
         finally:
@@ -127,7 +128,8 @@ def test_kv_persistence_off_opens_nothing_and_leaves_a_tier_alone(tiny_dir, layo
     before = tree(root)
     station = Station(tiny_dir, state, kv_persistence=False)
     try:
-        assert station.torch.tier_report == {"path": str(root), "enabled": False, "error": None}
+        assert station.torch.tier_report == {"path": str(root), "enabled": False, "shared": False,
+                                                "error": None}
         assert station.engine.tier is None
         assert station.engine.capabilities()["kv_persistence"] is False
         assert not any(k.startswith("disk_") for k in station.engine.stats())

@@ -35,8 +35,8 @@ KEYS = (FP, "tenant-digest")
 
 def open_store(root: Path, fingerprint: str = FP, block_size: int = BS,
                shape: tuple[int, ...] = SHAPE, dtype: torch.dtype = torch.float32,
-               budget: int = 10**9) -> KVStore:
-    return KVStore(root, fingerprint, block_size, shape, dtype, budget)
+               budget: int = 10**9, shared: bool = False) -> KVStore:
+    return KVStore(root, fingerprint, block_size, shape, dtype, budget, shared=shared)
 
 
 def tokens_of(seed: int, n_blocks: int) -> list[int]:
@@ -478,3 +478,74 @@ def test_bad_arguments_are_refused_before_anything_is_written(store):
     with pytest.raises(Missing):
         store.read_block(bytes(32), tokens)
     assert store.stats()["writes"] == 1 and store.stats()["sessions"] == 0
+
+
+# -- a fleet's shared tier: several replicas' stores on one root
+def test_shared_stores_open_one_root_together_and_a_private_one_cannot(tmp_path):
+    a = open_store(tmp_path, shared=True)
+    b = open_store(tmp_path, shared=True)
+    with pytest.raises(StoreBusy):
+        open_store(tmp_path)  # a private store on a shared root
+    a.close()
+    b.close()
+    private = open_store(tmp_path)
+    with pytest.raises(StoreBusy):
+        open_store(tmp_path, shared=True)
+    private.close()
+
+
+def test_a_shared_store_spares_another_replicas_fresh_temp_files_and_blocks(tmp_path):
+    """What a private store removes at open or as an orphan is, on a shared tier, another
+    replica's write in progress unless it is older than STALE_S."""
+    from station.runtime.kv_store import STALE_S
+
+    a = open_store(tmp_path, shared=True)
+    hashes = put(a, "s1", tokens_of(1, 2))
+    fresh_tmp = tmp_path / "sessions" / ".x.kvs.0123.tmp"
+    old_tmp = tmp_path / "sessions" / ".y.kvs.4567.tmp"
+    fresh_tmp.write_bytes(b"half")
+    old_tmp.write_bytes(b"half")
+    long_ago = time.time() - STALE_S - 60
+    os.utime(old_tmp, (long_ago, long_ago))
+    # a block another replica wrote, its manifest not yet written
+    other = block_hashes_for(tokens_of(2, 1), BS, KEYS)[0]
+    a.write_block(other, tokens_of(2, 1), kv_for(other))
+    a.index.clear_pending()  # as if a's writer had moved on: only age protects it now
+    b = open_store(tmp_path, shared=True, budget=0)
+    assert fresh_tmp.exists() and not old_tmp.exists()
+    assert b.index.stats()["tmp_removed"] == 1
+    b.delete_session("s1")  # b's own eviction and deletes still remove what only s1 named
+    assert not any(block_file(b, h).exists() for h in hashes)
+    b.evict_to_budget()
+    assert block_file(b, other).exists()  # fresh: spared
+    os.utime(block_file(b, other), (long_ago, long_ago))
+    b.evict_to_budget()
+    assert not block_file(b, other).exists()  # stale: an orphan like any other
+    a.close()
+    b.close()
+
+
+def test_rescan_reports_sessions_other_replicas_saved_replaced_and_removed(tmp_path):
+    a = open_store(tmp_path, shared=True)
+    b = open_store(tmp_path, shared=True)
+    assert b.rescan() == ([], [])
+    put(a, "s1", tokens_of(1, 2))
+    put(a, "s2", tokens_of(2, 3))
+    added, removed = b.rescan()
+    assert sorted(r.session_id for r in added) == ["s1", "s2"] and removed == []
+    assert b.rescan() == ([], [])  # nothing new: nothing re-read
+    # b reads the blocks a wrote, every field checked
+    record = b.index.session("s2")
+    for i, h in enumerate(record.block_hashes):
+        assert torch.equal(b.read_block(h, record.token_ids[i * BS:(i + 1) * BS]), kv_for(h))
+    time.sleep(0.01)  # a new mtime for the replaced manifest
+    put(a, "s1", tokens_of(3, 1))  # a later turn saved under the same id
+    a.delete_session("s2")
+    added, removed = b.rescan()
+    assert [(r.session_id, r.token_ids) for r in added] == [("s1", tuple(tokens_of(3, 1)))]
+    assert removed == ["s2"] and not b.index.has_session("s2")
+    put(b, "s3", tokens_of(4, 1))
+    assert b.rescan() == ([], [])  # its own write is no news
+    assert [r.session_id for r in a.rescan()[0]] == ["s3"]
+    a.close()
+    b.close()
