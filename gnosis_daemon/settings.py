@@ -57,6 +57,10 @@ class Settings:
     max_inflight_requests: int = 1024  # host: completions/embeddings in flight; past it, 429
     # -- API keys: when either is set every /v1 route needs "Authorization: Bearer <key>"
     api_keys: str = ""  # comma-separated (a list in TOML); GNOSIS_API_KEYS
+    # Sent as X-Gnosis-Replica on every response, so a client behind a router (and the
+    # fleet drill) can tell which replica answered; in a Kubernetes StatefulSet set it to
+    # the pod's name. Empty: no header.
+    replica_name: str = ""
     api_keys_file: str | None = None  # one key a line, optionally followed by a tenant name
     health_requires_key: bool = False  # with keys set: /health and /metrics need one too
     # -- logging

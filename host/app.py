@@ -119,6 +119,8 @@ def create_app(settings: Settings, link: StationLink,
             # The answer is complete; a disconnect while it is sent does not change that.
             record.outcome = record.outcome or ("ok" if response.status_code < 400 else "error")
         response.headers["X-Request-Id"] = record.request_id
+        if settings.replica_name:  # which replica of a fleet answered (behind a router)
+            response.headers["X-Gnosis-Replica"] = settings.replica_name
         if _body_unread():
             # Answered before the body was read (401, 413, 429...): the rest of the body is
             # still coming, and a client reusing the connection would wait behind it.
