@@ -63,6 +63,7 @@ log = get_logger("host")
 _DRAIN_POLL_S = 0.05
 # Paths that never need a key unless health_requires_key is set.
 _HEALTH_PATHS = ("/health", "/metrics")
+# /livez (outside /v1) never needs one: it says only that the process serves.
 
 
 def create_app(settings: Settings, link: StationLink,
@@ -151,6 +152,11 @@ def create_app(settings: Settings, link: StationLink,
     async def _unexpected(exc: Exception) -> Response:
         log.exception("unhandled_error")
         return await _api_error(errors.internal(f"{type(exc).__name__}: {exc}"))
+
+    @app.get("/livez")
+    async def livez() -> Response:
+        """200 whenever this process serves, station or not (a station restart cannot fail it)."""
+        return Response(sse.encode_json({"status": "alive"}), 200, content_type="application/json")
 
     @app.get("/health")
     async def health() -> Response:

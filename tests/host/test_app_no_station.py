@@ -99,3 +99,10 @@ async def test_metrics_counts_requests(client):
     text = (await response.get_data()).decode()
     assert 'gnosis_http_requests_total{path="/v1/completions",status="400"} 1' in text
     assert "gnosis_station_up 0" in text
+
+
+async def test_livez_is_200_without_a_station(client):
+    # The liveness probe: a station down or restarting must not get the pod killed.
+    response = await client.get("/livez")
+    assert response.status_code == 200
+    assert json.loads(await response.get_data()) == {"status": "alive"}

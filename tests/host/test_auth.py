@@ -210,3 +210,11 @@ def test_an_answer_before_the_body_closes_the_connection(keyed_host, key, length
     assert b"connection: close" in head.lower()
     # The server closed (EOF within the deadline): the second request was never left waiting.
     assert b"HTTP/1.1 503" not in rest
+
+
+async def test_livez_never_needs_a_key(tmp_path):
+    # A kubelet liveness probe carries no key; /livez says nothing but "the process serves".
+    client = app_client(tmp_path, api_keys="sk-one", health_requires_key=True)
+    response = await client.get("/livez")
+    assert (response.status_code, json.loads(await response.get_data())) == (
+        200, {"status": "alive"})
