@@ -39,7 +39,7 @@ from gnosis_daemon.api_keys import ANON, KeyFileError, Keyring, bearer, load_key
 from gnosis_daemon.client import StationError, is_unknown_op
 from gnosis_daemon.logs import configure_logging, get_logger
 from gnosis_daemon.settings import Settings
-from host import embeddings, errors, json_body, openai_api, sse
+from host import embeddings, errors, json_body, openai_api, sse, tokenize_api
 from host.completions import complete, json_response
 from host.errors import ApiError
 from host.liquid_memory import LiquidMemory
@@ -63,6 +63,8 @@ log = get_logger("host")
 _DRAIN_POLL_S = 0.05
 # Paths that never need a key unless health_requires_key is set.
 _HEALTH_PATHS = ("/health", "/metrics")
+# vLLM's token endpoints sit outside /v1 but run the model's tokenizer: keyed like /v1.
+_TOKEN_PATHS = ("/tokenize", "/detokenize")
 
 
 def create_app(settings: Settings, link: StationLink,
@@ -96,7 +98,7 @@ def create_app(settings: Settings, link: StationLink,
             return
         g.tenant = None
         path = request.path
-        if not (path == "/v1" or path.startswith("/v1/")) and \
+        if not (path == "/v1" or path.startswith("/v1/")) and path not in _TOKEN_PATHS and \
                 not (settings.health_requires_key and path in _HEALTH_PATHS):
             return
         key = bearer(request.headers.get("Authorization"))
@@ -227,6 +229,8 @@ def create_app(settings: Settings, link: StationLink,
         admission.admit(current())
         return await complete(settings, link, memory,
                               openai_api.parse_completion(await _body()), current(), g.tenant)
+
+    tokenize_api.register(app, settings, link, _body)
 
     @app.post("/v1/embeddings")
     async def create_embeddings() -> Response:
