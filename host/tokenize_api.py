@@ -48,7 +48,7 @@ def register(app: Any, settings: Settings, link: StationLink,
         return (link.hello or {}).get("model") or {}
 
     @app.post("/tokenize")
-    async def tokenize() -> Response:
+    async def route_tokenize() -> Response:
         body = await read_body()
         args, param = parse_tokenize(body)
         card = _served(body.get("model"))
@@ -56,7 +56,7 @@ def register(app: Any, settings: Settings, link: StationLink,
         return json_response(tokenize_response(tokens, card.get("max_model_len", 0)))
 
     @app.post("/detokenize")
-    async def detokenize() -> Response:
+    async def route_detokenize() -> Response:
         body = await read_body()
         args = parse_detokenize(body)
         _served(body.get("model"))
@@ -64,7 +64,7 @@ def register(app: Any, settings: Settings, link: StationLink,
         return json_response({"prompt": text})
 
     @app.post("/v1/chat/completions/render")
-    async def render_chat() -> Response:
+    async def route_render_chat() -> Response:
         body = await read_body()
         args = render_args(body)
         _served(body.get("model"))
@@ -73,7 +73,7 @@ def register(app: Any, settings: Settings, link: StationLink,
                                                           current().request_id))
 
     @app.get("/kv_event_sources")
-    async def kv_event_sources() -> Response:
+    async def route_kv_event_sources() -> Response:
         sources = kv_event_sources(settings.kv_events_endpoint,
                                                 settings.kv_events_replay_endpoint,
                                                 request.headers.get("Host"))

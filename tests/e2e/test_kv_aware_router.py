@@ -108,3 +108,38 @@ def test_kv_aware_routes_to_the_replica_holding_the_prefix(fleet, warm_on):
     served = [a - b for a, b in zip(after, before)]
     assert served[warm_on] == 4 and served[1 - warm_on] == 0, (served,
                                                                (root / "router.log").read_text()[-3000:])
+
+
+def _post(port: int, path: str, body: dict) -> dict:
+    import json
+    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", json.dumps(body).encode(),
+                                 {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=10) as r:
+        return json.loads(r.read())
+
+
+def test_tokenize_render_and_sources_use_the_station_tokenizer(fleet):
+    from transformers import AutoTokenizer
+
+    replicas, _, root = fleet
+    port, zport = replicas[0]
+    tok = AutoTokenizer.from_pretrained(root / "tiny")
+    messages = [{"role": "user", "content": "Tokens <|im_end|> as text, please."}]
+    expected = tok.apply_chat_template([{"role": "user", "content": "Tokens x"}],
+                                       add_generation_prompt=True, tokenize=True)["input_ids"]
+    plain = [{"role": "user", "content": "Tokens x"}]
+    out = _post(port, "/tokenize", {"messages": plain})
+    assert out == {"count": len(expected), "max_model_len": out["max_model_len"],
+                   "tokens": expected, "token_strs": None} and out["max_model_len"] > 0
+    assert _post(port, "/v1/chat/completions/render", {"messages": plain})["token_ids"] == expected
+    text = _post(port, "/tokenize", {"prompt": "hello"})["tokens"]
+    assert text == tok.encode("hello") and _post(port, "/detokenize", {"tokens": text}) == {
+        "prompt": "hello"}
+    # special-token text in a content stays text, exactly as a completion's prefill reads it
+    rendered = _post(port, "/v1/chat/completions/render", {"messages": messages})["token_ids"]
+    assert rendered.count(tok.convert_tokens_to_ids("<|im_end|>")) == 1  # the template's own
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/kv_event_sources", timeout=5) as r:
+        import json
+        assert json.loads(r.read()) == [{"data_parallel_rank": 0,
+                                         "endpoint": f"tcp://127.0.0.1:{zport}",
+                                         "replay_endpoint": None, "topic": ""}]
