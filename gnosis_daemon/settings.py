@@ -119,6 +119,14 @@ class Settings:
     # its own copy; sessions are found either way). Empty: the tier is this host's own.
     kv_shared_dir: str = ""
     kv_shared_scan_s: float = 1.0
+    # -- KV events for token-aware routers (vLLM's format; docs/api.md, "Token-aware routing")
+    # The ZMQ PUB endpoint the station publishes BlockStored / BlockRemoved /
+    # AllBlocksCleared on, e.g. tcp://*:5557 (bound; empty: no events, the default).
+    kv_events_endpoint: str = ""
+    # An optional ZMQ ROUTER endpoint answering replay requests from the last batches.
+    kv_events_replay_endpoint: str = ""
+    kv_events_queue: int = 10000  # events waiting for the sender; past it they are dropped
+    kv_events_buffer_steps: int = 10000  # batches kept for replay
     # -- timeouts and supervision (seconds)
     request_timeout_s: float = 600.0
     station_start_timeout_s: float = 300.0
@@ -156,7 +164,8 @@ class Settings:
                      "kv_block_size", "max_batch_size", "prefill_chunk_tokens",
                      "kv_session_budget", "health_failures_before_kill", "max_fast_failures",
                      "listen_backlog", "max_request_bytes", "max_inflight_requests",
-                     "max_waiting_requests", "kv_disk_bytes"):
+                     "max_waiting_requests", "kv_disk_bytes", "kv_events_queue",
+                     "kv_events_buffer_steps"):
             value = getattr(self, name)
             _check(value, value > 0, name, "a positive integer")
         _check(self.kv_io_nice, 0 <= self.kv_io_nice <= 19, "kv_io_nice", "an integer from 0 to 19")
@@ -168,6 +177,14 @@ class Settings:
                "kv_cache_gpu_fraction", "a number in (0, 1]")
         _check(self.kv_session_tenant_share, 0 < self.kv_session_tenant_share <= 1,
                "kv_session_tenant_share", "a number in (0, 1]")
+        for name in ("kv_events_endpoint", "kv_events_replay_endpoint"):
+            value = getattr(self, name)
+            _check(value, not value or (value.startswith(("tcp://", "ipc://"))
+                                        and "=" not in value), name,
+                   "empty (off) or a ZMQ endpoint to bind, e.g. tcp://*:5557")
+        _check(self.kv_events_replay_endpoint,
+               not self.kv_events_replay_endpoint or bool(self.kv_events_endpoint),
+               "kv_events_replay_endpoint", "empty unless kv_events_endpoint is set")
         if self.api_keys_file is not None:
             _check(self.api_keys_file, Path(self.api_keys_file).is_file(), "api_keys_file",
                    "an existing file of API keys (one a line, optionally followed by a tenant)")

@@ -39,7 +39,7 @@ from gnosis_daemon.api_keys import ANON, KeyFileError, Keyring, bearer, load_key
 from gnosis_daemon.client import StationError, is_unknown_op
 from gnosis_daemon.logs import configure_logging, get_logger
 from gnosis_daemon.settings import Settings
-from host import embeddings, errors, json_body, openai_api, sse
+from host import embeddings, errors, json_body, openai_api, sse, tokenize_api
 from host.completions import complete, json_response
 from host.errors import ApiError
 from host.liquid_memory import LiquidMemory
@@ -64,6 +64,8 @@ _DRAIN_POLL_S = 0.05
 # Paths that never need a key unless health_requires_key is set.
 _HEALTH_PATHS = ("/health", "/metrics")
 # /livez (outside /v1) never needs one: it says only that the process serves.
+# vLLM's token endpoints sit outside /v1 but run the model's tokenizer: keyed like /v1.
+_TOKEN_PATHS = ("/tokenize", "/detokenize")
 
 
 def create_app(settings: Settings, link: StationLink,
@@ -97,7 +99,7 @@ def create_app(settings: Settings, link: StationLink,
             return
         g.tenant = None
         path = request.path
-        if not (path == "/v1" or path.startswith("/v1/")) and \
+        if not (path == "/v1" or path.startswith("/v1/")) and path not in _TOKEN_PATHS and \
                 not (settings.health_requires_key and path in _HEALTH_PATHS):
             return
         key = bearer(request.headers.get("Authorization"))
@@ -237,6 +239,8 @@ def create_app(settings: Settings, link: StationLink,
         req = openai_api.parse_completion(await _body())
         req = openai_api.with_session_header(req, request.headers.get(openai_api.SESSION_HEADER))
         return await complete(settings, link, memory, req, current(), g.tenant)
+
+    tokenize_api.register(app, settings, link, _body)
 
     @app.post("/v1/embeddings")
     async def create_embeddings() -> Response:

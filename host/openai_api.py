@@ -70,6 +70,13 @@ _SAMPLING = frozenset({
     "stream_options", "ignore_eos", "session_id", "prompt_cache_key", "user", "logprobs",
     "presence_penalty", "frequency_penalty", "logit_bias", "min_p", "repetition_penalty",
     "stop_token_ids", "min_tokens"})
+# vLLM / SGLang extension fields that routers (vllm-router) add to every request they
+# forward, at these values: accepted only at them (each would change the answer otherwise).
+ROUTER_DEFAULTS = {"no_stop_trim": False, "continue_final_message": False,
+                   "skip_special_tokens": True, "separate_reasoning": True,
+                   "stream_reasoning": True, "return_hidden_states": False,
+                   "include_reasoning": True}
+_SAMPLING = _SAMPLING | frozenset(ROUTER_DEFAULTS)
 CHAT_FIELDS = _SAMPLING | {
     "messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice", "functions",
     "function_call", "parallel_tool_calls", "response_format", "prediction", "audio",
@@ -176,6 +183,8 @@ def _finish(kind: str, body: dict[str, Any], args: dict[str, Any], max_tokens: i
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise errors.invalid_type("model", "a string", model)
+    for key, default in ROUTER_DEFAULTS.items():
+        default_only(body, key, is_bool, "a boolean", lambda v, d=default: v is d)
     if max_tokens is not None:
         args["max_tokens"] = max_tokens
     # OpenAI's default temperature is 1.0, so an unset temperature samples; 0 is greedy.

@@ -21,6 +21,7 @@ from station.runtime.model_loader import LoadedModel, ModelLoadError, load_model
 from station.runtime.engine import PagedEngine
 from station.runtime.kv_io_process import KVIOProcess
 from station.runtime.kv_tier_start import open_tier
+from station.serving.kv_events import KVEventPublisher, start_publisher
 from station.serving.server import StationServer
 
 log = get_logger(__name__)
@@ -50,6 +51,7 @@ class _TorchThread:
         self.settings = settings
         # Set before the boot result is handed over; read by the main thread after it.
         self.tier_report: dict[str, Any] = {}
+        self.kv_events: KVEventPublisher | None = None
         self._booted: queue.Queue[tuple[LoadedModel, PagedEngine] | BaseException] = queue.Queue()
         self.thread = threading.Thread(target=self._main, name="station-torch", daemon=True)
 
@@ -66,11 +68,15 @@ class _TorchThread:
             # The tier's I/O process imports torch while the model loads.
             io = KVIOProcess(self.settings.log_level, self.settings.log_format,
                              self.settings.kv_io_nice) if self.settings.kv_persistence else None
+            # Bound before the load, so routers reconnect while the model loads.
+            self.kv_events = start_publisher(self.settings)
             loaded = load_model(self.settings)
             log.info("model_loaded", model=loaded.served_id, path=loaded.path,
                      loaded_from=loaded.loaded_from, device=str(loaded.device),
                      dtype=str(loaded.dtype), fingerprint=loaded.fingerprint[:16])
             engine = PagedEngine(loaded, self.settings)
+            if self.kv_events is not None:
+                self.kv_events.attach(engine)  # AllBlocksCleared: a new pool
             # Never raises for what is on disk: bad files are quarantined and counted. The
             # tier's index is rebuilt from its files; no KV is read until a request asks.
             self.tier_report = open_tier(engine, self.settings, io)
@@ -116,5 +122,7 @@ def serve(settings: Settings) -> int:
         # shutdown joins the loop's thread only once run_here has registered it; a stop
         # that comes right after boot can beat that, so join the torch thread here.
         torch_thread.thread.join()
+        if torch_thread.kv_events is not None:
+            torch_thread.kv_events.close()
     log.info("station_stopped")
     return 0

@@ -68,6 +68,31 @@ def block_hashes_for(token_ids: Sequence[int], block_size: int, extra_keys: Extr
     return hashes
 
 
+_EXT_PREFIX = b"gnosis-kv-v1"
+_EXT_MASK = (1 << 63) - 1
+
+
+def ext_block_hash(parent: int | None, token_ids: Sequence[int]) -> int:
+    """A block's external hash, what KV events name it by (``station.serving.kv_events``):
+    token ids only, chained, so a router can follow it; no model, no tenant.
+    ``sha256(b"gnosis-kv-v1" + parent as 8 bytes big-endian (0 for none) + each token as
+    4 bytes little-endian)``, its first 8 bytes big-endian, masked to 63 bits."""
+    h = hashlib.sha256(_EXT_PREFIX)
+    h.update((parent or 0).to_bytes(8, "big"))
+    h.update(struct.pack(f"<{len(token_ids)}I", *token_ids))
+    return int.from_bytes(h.digest()[:8], "big") & _EXT_MASK
+
+
+def ext_block_hashes(token_ids: Sequence[int], block_size: int) -> list[int]:
+    """External hashes of every full block of ``token_ids``."""
+    out: list[int] = []
+    parent = None
+    for i in range(len(token_ids) // block_size):
+        parent = ext_block_hash(parent, token_ids[i * block_size:(i + 1) * block_size])
+        out.append(parent)
+    return out
+
+
 @dataclass(slots=True, eq=False)
 class KVBlock:
     block_id: int
@@ -75,6 +100,10 @@ class KVBlock:
     pin_cnt: int = 0
     block_hash: BlockHash | None = None
     token_ids: tuple[int, ...] = ()  # the full block's tokens, kept to verify a hash hit
+    # With KV events on (``BlockPool.events``): the block's external hash (tokens only,
+    # chained: what routers are told) and its parent's; None otherwise.
+    ext_hash: int | None = None
+    ext_parent: int | None = None
 
     @property
     def held(self) -> bool:
@@ -92,6 +121,9 @@ class BlockPool:
         self.cached_block_hash_to_block: dict[BlockHash, KVBlock] = {}
         self.num_pinned_blocks = 0  # distinct blocks with pin_cnt > 0 (an int: safe to read anywhere)
         self.num_allocated = 0  # blocks handed out by ``allocate`` since start (stats)
+        # KV events (``station.serving.kv_events.Listener``): told when a block enters the
+        # prefix cache, leaves it, or the cache is reset. None: no events, no extra work.
+        self.events = None
 
     # -- figures
     @property
@@ -133,21 +165,49 @@ class BlockPool:
         """How many of ``blocks`` sit in the free queue (touching them removes them from it)."""
         return sum(1 for b in blocks if not b.held)
 
-    def cache_full_block(self, block: KVBlock, block_hash: BlockHash, token_ids: Sequence[int]) -> bool:
+    def cache_full_block(self, block: KVBlock, block_hash: BlockHash, token_ids: Sequence[int],
+                         parent: KVBlock | None = None) -> bool:
         """Register a full, computed block under ``block_hash``; False if that key is taken.
 
         A duplicate (another block already caches the same key) stays unhashed: it is
-        freed to the head of the queue and reused first.
+        freed to the head of the queue and reused first. ``parent``: the block before it in
+        its sequence (None for a first block), whose external hash chains this one's.
         """
         assert len(token_ids) == self.block_size
         if block.block_hash is not None:
             return block.block_hash == block_hash
+        events = self.events
+        if events is not None and block.ext_hash is None:
+            if parent is None or parent.ext_hash is not None:
+                block.ext_parent = parent.ext_hash if parent is not None else None
+                block.ext_hash = ext_block_hash(block.ext_parent, token_ids)
         if block_hash in self.cached_block_hash_to_block:
             return False
         block.block_hash = block_hash
         block.token_ids = tuple(token_ids)
         self.cached_block_hash_to_block[block_hash] = block
+        if events is not None and block.ext_hash is not None:
+            events.stored(block.ext_hash, block.ext_parent, block.token_ids)
         return True
+
+    def cached_ext_blocks(self) -> list[tuple[int, int | None, tuple[int, ...]]]:
+        """Every cached block's ``(ext_hash, ext_parent, token_ids)``, parents before their
+        children (a re-sync of the router's view: ``kv_events``)."""
+        by_ext = {b.ext_hash: b for b in self.cached_block_hash_to_block.values()
+                  if b.ext_hash is not None}
+        depth: dict[int, int] = {}
+        for ext in by_ext:
+            path: list[int] = []
+            e: int | None = ext
+            while e is not None and e in by_ext and e not in depth:
+                path.append(e)
+                e = by_ext[e].ext_parent
+            level = depth[e] if e is not None and e in depth else -1
+            for x in reversed(path):
+                level += 1
+                depth[x] = level
+        blocks = sorted(by_ext.values(), key=lambda b: depth[b.ext_hash])
+        return [(b.ext_hash, b.ext_parent, b.token_ids) for b in blocks]
 
     # -- reference counting
     def touch(self, blocks: Sequence[KVBlock]) -> None:
@@ -202,10 +262,14 @@ class BlockPool:
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached hash (e.g. after the model changed)."""
+        for block in self.blocks:
+            block.ext_hash = block.ext_parent = None
         for block in self.cached_block_hash_to_block.values():
             block.block_hash = None
             block.token_ids = ()
         self.cached_block_hash_to_block.clear()
+        if self.events is not None:
+            self.events.cleared()
 
     # -- internals
     def _enqueue_free(self, block: KVBlock) -> None:
@@ -217,5 +281,8 @@ class BlockPool:
         if block.block_hash is not None:
             if self.cached_block_hash_to_block.get(block.block_hash) is block:
                 del self.cached_block_hash_to_block[block.block_hash]
+                if self.events is not None and block.ext_hash is not None:
+                    self.events.removed(block.ext_hash)
             block.block_hash = None
             block.token_ids = ()
+        block.ext_hash = block.ext_parent = None

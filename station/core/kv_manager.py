@@ -261,7 +261,8 @@ class KVCacheManager:
                                                 seq.block_hashes)
         for i in range(seq.num_registered_blocks, num_full):
             self.pool.cache_full_block(seq.blocks[i], seq.block_hashes[i],
-                                       seq.token_ids[i * bs:(i + 1) * bs])
+                                       seq.token_ids[i * bs:(i + 1) * bs],
+                                       seq.blocks[i - 1] if i else None)
         seq.num_registered_blocks = num_full
 
     def free(self, seq: Sequence) -> None:
@@ -402,7 +403,8 @@ class KVCacheManager:
         self.disk.remove(on_disk.session_id)
         bs = self.block_size
         for i, (block, block_hash) in enumerate(zip(plan.blocks, on_disk.block_hashes)):
-            self.pool.cache_full_block(block, block_hash, on_disk.token_ids[i * bs:(i + 1) * bs])
+            self.pool.cache_full_block(block, block_hash, on_disk.token_ids[i * bs:(i + 1) * bs],
+                                       plan.blocks[i - 1] if i else None)
         session = self.sessions.save(on_disk.session_id, on_disk.tenant, on_disk.token_ids,
                                      plan.blocks, on_disk.block_hashes)
         session.durable = True

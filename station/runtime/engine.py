@@ -91,6 +91,7 @@ class PagedEngine:
         self._stopping = False
         self._thread: threading.Thread | None = None
         self.tier: DiskTier | None = None  # attach_disk_tier
+        self.kv_events: Any = None  # kv_events.KVEventPublisher.attach
         self.num_steps = 0
         log.info("kv_pool_ready", num_blocks=num_blocks, block_size=self.block_size,
                  bytes_per_block=shape.bytes_per_block, bytes_total=self.kv_cache.bytes_total)
@@ -116,6 +117,9 @@ class PagedEngine:
         self.tier = DiskTier(io, store_stats, self.kv, slots, self._wake,
                              self.calls.on_load_done, self.settings.kv_write_behind_s)
         self.kv.enable_disk_tier(sessions)
+
+    def _resync_wanted(self) -> bool:
+        return self.kv_events is not None and self.kv_events.resync_wanted
 
     def _wake(self) -> None:
         with self._cond:
@@ -241,7 +245,7 @@ class PagedEngine:
             with self._cond:
                 while not (self._stopping or self._inbox or self._aborts or self._call_queue
                            or self._cancels or self.scheduler.has_runnable()
-                           or self.calls.embeds
+                           or self.calls.embeds or self._resync_wanted()
                            or (self.tier and self.tier.has_work())):
                     self._cond.wait()
                 if self._stopping:
@@ -269,6 +273,8 @@ class PagedEngine:
                 self.calls.run(handler, owner, done, kwargs)
             if cancels:
                 self.calls.cancel(cancels)
+            if self._resync_wanted():  # the router's view was cut short: all of it again
+                self.kv_events.resync(self.kv.pool.cached_ext_blocks())
             if self.tier is not None:
                 self.tier.before_step()
             if self.scheduler.has_runnable():
