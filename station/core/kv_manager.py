@@ -23,9 +23,7 @@ Thread-safety: none. Every call happens on the engine thread (``stats`` only rea
 
 from __future__ import annotations
 
-import enum
 import time
-from dataclasses import dataclass
 from typing import Any, Callable, Sequence as Seq
 
 from gnosis_daemon.logs import get_logger
@@ -33,53 +31,11 @@ from gnosis_daemon.tokens import common_prefix_len
 from station.core.block_pool import (BlockHash, BlockPool, ExtraKeys, KVBlock, block_hashes_for,
                                      prefix_extra_keys)
 from station.core.disk_sessions import DiskSession, DiskSessions
+from station.core.kv_results import ComputedBlocks, LoadPlan, SessionOutcome
 from station.core.sequence import Sequence
 from station.core.sessions import KVSession, SessionRegistry
 
 log = get_logger(__name__)
-
-
-class SessionOutcome(enum.StrEnum):
-    """What became of a sequence's ``load_session`` (the values are the wire's ``session_error``)."""
-
-    LOADED = "loaded"
-    NOT_FOUND = "not_found"
-    TENANT_MISMATCH = "tenant_mismatch"
-    NO_COMMON_PREFIX = "no_common_prefix"
-    QUARANTINED = "quarantined"  # it was on disk, and a file failed its checks on load
-    UNREADABLE = "unreadable"  # it was on disk, and could not be read (file gone, I/O error, tier down)
-    ON_DISK = "on_disk"  # not an outcome: the session must be read back first (begin_load)
-
-
-@dataclass(frozen=True, slots=True)
-class ComputedBlocks:
-    """The blocks a sequence can start from, found by ``find_computed_blocks`` (nothing taken yet)."""
-
-    blocks: tuple[KVBlock, ...]  # a loaded session's blocks, then prefix-cache hits
-    num_cached_tokens: int  # tokens whose KV those blocks hold (a multiple of block_size)
-    session: KVSession | None = None  # the session loaded from, when one was
-    session_outcome: SessionOutcome | None = None  # None: no session was asked for
-    num_session_tokens: int = 0  # of num_cached_tokens: served by the session
-    disk_session: DiskSession | None = None  # ON_DISK: the session to read back first
-    # LOADED from a disk-tier session whose blocks the prefix cache still holds (freed, not
-    # yet reused): served from the pool, nothing to read back
-    cached_disk_session: DiskSession | None = None
-
-    def __post_init__(self) -> None:
-        loaded = self.session is not None or self.cached_disk_session is not None
-        assert loaded == (self.session_outcome is SessionOutcome.LOADED)
-        assert self.session is None or self.cached_disk_session is None
-        assert (self.disk_session is not None) == (self.session_outcome is SessionOutcome.ON_DISK)
-
-
-@dataclass(frozen=True, slots=True)
-class LoadPlan:
-    """A disk-tier session being read back into fresh blocks (``begin_load``): the loader
-    fills ``blocks`` from the files named ``session.file_hashes``; ``finish_load`` then
-    caches and pins them. Until then the plan holds one reference on each block."""
-
-    session: DiskSession
-    blocks: tuple[KVBlock, ...]
 
 
 class KVCacheManager:

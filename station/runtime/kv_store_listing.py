@@ -1,0 +1,199 @@
+"""The KV store's listings (a mixin of ``station.runtime.kv_store.KVStore``): the index
+built from the directory's names at open, quarantine, and on a fleet's shared tier the
+rescan that learns what the other replicas wrote or removed since."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from pathlib import Path
+from typing import Sequence
+
+from gnosis_daemon.logs import get_logger
+from station.core.block_pool import BlockHash
+from station.runtime.kv_store_format import (
+    BLOCK_DIR, BLOCK_NAME, HASH_BYTES, SESSION_NAME, TMP_SUFFIX, Missing, Quarantined,
+    SessionRecord, Unreadable, block_relpath, decode_session,
+)
+
+log = get_logger()
+
+STALE_S = 600.0  # shared tier: another replica's temp file or unnamed block is this old at most
+
+
+def _utc_stamp() -> str:
+    return time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+
+
+def _is_tmp(entry: os.DirEntry[str]) -> bool:
+    return entry.name.endswith(TMP_SUFFIX) and not entry.is_dir(follow_symlinks=False)
+
+
+def _unlink(path: Path) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+
+
+def _stale_path(shared: bool, entry: os.DirEntry[str] | Path) -> bool:
+    """A temp file (or an unnamed block) that no write in progress can own: any, in a
+    private store; one older than ``STALE_S`` in a shared one."""
+    if not shared:
+        return True
+    try:
+        mtime = entry.stat(follow_symlinks=False).st_mtime
+    except FileNotFoundError:
+        return False  # gone meanwhile: nothing to remove
+    return time.time() - mtime > STALE_S
+
+
+class StoreListing:
+    """Needs the store's ``root`` directories, ``layout``, ``index``, ``shared``, ``_seen``
+    and ``_mutate`` (see ``KVStore``)."""
+
+    def _open(self) -> None:
+        started = time.monotonic()
+        for d in (self.blocks_dir, self.sessions_dir, self.quarantine_dir):
+            with contextlib.suppress(FileExistsError):
+                d.mkdir(mode=0o700)
+                self.index.mark_dirty(self.root)
+        # Each listing is taken whole before its entries are removed or moved.
+        with os.scandir(self.blocks_dir) as it:
+            subdirs = sorted(it, key=lambda e: e.name)
+        for sub in subdirs:
+            if sub.is_dir(follow_symlinks=False) and BLOCK_DIR.fullmatch(sub.name):
+                with os.scandir(sub.path) as it:
+                    entries = list(it)
+                for entry in entries:
+                    self._index_block(sub.name, entry)
+            else:
+                self._quarantine(Path(sub.path), Quarantined("name", "not a block directory"))
+        with os.scandir(self.sessions_dir) as it:
+            entries = sorted(it, key=lambda e: e.name)
+        for entry in entries:
+            self._index_session(entry)
+        stats = self.index.stats()
+        log.info("kv_store_opened", root=str(self.root), blocks=stats["blocks"],
+                 sessions=stats["sessions"], bytes=stats["bytes"],
+                 quarantined=stats["quarantined_total"],
+                 incomplete=stats["incomplete_sessions"], tmp_removed=stats["tmp_removed"],
+                 ms=round((time.monotonic() - started) * 1000, 1))
+
+    def _stale(self, entry: os.DirEntry[str] | Path) -> bool:
+        return _stale_path(self.shared, entry)
+
+    def _remove_tmp(self, entry: os.DirEntry[str]) -> None:
+        if self._stale(entry):  # a write cut short: never trusted, never read
+            _unlink(Path(entry.path))
+            self.index.count(tmp_removed=1)
+
+    def _index_block(self, subdir: str, entry: os.DirEntry[str]) -> None:
+        """Index one file under blocks/ by its name alone: its bytes are checked at read."""
+        if _is_tmp(entry):
+            self._remove_tmp(entry)
+        elif (BLOCK_NAME.fullmatch(entry.name) and entry.name.startswith(subdir)
+              and entry.is_file(follow_symlinks=False)):
+            self.index.add_block(BlockHash(bytes.fromhex(entry.name[:2 * HASH_BYTES])),
+                                 entry.stat(follow_symlinks=False).st_size)
+        else:
+            self._quarantine(Path(entry.path), Quarantined("name", "not a block file name"))
+
+    def _index_session(self, entry: os.DirEntry[str]) -> None:
+        path = Path(entry.path)
+        if _is_tmp(entry):
+            self._remove_tmp(entry)
+            return
+        if not SESSION_NAME.fullmatch(entry.name):
+            self._quarantine(path, Quarantined("name", "not a session file name"))
+            return
+        self._read_manifest(entry)
+
+    def _read_manifest(self, entry: os.DirEntry[str]) -> SessionRecord | None:
+        """Index the session of one manifest -> its record (None: bad, gone or incomplete)."""
+        path = Path(entry.path)
+        try:
+            mtime = entry.stat(follow_symlinks=False).st_mtime_ns
+            record, size = decode_session(path, self.layout)
+        except Quarantined as exc:
+            self._quarantine(path, exc)
+            return None
+        except FileNotFoundError:
+            return None  # another replica removed it meanwhile
+        except (Missing, Unreadable) as exc:
+            log.warning("kv_store_session_unreadable", file=entry.name, error=str(exc))
+            return None
+        self._seen[entry.name] = (mtime, record.session_id)
+        if self.shared:  # blocks written after the start's listing of blocks/
+            self._find_blocks(record.block_hashes)
+        if self.index.count_missing(record.block_hashes):
+            # Sound bytes naming KV that is not all there: useless, and no bad file. (A
+            # shared tier's is left to the replica that wrote it.)
+            if not self.shared:
+                _unlink(path)
+                self._seen.pop(entry.name, None)
+                self.index.mark_dirty(self.sessions_dir)
+            self.index.count(incomplete_sessions=1)
+            return None
+        self.index.put_session(record, size)
+        return record
+
+    def _find_blocks(self, hashes: Sequence[BlockHash]) -> None:
+        for h in hashes:
+            if not self.index.has_block(h):
+                with contextlib.suppress(FileNotFoundError):
+                    size = (self.blocks_dir / block_relpath(h)).stat().st_size
+                    self.index.add_block(h, size)
+
+    def rescan(self) -> tuple[list[SessionRecord], list[str]]:
+        """Read the manifests written or replaced since the last look, and forget the sessions
+        whose manifests are gone (a shared tier: the other replicas' saves, evictions and
+        deletes) -> (sessions added or replaced, session ids removed)."""
+        added: list[SessionRecord] = []
+        removed: list[str] = []
+        with self._mutate:
+            with os.scandir(self.sessions_dir) as it:
+                entries = {e.name: e for e in it if SESSION_NAME.fullmatch(e.name)}
+            for name, entry in entries.items():
+                try:
+                    mtime = entry.stat(follow_symlinks=False).st_mtime_ns
+                except FileNotFoundError:
+                    continue
+                seen = self._seen.get(name)
+                if seen is not None and seen[0] == mtime:
+                    continue
+                record = self._read_manifest(entry)
+                if record is not None:
+                    added.append(record)
+                elif seen is not None and self.index.has_session(seen[1]):
+                    self.index.remove_session(seen[1])  # replaced by one that is no good
+                    removed.append(seen[1])
+            for name in [n for n in self._seen if n not in entries]:
+                _mtime, session_id = self._seen.pop(name)
+                if self.index.has_session(session_id):
+                    for h in self.index.remove_session(session_id):
+                        if not os.path.lexists(self.blocks_dir / block_relpath(h)):
+                            self.index.forget_block(h)
+                    removed.append(session_id)
+        return added, removed
+
+    # -- quarantine
+    def _quarantine(self, path: Path, exc: Quarantined) -> Quarantined:
+        """Move ``path`` intact to quarantine/ and count it; returns ``exc``."""
+        with self._mutate:
+            base = self.quarantine_dir / f"{path.name}.{_utc_stamp()}"
+            target, n = base, 0
+            while os.path.lexists(target):  # os.rename would replace it silently
+                n += 1
+                target = base.with_name(f"{base.name}-{n}")
+            try:
+                os.rename(path, target)
+                exc.moved_to = target
+            except FileNotFoundError:
+                pass  # evicted meanwhile: nothing left to keep
+            except OSError as err:
+                log.error("kv_store_quarantine_failed", file=path.name, error=str(err))
+            self.index.count_quarantined(exc.reason)
+            self.index.mark_dirty(path.parent, self.quarantine_dir)
+        log.warning("kv_store_quarantined", file=path.name, reason=exc.reason,
+                    detail=exc.detail, moved_to=str(exc.moved_to) if exc.moved_to else None)
+        return exc
