@@ -5,7 +5,7 @@ PY      := $(VENV)/bin/python
 STAMP   := $(VENV)/.installed
 PIP     := $(PY) -m pip --disable-pip-version-check -q
 
-.PHONY: run test bench profile soak clean
+.PHONY: run test bench profile soak fleet-bench clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -40,6 +40,12 @@ profile: $(STAMP)
 # Reliability drill (loopback only, about two minutes): load + station/host faults, see docs/reliability.md
 soak: $(STAMP)
 	$(PY) -m bench.soak $(ARGS)
+
+# Two replicas behind vllm-router on loopback (about three minutes on the default model):
+# consistent hashing vs round robin, and a replica lost mid-run on a shared tier; the
+# section in docs/benchmarks.md is rewritten (see docs/deploy.md, "Kubernetes")
+fleet-bench: $(STAMP)
+	$(PY) -m bench.fleet --out docs/benchmarks.md $(ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -36,7 +36,7 @@ class Replica(Daemon):
         return self.base_url
 
     def metric(self, name: str) -> float | None:
-        """One sample of the host's /metrics (no labels), None when unreadable."""
+        """The first sample named ``name`` in the host's /metrics, None when unreadable."""
         from prometheus_client.parser import text_string_to_metric_families
 
         try:
@@ -45,7 +45,7 @@ class Replica(Daemon):
             return None
         for family in text_string_to_metric_families(text):
             for sample in family.samples:
-                if sample.name == name and not sample.labels:
+                if sample.name == name:
                     return sample.value
         return None
 

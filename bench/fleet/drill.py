@@ -48,6 +48,7 @@ class TurnResult:
     cached: int = 0
     prompt: int = 0
     ttft_ms: float | None = None
+    tier: str | None = None  # a hit: where its KV was (pool, host, disk)
     text: str | None = None
     error: str | None = None
 
@@ -94,6 +95,7 @@ def run_turn(client: openai.OpenAI, model: str, conv: Conversation, turn: int,
         result.cached = int(gnosis.get("cached_tokens") or 0)
         result.prompt = int(gnosis.get("prompt_tokens") or 0)
         result.ttft_ms = gnosis.get("ttft_ms")
+        result.tier = gnosis.get("tier")
         result.text = body["choices"][0]["message"]["content"] or ""
     except openai.OpenAIError as exc:
         result.error = f"{type(exc).__name__}: {exc}"[:300]

@@ -100,11 +100,11 @@ def render(f: Figures) -> str:
         "hit when liquid memory loaded its own conversation's KV (`hit` and at least half the "
         "prompt cached), not a block another conversation shares.",
         "",
-        "| set | router policy | turn-2+ hits | TTFT hit ms (median) | TTFT miss ms (median) |",
-        "|---|---|---:|---:|---:|",
-        f"| A: 2 turns | consistent_hash on `X-Session-Id` | {hashed.text()} | {_ms(hashed.ttft_hit_ms)} | {_ms(hashed.ttft_miss_ms)} |",
-        f"| B: 2 turns | round_robin | {robin.text()} | {_ms(robin.ttft_hit_ms)} | {_ms(robin.ttft_miss_ms)} |",
-        f"| F: 3 turns, uninterrupted (the reference) | consistent_hash | {ref.text()} | {_ms(ref.ttft_hit_ms)} | {_ms(ref.ttft_miss_ms)} |",
+        "| set | router policy | turn-2+ hits | TTFT hit ms (median) | TTFT miss ms (median) | turns per replica |",
+        "|---|---|---:|---:|---:|---|",
+        f"| A: 2 turns | consistent_hash on `X-Session-Id` | {hashed.text()} | {_ms(hashed.ttft_hit_ms)} | {_ms(hashed.ttft_miss_ms)} | {_spread(f.phase1.get('hash', []))} |",
+        f"| B: 2 turns | round_robin | {robin.text()} | {_ms(robin.ttft_hit_ms)} | {_ms(robin.ttft_miss_ms)} | {_spread(f.phase1.get('robin', []))} |",
+        f"| F: 3 turns, uninterrupted (the reference) | consistent_hash | {ref.text()} | {_ms(ref.ttft_hit_ms)} | {_ms(ref.ttft_miss_ms)} | {_spread(f.phase1.get('reference', []))} |",
         "",
         f"Replica loss, on a shared tier (`kv_shared_dir`, `kv_shared_scan_s` {a.scan_s:g}): set F "
         f"again on two fresh replicas; after turn 2, `{f.victim}` (which served "
@@ -114,12 +114,12 @@ def render(f: Figures) -> str:
            f", {f.written_wait_s:.1f} s after its write-behind had nothing queued plus two rescan periods")
         + f". Turn 3 of every conversation took {f.after_kill_s:.1f} s in all.",
         "",
-        "| conversations | turn 3 hits | TTFT hit ms (median) | TTFT miss ms (median) | landed on |",
-        "|---|---:|---:|---:|---|",
+        "| conversations | turn 3 hits | TTFT hit ms (median) | TTFT miss ms (median) | landed on | hits' KV from |",
+        "|---|---:|---:|---:|---|---|",
         f"| moved (their replica was killed) | {moved.text()} | {_ms(moved.ttft_hit_ms)} | "
-        f"{_ms(moved.ttft_miss_ms)} | {_landed(f.moved_turns())} |",
+        f"{_ms(moved.ttft_miss_ms)} | {_landed(f.moved_turns())} | {_tiers(f.moved_turns())} |",
         f"| stayed | {stayed.text()} | {_ms(stayed.ttft_hit_ms)} | {_ms(stayed.ttft_miss_ms)} | "
-        f"{_landed(f.stayed_turns())} |",
+        f"{_landed(f.stayed_turns())} | {_tiers(f.stayed_turns())} |",
         "",
         "| check | met |",
         "|---|---|",
@@ -131,6 +131,22 @@ def render(f: Figures) -> str:
             lines += ["", f"{title}:", "", *[f"- {item}" for item in items[:20]]]
     lines += ["", f"Verdict: **{'pass' if f.met else 'fail'}**."]
     return "\n".join(lines) + "\n"
+
+
+def _spread(convs: list[Conversation]) -> str:
+    counts: dict[str, int] = {}
+    for c in convs:
+        for r in c.results:
+            counts[r.replica or "?"] = counts.get(r.replica or "?", 0) + 1
+    return ", ".join(f"{name} {n}" for name, n in sorted(counts.items())) or "-"
+
+
+def _tiers(results: list) -> str:
+    counts: dict[str, int] = {}
+    for r in results:
+        if r.kept:
+            counts[r.tier or "?"] = counts.get(r.tier or "?", 0) + 1
+    return ", ".join(f"{tier} {n}" for tier, n in sorted(counts.items())) or "-"
 
 
 def _landed(results: list) -> str:

@@ -1,0 +1,47 @@
+"""`make fleet-bench` itself, on a tiny model: two replicas behind vllm-router on loopback.
+
+What is checked is the drill's own verdict and the facts behind it: through consistent
+hashing on `X-Session-Id` every turn 2 reached its conversation's replica and was a hit;
+round robin scattered them (fewer hits); with a shared tier, the conversations whose replica
+lost every process at once were served by the survivor, read back from the shared tier, with
+the same greedy answers as the uninterrupted run. Timings on a shared CPU mean nothing.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+
+from bench.fleet.report import BEGIN, END
+from tests.support.procs import REPO, child_env
+from tests.support.tiny_models import build_tiny_model
+
+
+def test_fleet_drill_on_a_tiny_model(tmp_path):
+    model_dir = build_tiny_model(tmp_path / "tiny-llama", "llama")
+    out = tmp_path / "benchmarks.md"
+    out.write_text("# Benchmarks\n\nKept.\n")
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.fleet", "--model", str(model_dir), "--system-words", "30",
+         "--max-tokens", "6", "--out", str(out), "--workdir", str(tmp_path / "fleet")],
+        cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-3000:]
+    report = out.read_text()
+    assert report.startswith("# Benchmarks\n\nKept.\n\n" + BEGIN) and report.rstrip().endswith(END)
+    rows = {cells[0]: cells for cells in (
+        [c.strip() for c in line.strip("|").split("|")] for line in report.splitlines()
+        if line.startswith("| "))}
+    assert rows["A: 2 turns"][2] == "8/8 = 1.00"
+    robin = int(rows["B: 2 turns"][2].split("/")[0])
+    assert robin < 8  # scattered: some turn 2 reached the replica without its KV
+    assert rows["F: 3 turns, uninterrupted (the reference)"][2] == "16/16 = 1.00"
+    moved = rows["moved (their replica was killed)"]
+    n = int(moved[1].split("/")[1].split()[0])
+    assert n > 0 and moved[1] == f"{n}/{n} = 1.00"
+    killed = re.search(r"after turn 2, `(replica-\d)`", report).group(1)
+    assert moved[4] != killed and moved[4].startswith("replica-")  # the survivor served them
+    assert moved[5] == f"disk {n}"  # read back from the shared tier, not recomputed
+    for check, met in ((c[0], c[1]) for c in rows.values() if len(c) == 2 and c[0] != "check"):
+        assert met == "yes", check
+    assert "Verdict: **pass**." in report
