@@ -39,11 +39,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench.fleet", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="model path (default: the daemon's default model)")
-    p.add_argument("--conversations", type=int, default=8)
+    p.add_argument("--conversations", type=int, default=16)
     p.add_argument("--system-words", type=int, default=60,
                    help="words of each conversation's system prompt (60: about 310 tokens)")
     p.add_argument("--max-tokens", type=int, default=16)
-    p.add_argument("--scan-s", type=float, default=0.5, help="the replicas' kv_shared_scan_s")
+    p.add_argument("--scan-s", type=float, default=1.0,
+                   help="the replicas' kv_shared_scan_s (1.0: the setting's default)")
     p.add_argument("--no-wait-written", action="store_true",
                    help="kill without waiting for the write-behind (what a kill at any moment costs)")
     p.add_argument("--out", type=Path, default=None,
