@@ -161,3 +161,42 @@ def test_tool_choice_none_and_auto_answer(client):
     assert none.usage.prompt_tokens == plain.usage.prompt_tokens  # the tools are not rendered
     auto = create(client, tools=TOOLS, temperature=0, max_tokens=8)
     assert auto.usage.prompt_tokens > plain.usage.prompt_tokens  # they are
+
+
+NESTED = {
+    "type": "object",
+    "properties": {
+        "ship": {"type": "object",
+                 "properties": {"name": {"enum": ["Ada", "Brig", "Cog"]},
+                                "crew": {"type": "integer", "minimum": 1, "maximum": 40}},
+                 "required": ["name", "crew"], "additionalProperties": False},
+        "cargo": {"type": "array", "items": {"enum": ["salt", "tea", "wool"]},
+                  "minItems": 1, "maxItems": 3},
+        "stops": {"type": "array", "maxItems": 2,
+                  "items": {"type": "object",
+                            "properties": {"port": {"enum": ["Oslo", "Lima"]},
+                                           "days": {"type": "integer", "minimum": 0, "maximum": 9}},
+                            "required": ["port", "days"], "additionalProperties": False}},
+        "late": {"type": "boolean"},
+    },
+    "required": ["ship", "cargo", "stops", "late"], "additionalProperties": False,
+}
+
+
+def test_twenty_samples_at_temperature_1_of_a_nested_schema_all_validate(client):
+    """Nested objects, arrays (of enums and of objects) and enums: 20 sampled outputs (two
+    requests of n=10, each choice its own seed) all parse and validate."""
+    import jsonschema
+
+    fmt = {"type": "json_schema", "json_schema": {"name": "voyage", "schema": NESTED, "strict": True}}
+    outputs = []
+    for seed in (100, 200):
+        resp = create(client, response_format=fmt, temperature=1.0, seed=seed, n=10, max_tokens=400)
+        assert len(resp.choices) == 10
+        for choice in resp.choices:
+            assert choice.finish_reason == "stop", choice
+            outputs.append(json.loads(choice.message.content))
+    assert len(outputs) == 20
+    for value in outputs:
+        jsonschema.validate(value, NESTED)
+    assert len({json.dumps(v, sort_keys=True) for v in outputs}) > 1  # sampled, not one answer
