@@ -280,3 +280,22 @@ def test_a_shared_tier_serves_a_conversation_another_replica_saved(tiny, tmp_pat
         assert b.engine.kv.disk.get("alice.p.1") is None
         assert (stats["shared_sessions_added"], stats["shared_sessions_removed"]) == (2, 1)
         assert b.engine.kv.disk.get("alice.p.0") is None  # loaded: resident in b's pool now
+
+
+def test_a_scaled_down_replica_leaves_every_session_on_the_shared_tier(tiny, tmp_path):
+    """Scale-down is a clean stop: the replica's write-behind is flushed before it exits, so
+    every session it saved, the last ones included (saved just before the stop, none of
+    them waited for), is on the shared tier for the replica its conversations move to."""
+    path, loaded = tiny
+    shared = tmp_path / "shared"
+    prompts = [prompt_of(1200 + i, 23) for i in range(6)]
+    opts = dict(kv_shared_dir=str(shared))
+    with TierEngine(loaded, tmp_path / "a", 64, **opts) as a:
+        first = [a.generate(p, 3, save_session=f"alice.p.{i}").tokens for i, p in enumerate(prompts)]
+    with TierEngine(loaded, tmp_path / "b", 64, **opts) as b:
+        assert b.report["start_sessions"] == len(prompts)
+        for i, prompt in enumerate(prompts):
+            hit = b.generate(prompt, 3, match_session=True)
+            pre = hit.one(Prefill)
+            assert (pre.session_loaded, pre.session_id, pre.session_tier) == (True, f"alice.p.{i}", "disk")
+            assert hit.tokens == first[i] == reference(path, prompt, 3)

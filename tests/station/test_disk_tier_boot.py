@@ -22,7 +22,7 @@ import torch
 from gnosis_daemon.settings import Settings
 from station.core.requests import Finished, Prefill
 from station.main import _TorchThread
-from station.runtime import kv_store, kv_tier_start
+from station.runtime import kv_store_listing, kv_tier_start
 from station.runtime.kv_store import KVStore
 from station.runtime.kv_tier_start import tier_report
 from supervisor.status import _kv_tier_lines
@@ -198,7 +198,7 @@ def test_tier_files_are_private_under_any_umask(tiny_dir, layout, tmp_path):
 
 def test_a_later_formats_manifest_is_quarantined_under_a_free_name(tiny_dir, layout, tmp_path,
                                                                    monkeypatch):
-    monkeypatch.setattr(kv_store, "_utc_stamp", lambda: "20261130T121314Z")
+    monkeypatch.setattr(kv_store_listing, "_utc_stamp", lambda: "20261130T121314Z")
     state = tmp_path / "state"
     root = tier_dir(state, layout.fingerprint)
     files = write_session_files(root, layout, "alice.v2", PROMPT,
