@@ -34,6 +34,9 @@ class DiskSession:
     last_used: float
     loading: bool = False
     read_from: str = "disk"  # where its last read-back found the KV: "host" (RAM) or "disk"
+    # With KV events on: its blocks' external hashes (what the events name them by), kept
+    # by the listener so a session's removal hashes nothing.
+    ext_hashes: tuple[int, ...] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -46,6 +49,9 @@ class DiskSessions:
     def __init__(self) -> None:
         self._sessions: dict[str, DiskSession] = {}
         self._by_hash = HashIndex()
+        # KV events (``station.serving.kv_events.Listener``): told of every session that
+        # joins or leaves, to publish their blocks as the DISK medium. None: no events.
+        self.events = None
 
     def __len__(self) -> int:
         return len(self._sessions)
@@ -60,9 +66,15 @@ class DiskSessions:
         return list(self._sessions.values())
 
     def add(self, session: DiskSession) -> None:
-        self.remove(session.session_id)
+        old = self._sessions.pop(session.session_id, None)
+        if old is not None:
+            self._by_hash.remove(old)
         self._sessions[session.session_id] = session
         self._by_hash.add(session)
+        if self.events is not None:  # the new copy first: blocks both name stay published
+            self.events.disk_added(session)
+            if old is not None:
+                self.events.disk_removed(old)
 
     def add_all(self, sessions: Iterable[DiskSession]) -> None:
         for session in sessions:
@@ -73,6 +85,8 @@ class DiskSessions:
         if session is None:
             return None
         self._by_hash.remove(session)
+        if self.events is not None:
+            self.events.disk_removed(session)
         return session
 
     def deepest_match(self, tenant: str, block_hashes: Sequence[BlockHash],

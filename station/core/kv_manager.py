@@ -356,11 +356,11 @@ class KVCacheManager:
                 else:
                     self.num_unreadable_loads += 1
             return None
-        self.disk.remove(on_disk.session_id)
         bs = self.block_size
         for i, (block, block_hash) in enumerate(zip(plan.blocks, on_disk.block_hashes)):
             self.pool.cache_full_block(block, block_hash, on_disk.token_ids[i * bs:(i + 1) * bs],
                                        plan.blocks[i - 1] if i else None)
+        self.disk.remove(on_disk.session_id)  # after: KV events say GPU, then drop DISK
         session = self.sessions.save(on_disk.session_id, on_disk.tenant, on_disk.token_ids,
                                      plan.blocks, on_disk.block_hashes)
         session.durable = True

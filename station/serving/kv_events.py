@@ -37,6 +37,22 @@ map tagged ``"type"`` (vLLM's msgspec structs, ``tag=True``)::
     {"type": "BlockRemoved", "block_hashes": [int], "medium": "GPU"}
     {"type": "AllBlocksCleared"}
 
+The disk tier (``medium: "DISK"``): the blocks of the sessions only the disk holds (the
+``DiskSession``s of ``KVCacheManager.disk``) are published too, named by the same external
+hashes the pool's events use for the same tokens. ``DiskSessions`` tells the listener of
+every session that joins or leaves that index (the tier's index at start, an eviction to
+disk, a late write-behind, a shared tier's rescan; a read-back, a delete, the disk budget's
+evictions); the listener counts the disk sessions naming each external hash: DISK
+BlockStored when it goes 0 -> 1, DISK BlockRemoved when 1 -> 0. Independent of the pool: a
+block both hold is published as GPU and as DISK, because vllm-router keeps one claim per
+(replica, tier) and matches each tier's prefix from the first block (``kv_index/indexer.rs``
+``find_matches``): withdrawing DISK for the blocks the pool also holds would cut the disk
+tier's chains at their first block. vllm-router 0.1.17 maps ``medium`` case-insensitively:
+GPU / DEVICE -> device, CPU / HOST / HOST_PINNED -> host, DISK / STORAGE -> disk (scored
+with ``--kv-penalty-disk``); anything else is refused or read as the device.
+AllBlocksCleared clears every tier of the replica in the router, so every clear (the
+publisher's attach at start, a pool reset, a re-sync) is followed by the DISK set again.
+
 The replay socket (``kv_events_replay_endpoint``, ZMQ ROUTER) answers a request
 ``[identity, b"", start_seq (8 bytes big-endian)]`` with every kept batch from ``start_seq``
 as ``[identity, b"", seq, payload]``, then ``[identity, b"", -1 (8 bytes, signed), b""]``,
@@ -54,10 +70,12 @@ from typing import Any, Callable, Iterable, Sequence
 import msgpack
 
 from gnosis_daemon.logs import get_logger
+from station.core.block_pool import ext_block_hashes
 
 log = get_logger(__name__)
 
 MEDIUM = "GPU"  # vLLM's name for the KV pool tier, whatever the device (CPU pools included)
+DISK = "DISK"  # the disk tier's sessions (vllm-router: its disk tier, ``--kv-penalty-disk``)
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 
 STORED, REMOVED, CLEARED = "BlockStored", "BlockRemoved", "AllBlocksCleared"
@@ -65,43 +83,57 @@ STORED, REMOVED, CLEARED = "BlockStored", "BlockRemoved", "AllBlocksCleared"
 
 def encode_batch(events: Iterable[tuple], block_size: int, ts: float | None = None,
                  dp_rank: int = 0) -> bytes:
-    """msgpack of one ``KVEventBatch`` of queued events ``(kind, hashes, parent, tokens)``."""
+    """msgpack of one ``KVEventBatch`` of queued events ``(kind, hashes, parent, tokens[,
+    medium])`` (no medium: the pool's, GPU)."""
     body: list[dict[str, Any]] = []
-    for kind, hashes, parent, tokens in events:
+    for event in events:
+        kind, hashes, parent, tokens = event[:4]
+        medium = _medium(event)
         if kind == STORED:
             body.append({"type": STORED, "block_hashes": list(hashes),
                          "parent_block_hash": parent, "token_ids": list(tokens),
-                         "block_size": block_size, "lora_id": None, "medium": MEDIUM,
+                         "block_size": block_size, "lora_id": None, "medium": medium,
                          "lora_name": None})
         elif kind == REMOVED:
-            body.append({"type": REMOVED, "block_hashes": list(hashes), "medium": MEDIUM})
+            body.append({"type": REMOVED, "block_hashes": list(hashes), "medium": medium})
         else:
             body.append({"type": CLEARED})
     return msgpack.packb([time.time() if ts is None else ts, body, dp_rank])
 
 
 def coalesce(events: list[tuple]) -> list[tuple]:
-    """Merge runs the way vLLM sends them: consecutive stores of one chain become one
-    BlockStored, consecutive removals one BlockRemoved. Order is kept."""
+    """Merge runs the way vLLM sends them: consecutive stores of one chain (one medium)
+    become one BlockStored, consecutive removals of one medium one BlockRemoved. Order is
+    kept; every event comes out with its medium, ``(kind, hashes, parent, tokens, medium)``."""
     out: list[tuple] = []
     for ev in events:
         last = out[-1] if out else None
+        medium = _medium(ev)
+        if last is not None and last[4] != medium:
+            last = None
         if last is not None and ev[0] == last[0] == STORED and ev[2] == last[1][-1]:
-            out[-1] = (STORED, last[1] + list(ev[1]), last[2], last[3] + tuple(ev[3]))
+            out[-1] = (STORED, last[1] + list(ev[1]), last[2], last[3] + tuple(ev[3]), medium)
         elif last is not None and ev[0] == last[0] == REMOVED:
-            out[-1] = (REMOVED, last[1] + list(ev[1]), None, ())
+            out[-1] = (REMOVED, last[1] + list(ev[1]), None, (), medium)
         else:
-            out.append((ev[0], list(ev[1]), ev[2], tuple(ev[3])))
+            out.append((ev[0], list(ev[1]), ev[2], tuple(ev[3]), medium))
     return out
 
 
+def _medium(event: tuple) -> str:
+    return event[4] if len(event) > 4 else MEDIUM
+
+
 class Listener:
-    """The pool's view of the publisher (engine thread only): counts the station blocks
-    behind each external hash and queues an event when one appears or disappears."""
+    """The pool's and the disk index's view of the publisher (engine thread only): counts
+    the station blocks behind each external hash (GPU) and the disk sessions naming it
+    (DISK), and queues an event when one appears or disappears."""
 
     def __init__(self, publisher: "KVEventPublisher") -> None:
         self._pub = publisher
         self.counts: Counter[int] = Counter()
+        self.disk_counts: Counter[int] = Counter()
+        self.disk: Any = None  # the ``DiskSessions`` published as DISK (``attach``)
 
     def stored(self, ext: int, parent: int | None, token_ids: Sequence[int]) -> None:
         self.counts[ext] += 1
@@ -117,8 +149,63 @@ class Listener:
         self._pub.put((REMOVED, (ext,), None, ()))
 
     def cleared(self) -> None:
+        """The pool was reset (or is new): AllBlocksCleared, which a router applies to every
+        tier of this replica, so the disk sessions' blocks follow it again."""
         self.counts.clear()
-        self._pub.put((CLEARED, (), None, ()))
+        # One queue item however large the disk index (a restart's): ``resync``'s form.
+        self._pub.put(("resync", [(CLEARED, (), None, ()), *self.disk_snapshot()]))
+
+    # -- the disk tier (``DiskSessions.events``)
+    def disk_added(self, session: Any) -> None:
+        """A session joined the disk index: DISK BlockStored for its blocks no other disk
+        session names (one event per run of them, in chain order, parent given)."""
+        for event in self._disk_add(session, self.disk_counts):
+            self._pub.put(event)
+
+    def disk_removed(self, session: Any) -> None:
+        """A session left the disk index: DISK BlockRemoved for the blocks it alone named."""
+        gone = []
+        for ext in self._disk_exts(session):
+            n = self.disk_counts[ext] - 1
+            if n > 0:
+                self.disk_counts[ext] = n
+            else:
+                self.disk_counts.pop(ext, None)
+                gone.append(ext)
+        if gone:
+            self._pub.put((REMOVED, tuple(gone), None, (), DISK))
+
+    def disk_snapshot(self) -> list[tuple]:
+        """Recount the disk index from scratch: the DISK BlockStored events of all of it,
+        parents before children (after an AllBlocksCleared)."""
+        self.disk_counts.clear()
+        events: list[tuple] = []
+        for session in self.disk.sessions() if self.disk is not None else ():
+            events.extend(self._disk_add(session, self.disk_counts))
+        return events
+
+    def _disk_add(self, session: Any, counts: Counter[int]) -> list[tuple]:
+        exts = self._disk_exts(session)
+        bs = self._pub.block_size
+        events: list[tuple] = []
+        start = None  # the first block of the current run of newly named blocks
+        for i, ext in enumerate((*exts, None)):
+            new = ext is not None and counts[ext] == 0
+            if ext is not None:
+                counts[ext] += 1
+            if new and start is None:
+                start = i
+            elif not new and start is not None:
+                events.append((STORED, exts[start:i], exts[start - 1] if start else None,
+                               tuple(session.token_ids[start * bs:i * bs]), DISK))
+                start = None
+        return events
+
+    def _disk_exts(self, session: Any) -> tuple[int, ...]:
+        """The session's external hashes, the pool's for the same tokens (kept on it)."""
+        if session.ext_hashes is None:
+            session.ext_hashes = tuple(ext_block_hashes(session.token_ids, self._pub.block_size))
+        return session.ext_hashes
 
 
 class KVEventPublisher:
@@ -157,11 +244,14 @@ class KVEventPublisher:
                  block_size=block_size)
 
     def attach(self, engine: Any) -> None:
-        """Publish ``engine``'s prefix-cache changes (before it starts): a new pool, so
-        AllBlocksCleared first."""
+        """Publish ``engine``'s prefix-cache and disk-index changes (before it starts): a
+        new pool, so AllBlocksCleared first, then the disk sessions it already has (the
+        station attaches before ``open_tier``: those then follow as the tier opens)."""
         engine.kv_events = self
         self.request_resync = engine._wake
         engine.kv.pool.events = self.listener
+        engine.kv.disk.events = self.listener
+        self.listener.disk = engine.kv.disk
         self.listener.cleared()
 
     # -- engine thread
@@ -183,8 +273,9 @@ class KVEventPublisher:
 
     def resync(self, cached: Iterable[tuple[int, int | None, Sequence[int]]]) -> None:
         """Engine thread, at a step boundary: AllBlocksCleared, then one BlockStored per
-        cached block ``(ext, parent_ext, token_ids)`` in chain order, as one item the queue
-        always takes (the queued events it replaces are dropped first)."""
+        cached block ``(ext, parent_ext, token_ids)`` in chain order, then the disk index's
+        blocks (DISK), as one item the queue always takes (the queued events it replaces
+        are dropped first)."""
         with self._lock:
             self._resync_wanted = False
         self.listener.counts.clear()
@@ -193,6 +284,7 @@ class KVEventPublisher:
             self.listener.counts[ext] += 1
             if self.listener.counts[ext] == 1:
                 events.append((STORED, (ext,), parent, tuple(tokens)))
+        events.extend(self.listener.disk_snapshot())
         while True:  # what is queued is older than this snapshot: drop it, keep order
             try:
                 self._queue.get_nowait()

@@ -178,3 +178,83 @@ def test_a_full_queue_drops_counts_and_resyncs_everything_cached(publisher):
     for e in batch[1][1:]:
         assert e["parent_block_hash"] is None or e["parent_block_hash"] in seen
         seen.update(e["block_hashes"])
+
+
+# -- the disk tier (medium DISK)
+
+def _disk_index(*sessions):
+    from station.core.disk_sessions import DiskSessions
+    index = DiskSessions()
+    index.add_all(sessions)
+    return index
+
+
+def _disk_session(session_id, tokens, tenant="alice"):
+    from station.core.disk_sessions import DiskSession
+    hashes = tuple(block_hashes_for(tokens, BS, ("model", tenant)))
+    return DiskSession(session_id, tenant, tuple(tokens), hashes, hashes, 0.0)
+
+
+def test_disk_sessions_are_counted_per_block_and_published_as_disk_runs():
+    pub = _Publisher()
+    pub.block_size = BS
+    index = _disk_index()
+    index.events = pub.listener
+    pub.listener.disk = index
+    a = list(range(12))
+    exts = ext_block_hashes(a, BS)
+    index.add(_disk_session("a", a))
+    assert pub.items == [(STORED, tuple(exts), None, tuple(a), "DISK")]  # one chain
+    # Another tenant, the same tokens: one router block, as in the pool.
+    index.add(_disk_session("a2", a, tenant="bob"))
+    # Sharing the first two blocks: only the new run, with its parent.
+    b = a[:8] + [99] * 8
+    bx = ext_block_hashes(b, BS)
+    index.add(_disk_session("b", b))
+    assert pub.items[1:] == [(STORED, tuple(bx[2:]), bx[1], tuple(b[8:]), "DISK")]
+    assert bx[:2] == exts[:2]
+    del pub.items[:]
+    index.remove("a")
+    assert pub.items == []  # a2 still names every block of a
+    index.remove("a2")
+    assert pub.items == [(REMOVED, (exts[2],), None, (), "DISK")]  # b names the first two
+    # A new copy of an id replaces the old one: the blocks both name stay published.
+    del pub.items[:]
+    index.add(_disk_session("b", b[:12]))
+    assert pub.items == [(REMOVED, (bx[3],), None, (), "DISK")]
+    del pub.items[:]
+    pub.listener.cleared()  # a pool reset: the router clears every tier, DISK follows again
+    assert pub.items == [("resync", [(CLEARED, (), None, ()),
+                                     (STORED, tuple(bx[:3]), None, tuple(b[:12]), "DISK")])]
+
+
+def test_disk_events_on_the_wire_and_never_coalesced_with_gpu():
+    events = coalesce([(STORED, (1,), None, (1, 2, 3, 4)), (STORED, (2,), 1, (5, 6, 7, 8), "DISK"),
+                       (REMOVED, (7,), None, ()), (REMOVED, (8,), None, (), "DISK")])
+    _, body, _ = msgpack.unpackb(encode_batch(events, BS, ts=1.0))
+    assert [(e["type"], e["block_hashes"], e["medium"]) for e in body] == [
+        ("BlockStored", [1], "GPU"), ("BlockStored", [2], "DISK"),
+        ("BlockRemoved", [7], "GPU"), ("BlockRemoved", [8], "DISK")]
+    assert body[1]["parent_block_hash"] == 1 and body[1]["token_ids"] == [5, 6, 7, 8]
+
+
+def test_a_resync_sends_the_disk_set_after_the_pool(publisher):
+    pub, sub, ctx, _ = publisher
+    pool = BlockPool(16, BS)
+    pool.events = pub.listener
+    index = _disk_index()
+    index.events = pub.listener
+    pub.listener.disk = index
+    gpu_tokens, disk_tokens = [1] * 8, [2] * 8
+    _cache(pool, gpu_tokens)
+    index.add(_disk_session("d", disk_tokens))
+    pub.flush()
+    time.sleep(0.1)
+    while sub.poll(200):
+        sub.recv_multipart()
+    pub.resync(pool.cached_ext_blocks())
+    _, _, batch = _recv(sub)
+    assert [(e["type"], e.get("block_hashes"), e.get("medium")) for e in batch[1]] == [
+        ("AllBlocksCleared", None, None),
+        ("BlockStored", ext_block_hashes(gpu_tokens, BS), "GPU"),
+        ("BlockStored", ext_block_hashes(disk_tokens, BS), "DISK")]
