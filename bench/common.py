@@ -21,6 +21,20 @@ from gnosis_daemon.client import open_station_client
 REPO = Path(__file__).resolve().parents[1]
 
 
+def replace_marked(path: Path, begin: str, end: str, section: str, title: str) -> None:
+    """Replace the text between ``begin`` and ``end`` in the markdown file ``path`` with
+    ``section`` (appended with the markers when they are missing; a new file starts with
+    ``title``). Hand-written text around the markers stays."""
+    text = path.read_text() if path.exists() else f"# {title}\n"
+    block = f"{begin}\n{section.rstrip()}\n{end}"
+    if begin in text and end in text:
+        head, rest = text.split(begin, 1)
+        text = head + block + rest.split(end, 1)[1]
+    else:
+        text = text.rstrip() + "\n\n" + block + "\n"
+    path.write_text(text)
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -291,7 +305,22 @@ class Report:
             "",
             *table_lines(self.rows),
         ]
-        path.write_text("\n".join(lines) + "\n" + ("\n" + extra if extra else ""))
+        kept = _kept_sections(path)
+        path.write_text("\n".join(lines) + "\n" + ("\n" + extra if extra else "")
+                        + "".join("\n" + block + "\n" for block in kept))
+
+
+# Sections other drills write into the same file (`make fleet-bench`): a bench run keeps them.
+KEPT_MARKERS = (("<!-- fleet:begin -->", "<!-- fleet:end -->"),)
+
+
+def _kept_sections(path: Path) -> list[str]:
+    text = path.read_text() if path.exists() else ""
+    kept = []
+    for begin, end in KEPT_MARKERS:
+        if begin in text and end in text.split(begin, 1)[1]:
+            kept.append(begin + text.split(begin, 1)[1].split(end, 1)[0] + end)
+    return kept
 
 
 def table_lines(rows: list[Row]) -> list[str]:

@@ -61,9 +61,9 @@ def _session_count(stats: dict[str, Any] | None) -> int | None:
 
 log = get_logger("host")
 _DRAIN_POLL_S = 0.05
-# Paths that never need a key unless health_requires_key is set.
+# Paths that never need a key unless health_requires_key is set. (/livez, outside /v1,
+# never needs one: it says only that the process serves.)
 _HEALTH_PATHS = ("/health", "/metrics")
-# /livez (outside /v1) never needs one: it says only that the process serves.
 # vLLM's token endpoints sit outside /v1 but run the model's tokenizer: keyed like /v1.
 _TOKEN_PATHS = ("/tokenize", "/detokenize")
 

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import os
 import platform
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
+from bench.common import cpu_model, replace_marked
 from bench.fleet.drill import Conversation, HitRate, hit_rate, later_turns
 
 BEGIN, END = "<!-- fleet:begin -->", "<!-- fleet:end -->"
@@ -92,7 +94,7 @@ def render(f: Figures) -> str:
     lines = [
         "## Fleet: two replicas behind vllm-router (`make fleet-bench`)",
         "",
-        f"Run {when} on {platform.node() or 'this host'} ({_cpu()}), {f.seconds:.0f} s; model "
+        f"Run {when} on {platform.node() or 'this host'} ({cpu_model()}, {os.cpu_count()} cores), {f.seconds:.0f} s; model "
         f"`{a.model or 'default (SmolLM2-135M-Instruct)'}`; {a.conversations} conversations per "
         f"set, system prompts of {a.system_words} words (distinct from their first words), "
         f"greedy, {a.max_tokens} tokens a turn; the official `openai` client with "
@@ -154,19 +156,6 @@ def _landed(results: list) -> str:
     return ", ".join(names) if names else "-"
 
 
-def _cpu() -> str:
-    import os
-
-    return f"{os.cpu_count()} CPUs"
-
-
 def write_section(path: Path, section: str) -> None:
     """Replace the text between the fleet markers of ``path`` (append them when missing)."""
-    text = path.read_text() if path.exists() else "# Benchmarks\n"
-    block = f"{BEGIN}\n{section.rstrip()}\n{END}"
-    if BEGIN in text and END in text:
-        head, rest = text.split(BEGIN, 1)
-        text = head + block + rest.split(END, 1)[1]
-    else:
-        text = text.rstrip() + "\n\n" + block + "\n"
-    path.write_text(text)
+    replace_marked(path, BEGIN, END, section, "Benchmarks")

@@ -15,7 +15,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from bench.common import REPO, cpu_model
+from bench.common import REPO, cpu_model, replace_marked
 from bench.soak.faults import PROBE_SESSIONS
 from bench.soak.load import MIX, ROUTES, TENANTS
 from bench.soak.measures import Fault, Record, Sample
@@ -200,11 +200,4 @@ def gpu_note() -> str:
 
 def write_section(path: Path, section: str) -> None:
     """Replace the text between the soak markers of ``path`` (append them when missing)."""
-    text = path.read_text() if path.exists() else "# Reliability\n"
-    block = f"{BEGIN}\n{section.rstrip()}\n{END}"
-    if BEGIN in text and END in text:
-        head, rest = text.split(BEGIN, 1)
-        text = head + block + rest.split(END, 1)[1]
-    else:
-        text = text.rstrip() + "\n\n" + block + "\n"
-    path.write_text(text)
+    replace_marked(path, BEGIN, END, section, "Reliability")

@@ -45,3 +45,22 @@ def test_fleet_drill_on_a_tiny_model(tmp_path):
     for check, met in ((c[0], c[1]) for c in rows.values() if len(c) == 2 and c[0] != "check"):
         assert met == "yes", check
     assert "Verdict: **pass**." in report
+
+
+def test_make_bench_rewrites_its_table_and_keeps_the_fleet_section(tmp_path):
+    """`make bench` rewrites docs/benchmarks.md whole; the section `make fleet-bench` wrote
+    into it stays."""
+    from types import SimpleNamespace
+
+    from bench.common import Report
+
+    path = tmp_path / "benchmarks.md"
+    fleet = f"{BEGIN}\n## Fleet\n\n| set | hits |\n{END}"
+    path.write_text(f"# Benchmarks\n\nan old table\n\n{fleet}\n")
+    report = Report()
+    report.add("a figure", 1.5, ">=", 1.0, "measured")
+    report.write(path, SimpleNamespace(model=None),
+                 SimpleNamespace(prompt_tokens=1, decode_tokens=1, streams=1))
+    text = path.read_text()
+    assert "an old table" not in text and "| a figure | 1.500 |" in text
+    assert text.count(BEGIN) == 1 and text.rstrip().endswith(fleet)
