@@ -79,16 +79,25 @@ def main(argv: list[str] | None = None) -> int:
     return 0 if figures.met else 1
 
 
+def start_all(replicas: list[Replica]) -> None:
+    """Spawn every replica, then wait for each to serve (their starts overlap)."""
+    for r in replicas:
+        r.launch()
+    for r in replicas:
+        r.wait_ready(600)
+
+
 def phase1(args: argparse.Namespace, base: Path, env: dict[str, str], figures: Figures) -> None:
     replicas = [Replica(base, f"replica-{i}", args.model, None, env) for i in range(2)]
     routers: list[Router] = []
     try:
-        for r in replicas:
-            r.start(600)
+        start_all(replicas)
         workers = [r.url for r in replicas]
         routers = [Router(base, "consistent_hash", workers), Router(base, "round_robin", workers)]
         for router in routers:
-            router.start()
+            router.launch()
+        for router in routers:
+            router.wait_ready()
         hashed, robin = routers
         n = args.conversations
         sets = {
@@ -112,8 +121,7 @@ def phase2(args: argparse.Namespace, base: Path, env: dict[str, str], figures: F
     replicas = [Replica(base, f"replica-{i}", args.model, shared, env) for i in range(2)]
     router: Router | None = None
     try:
-        for r in replicas:
-            r.start(600)
+        start_all(replicas)
         router = Router(base, "consistent_hash", [r.url for r in replicas])
         router.start()
         client = client_for(router.url)

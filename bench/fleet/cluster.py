@@ -124,10 +124,17 @@ class Router:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self, timeout: float = 120.0) -> None:
+        self.launch()
+        self.wait_ready(timeout)
+
+    def launch(self) -> None:
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT,
                                          start_new_session=True,
                                          preexec_fn=make_preexec(signal.SIGTERM))
+
+    def wait_ready(self, timeout: float = 120.0) -> None:
+        assert self.proc is not None
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

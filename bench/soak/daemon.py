@@ -43,6 +43,11 @@ class Daemon:
         return self.runtime_dir / "station.sock"
 
     def start(self, timeout: float) -> None:
+        self.launch()
+        self.wait_ready(timeout)
+
+    def launch(self) -> None:
+        """Spawn the daemon (``wait_ready`` waits for it to serve)."""
         argv = [sys.executable, "-m", "gnosis_daemon.cli", "run", "--runtime-dir", str(self.runtime_dir),
                 "--host", "127.0.0.1", "--port", str(self.port)]
         if self.model:
@@ -52,6 +57,9 @@ class Daemon:
             self.proc = subprocess.Popen(argv, cwd=REPO, env=self.env, stdout=log,
                                          stderr=subprocess.STDOUT, start_new_session=True,
                                          preexec_fn=make_preexec(signal.SIGTERM))
+
+    def wait_ready(self, timeout: float) -> None:
+        assert self.proc is not None
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
