@@ -299,3 +299,32 @@ def test_a_scaled_down_replica_leaves_every_session_on_the_shared_tier(tiny, tmp
             pre = hit.one(Prefill)
             assert (pre.session_loaded, pre.session_id, pre.session_tier) == (True, f"alice.p.{i}", "disk")
             assert hit.tokens == first[i] == reference(path, prompt, 3)
+
+
+def test_a_later_turn_another_replica_saved_replaces_the_stale_pool_copy(tiny, tmp_path):
+    """Replica b holds turn 1 of a conversation in its pool; the conversation moves to
+    replica a, which saves turn 2 under the same id on the shared tier. b's rescan drops its
+    stale copy for the disk one, and turn 3 on b reads turn 2's KV back (the deeper match),
+    with ``model.generate``'s output."""
+    path, loaded = tiny
+    shared = tmp_path / "shared"
+    turn1 = prompt_of(1300, 15)
+    turn2 = turn1 + prompt_of(1301, 12)
+    turn3 = turn2 + prompt_of(1302, 9)
+    opts = dict(kv_shared_dir=str(shared), kv_shared_scan_s=0.05)
+    with TierEngine(loaded, tmp_path / "a", 64, **opts) as a, \
+            TierEngine(loaded, tmp_path / "b", 64, **opts) as b:
+        b.save_each([turn1], "alice.n.conv", 2)  # b: alice.n.conv.0 = turn 1, in its pool
+        old = b.engine.kv.sessions.get("alice.n.conv.0")
+        assert old is not None and old.num_tokens >= len(turn1) // BS * BS
+        a.save_each([turn2], "alice.n.conv", 2)  # a: the same id, turn 2
+        deadline = time.monotonic() + 30
+        while b.engine.kv.sessions.get("alice.n.conv.0") is not None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert b.engine.kv.sessions.get("alice.n.conv.0") is None  # the stale copy is gone
+        assert b.engine.kv.disk.get("alice.n.conv.0").num_tokens >= len(turn2) // BS * BS
+        hit = b.generate(turn3, 4, match_session=True)
+        pre = hit.one(Prefill)
+        assert (pre.session_loaded, pre.session_id, pre.session_tier) == (True, "alice.n.conv.0", "disk")
+        assert pre.session_tokens == len(turn2) // BS * BS
+        assert hit.tokens == reference(path, turn3, 4)
