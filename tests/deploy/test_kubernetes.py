@@ -371,3 +371,11 @@ def test_renderer_refuses_what_it_does_not_implement(tmp_path):
     (tmp_path / "kustomization.yaml").write_text("resources: []\nconfigMapGenerator: []\n")
     with pytest.raises(Unsupported):
         render(tmp_path)
+
+
+@pytest.mark.parametrize("where", OVERLAYS)
+def test_each_pod_names_itself_as_the_replica(tree, where):
+    """X-Gnosis-Replica carries the pod's name (``replica_name`` from the downward API)."""
+    _, _, container, _ = parts(render(tree / where))
+    env = {e["name"]: e for e in container["env"]}
+    assert env["GNOSIS_REPLICA_NAME"]["valueFrom"] == {"fieldRef": {"fieldPath": "metadata.name"}}
