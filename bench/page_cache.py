@@ -16,12 +16,15 @@ def page_cache_cold(tier_dir: Path) -> str:
         with open(path, "rb") as f:
             os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
     after_fadvise = resident_bytes(files)
-    try:
-        Path("/proc/sys/vm/drop_caches").write_text("1\n")
-        dropped = "ok"
-    except OSError as exc:
-        dropped = f"failed ({exc.strerror or exc})"
-    after_drop = resident_bytes(files)
+    if after_fadvise == 0:  # cold already: the whole machine's page cache is left alone
+        dropped, after_drop = "not needed", 0
+    else:
+        try:
+            Path("/proc/sys/vm/drop_caches").write_text("1\n")
+            dropped = "ok"
+        except OSError as exc:
+            dropped = f"failed ({exc.strerror or exc})"
+        after_drop = resident_bytes(files)
     if after_fadvise == 0:
         method = "fadvise DONTNEED"
     elif dropped == "ok" and after_drop == 0:

@@ -24,7 +24,8 @@ def test_fleet_drill_on_a_tiny_model(tmp_path):
     out.write_text("# Benchmarks\n\nKept.\n")
     proc = subprocess.run(
         [sys.executable, "-m", "bench.fleet", "--model", str(model_dir), "--conversations", "8",
-         "--system-words", "30", "--max-tokens", "6", "--out", str(out), "--workdir", str(tmp_path / "fleet")],
+         "--system-words", "30", "--max-tokens", "6", "--scan-s", "0.25", "--out", str(out),
+         "--workdir", str(tmp_path / "fleet")],
         cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-3000:]
     report = out.read_text()
