@@ -109,9 +109,10 @@ class KVStore(StoreListing):
         self.quarantine_dir = self.root / "quarantine"
         self.index = StoreIndex()
         self.shared = shared
-        # Manifest file name -> (mtime_ns, session id) as last read or written here: what
-        # ``rescan`` compares the directory with.
-        self._seen: dict[str, tuple[int, str]] = {}
+        # Manifest file name -> ((inode, mtime_ns), session id) as last read or written
+        # here: what ``rescan`` compares the directory with. Every write is a rename, so a
+        # replaced manifest has a new inode even where mtimes are coarse (NFS).
+        self._seen: dict[str, tuple[tuple[int, int], str]] = {}
         self._mutate = threading.RLock()  # held by every change on disk (see module doc)
         self._lock_fd: int | None = self._take_lock()
         try:
@@ -243,7 +244,8 @@ class KVStore(StoreListing):
         path = self.sessions_dir / session_name(record.session_id)
         size = write_atomic(path, encode_session(self.layout, record))
         with contextlib.suppress(FileNotFoundError):  # our own write: no news for rescan
-            self._seen[path.name] = (path.stat().st_mtime_ns, record.session_id)
+            st = path.stat()
+            self._seen[path.name] = ((st.st_ino, st.st_mtime_ns), record.session_id)
         self.index.put_session(record, size)
         self.index.mark_dirty(self.sessions_dir)
         self.index.count(writes=1, bytes_written=size)

@@ -112,7 +112,8 @@ class StoreListing:
         """Index the session of one manifest -> its record (None: bad, gone or incomplete)."""
         path = Path(entry.path)
         try:
-            mtime = entry.stat(follow_symlinks=False).st_mtime_ns
+            st = entry.stat(follow_symlinks=False)
+            mtime = (st.st_ino, st.st_mtime_ns)
             record, size = decode_session(path, self.layout)
         except Quarantined as exc:
             self._quarantine(path, exc)
@@ -155,7 +156,8 @@ class StoreListing:
                 entries = {e.name: e for e in it if SESSION_NAME.fullmatch(e.name)}
             for name, entry in entries.items():
                 try:
-                    mtime = entry.stat(follow_symlinks=False).st_mtime_ns
+                    st = entry.stat(follow_symlinks=False)
+                    mtime = (st.st_ino, st.st_mtime_ns)
                 except FileNotFoundError:
                     continue
                 seen = self._seen.get(name)
