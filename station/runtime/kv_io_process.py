@@ -95,8 +95,7 @@ class KVIOProcess:
             if message is None:
                 raise IOProcessGone(f"the KV I/O process exited (status {self.proc.wait()})")
             if message["kind"] == "sessions":
-                records.extend(SessionRecord(sid, tenant, tuple(tokens), tuple(hashes), last_used, 0.0)
-                               for sid, tenant, tokens, hashes, last_used in message["records"])
+                records.extend(SessionRecord.from_wire(item) for item in message["records"])
             elif message["kind"] == "opened":
                 if message["error"]:
                     raise TierOpenFailed(message["error"])

@@ -148,7 +148,7 @@ class Worker:
             error = str(exc) if isinstance(exc, StoreBusy) else f"{type(exc).__name__}: {exc}"
             self.send({"kind": "opened", "error": error, "stats": {}})
             return
-        records = [_wire(r) for r in self.store.load_sessions()]
+        records = [r.wire() for r in self.store.load_sessions()]
         with self._cond:  # the writer thread waits without a timeout until it knows
             self._scanned = time.monotonic()
             self._cond.notify_all()
@@ -198,7 +198,7 @@ class Worker:
             return
         if added or removed:
             for i in range(0, max(len(added), 1), SESSIONS_PER_FRAME):
-                self.send({"kind": "discovered", "added": [_wire(r) for r in added[i:i + SESSIONS_PER_FRAME]],
+                self.send({"kind": "discovered", "added": [r.wire() for r in added[i:i + SESSIONS_PER_FRAME]],
                            "removed": removed if i == 0 else []})
 
     def _do_write(self, job: dict[str, Any]) -> dict[str, Any]:
@@ -263,11 +263,6 @@ class Worker:
                 reply["quarantined"] = isinstance(exc, Quarantined)
             reply["stats"] = self.stats()
             self.send(reply)
-
-
-def _wire(r: Any) -> list[Any]:
-    """A session record as ``sessions`` and ``discovered`` carry it."""
-    return [r.session_id, r.tenant, list(r.token_ids), list(r.block_hashes), r.last_used]
 
 
 def main(argv: list[str]) -> int:

@@ -110,6 +110,16 @@ class SessionRecord:
     last_used: float
     saved_at: float
 
+    def wire(self) -> list:
+        """The record as the I/O process's ``sessions`` and ``discovered`` messages carry it."""
+        return [self.session_id, self.tenant, list(self.token_ids), list(self.block_hashes),
+                self.last_used]
+
+    @classmethod
+    def from_wire(cls, item: Sequence) -> SessionRecord:
+        session_id, tenant, tokens, hashes, last_used = item
+        return cls(session_id, tenant, tuple(tokens), tuple(hashes), last_used, 0.0)
+
 
 def check_hash(block_hash: bytes) -> None:
     if not isinstance(block_hash, bytes) or len(block_hash) != HASH_BYTES:

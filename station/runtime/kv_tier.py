@@ -274,8 +274,9 @@ class DiskTier:
             resident = self.kv.sessions.get(session_id)
             if resident is not None:
                 resident.durable = False
-        for sid, tenant, tokens, hashes, last_used in answer.get("added", []):
-            record = SessionRecord(sid, tenant, tuple(tokens), tuple(hashes), last_used, 0.0)
+        for item in answer.get("added", []):
+            record = SessionRecord.from_wire(item)
+            sid = record.session_id
             on_disk = disk_session(self.kv, record)
             known = self.kv.disk.get(sid)
             if on_disk is None or (known is not None and known.loading):
