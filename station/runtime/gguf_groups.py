@@ -1,4 +1,4 @@
-"""A GGUF file's 4-bit weights as they are stored: Q4_0 and Q4_1 blocks, read without rounding.
+"""A GGUF file's 4-bit weights as they are stored (Q4_0, Q4_1, Q4_K), read without rounding.
 
 transformers dequantizes every GGUF tensor to float when it converts the file (and the
 station caches that checkpoint). To keep the 4-bit form we read the blocks themselves:
@@ -6,10 +6,15 @@ station caches that checkpoint). To keep the 4-bit form we read the blocks thems
 * Q4_1, 20 bytes per 32 weights: ``d`` (float16), ``m`` (float16), 16 bytes of nibbles
   (weights 0-15 in the low halves, 16-31 in the high): ``w = d * q + m``.
 * Q4_0, 18 bytes per 32 weights: ``d``, 16 bytes of nibbles: ``w = d * (q - 8)``.
+* Q4_K, 144 bytes per super-block of 256 weights: ``d`` and ``dmin`` (float16), 12 bytes
+  holding a 6-bit scale ``sc`` and a 6-bit min ``mn`` for each of 8 groups of 32, then 128
+  bytes of nibbles (per 64 weights, 32 bytes: the low halves are the first 32, the high
+  halves the next 32): ``w = d * sc * q - dmin * mn``. That is a Q4_1 group with step
+  ``d * sc`` and ``m = -(dmin * mn)``, both products float32 as gguf-py forms them.
 
 GGUF names and row orders are transformers' own: the same name map and tensor processor
 it used for the conversion (for Llama-family files that un-permutes the rows of Q and K)
-are applied to the nibbles and to each block's ``d`` and ``m``, which works because they
+are applied to the nibbles and to each group's ``d`` and ``m``, which works because they
 only reorder rows. Each weight is then checked against the dense checkpoint: its blocks,
 dequantized with the file format's own arithmetic, must give the converted weight bit for
 bit, or the weight is not used (it stays float, and the log says which and why).
@@ -30,7 +35,7 @@ from station.runtime.quantized_linears import GROUP, Int4Groups
 
 log = get_logger(__name__)
 
-_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20}
+_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q4_K": 144}  # Q4_K: a super-block of 256 weights
 
 
 @dataclass(slots=True)
@@ -41,9 +46,15 @@ class GgufWeights:
 
 
 def decode_blocks(data: np.ndarray, kind: str) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
-    """One tensor's raw rows [rows, bytes] -> (q [rows, cols] uint8, d [rows, blocks], m or None)."""
+    """One tensor's raw rows [rows, bytes] -> (q [rows, cols] uint8, d [rows, groups], m or None).
+
+    Per group of 32 weights: ``d`` its step, ``m`` what ``q = 0`` stands for (Q4_1, Q4_K;
+    None for Q4_0), so ``w = d * q + m``.
+    """
     rows = data.shape[0]
     blocks = np.ascontiguousarray(data).reshape(rows, -1, _BLOCK_BYTES[kind])
+    if kind == "Q4_K":
+        return _decode_q4_k(blocks)
     d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
     m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32) if kind == "Q4_1" else None
     nibbles = blocks[..., 4:] if kind == "Q4_1" else blocks[..., 2:]
@@ -51,8 +62,37 @@ def decode_blocks(data: np.ndarray, kind: str) -> tuple[np.ndarray, np.ndarray, 
     return q.reshape(rows, -1), d, m
 
 
+def _decode_q4_k(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Q4_K super-blocks [rows, super-blocks, 144] -> (q, d * sc, -(dmin * mn)) per group of 32.
+
+    The 12 scale bytes hold eight 6-bit scales ``sc`` and eight 6-bit mins ``mn`` (llama.cpp's
+    ``get_scale_min_k4``): bytes 0-3 give the low 6 bits of sc[0..3], bytes 4-7 those of
+    mn[0..3]; sc[4..7] are the low nibbles of bytes 8-11 with the top 2 bits of bytes 0-3
+    above them, mn[4..7] the high nibbles of bytes 8-11 with the top 2 bits of bytes 4-7.
+    Both products are float32, as gguf-py forms them; negating the min is exact, so
+    ``d * q + m`` is the format's ``d * sc * q - dmin * mn`` bit for bit.
+    """
+    rows, supers, _ = blocks.shape
+    d = blocks[..., 0:2].copy().view(np.float16).astype(np.float32)  # [rows, supers, 1]
+    dmin = blocks[..., 2:4].copy().view(np.float16).astype(np.float32)
+    packed = blocks[..., 4:16].reshape(rows, supers, 3, 4)
+    low, high, rest = packed[..., 0, :], packed[..., 1, :], packed[..., 2, :]
+    sc = np.concatenate([low & 0x3F, (rest & 0x0F) | ((low >> 2) & 0x30)], axis=-1)
+    mn = np.concatenate([high & 0x3F, (rest >> 4) | ((high >> 2) & 0x30)], axis=-1)
+    scale = (d * sc.astype(np.float32)).reshape(rows, -1)
+    minimum = -(dmin * mn.astype(np.float32)).reshape(rows, -1)
+    # four chunks of 32 bytes: low nibbles are one group of 32 weights, high nibbles the next
+    chunks = blocks[..., 16:].reshape(rows, supers, 4, 1, 32)
+    q = np.concatenate([chunks & 0x0F, chunks >> 4], axis=3)  # [rows, supers, 4, 2, 32]
+    return q.reshape(rows, -1), scale, minimum
+
+
 def dequantize_like_gguf(q: np.ndarray, d: np.ndarray, m: np.ndarray | None) -> np.ndarray:
-    """The file format's own arithmetic (as gguf-py and transformers' conversion do it)."""
+    """The file format's own arithmetic (as gguf-py and transformers' conversion do it).
+
+    Q4_K's ``d * sc * q - dmin * mn`` arrives here as ``d * q + m`` with ``m`` the negated
+    product: IEEE subtraction is addition of the negation, so the bits are the same.
+    """
     rows = q.shape[0]
     qb = q.reshape(rows, -1, GROUP)
     if m is None:
@@ -63,7 +103,7 @@ def dequantize_like_gguf(q: np.ndarray, d: np.ndarray, m: np.ndarray | None) -> 
 
 
 def groups_of(q: np.ndarray, d: np.ndarray, m: np.ndarray | None) -> Int4Groups:
-    """Torch's (q - 8) * scale + zero form: Q4_0 has zero 0, Q4_1 zero m + 8 d."""
+    """Torch's (q - 8) * scale + zero form: Q4_0 has zero 0, Q4_1 and Q4_K zero m + 8 d."""
     zero = np.zeros_like(d) if m is None else m + 8 * d
     return Int4Groups(torch.from_numpy(np.ascontiguousarray(q, dtype=np.uint8)),
                       torch.from_numpy(np.ascontiguousarray(d)), torch.from_numpy(zero))

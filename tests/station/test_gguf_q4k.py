@@ -1,0 +1,106 @@
+"""GGUF Q4_K weights kept as 4-bit groups (station.runtime.gguf_groups, gguf_table).
+
+gguf-py has no Q4_K quantizer, so the blocks are random bytes with sane float16 ``d`` and
+``dmin``: every 6-bit scale and min and every nibble occurs. The reference is gguf-py's own
+dequantizer, which is what transformers' GGUF conversion calls for every tensor.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from gguf import GGMLQuantizationType, GGUFWriter, quants
+
+from station.runtime.gguf_groups import decode_blocks, dequantize_like_gguf, groups_of
+from station.runtime.gguf_table import read_tensor_table
+from station.runtime.quantized_linears import Int4Linear
+
+pytestmark = pytest.mark.usefixtures("few_threads")
+
+Q4_K = GGMLQuantizationType.Q4_K
+EPS32 = 2.0 ** -23  # float32's relative step
+
+
+def q4_k_bytes(rows: int, cols: int, seed: int, d_range=(1e-4, 2e-3), dmin_range=(1e-4, 2e-3)):
+    """Random Q4_K rows [rows, cols / 256 * 144]: ``d``/``dmin`` log-uniform in their ranges."""
+    rng = np.random.default_rng(seed)
+    supers = cols // 256
+    raw = rng.integers(0, 256, (rows, supers, 144), dtype=np.uint8)
+    for start, (lo, hi) in ((0, d_range), (2, dmin_range)):
+        values = np.exp(rng.uniform(np.log(lo), np.log(hi), (rows, supers))).astype(np.float16)
+        raw[..., start:start + 2] = values.view(np.uint8).reshape(rows, supers, 2)
+    return raw.reshape(rows, supers * 144)
+
+
+# d and dmin of one magnitude (as a quantizer makes them), and four decades apart
+@pytest.mark.parametrize("d_range,dmin_range", [((1e-4, 2e-3), (1e-4, 2e-3)),
+                                                ((1e-5, 1e-1), (1e-5, 1e-1)),
+                                                ((1e-2, 1e-1), (1e-5, 1e-4)),
+                                                ((1e-5, 1e-4), (1e-2, 1e-1))])
+def test_q4_k_blocks_decode_as_gguf_dequantizes_them(d_range, dmin_range):
+    for seed in range(20):
+        raw = q4_k_bytes(8, 512, seed, d_range, dmin_range)
+        q, d, m = decode_blocks(raw, "Q4_K")
+        assert q.shape == (8, 512) and q.dtype == np.uint8 and q.max() <= 15
+        assert d.shape == m.shape == (8, 16)  # one step and one min per group of 32
+        want = quants.dequantize(raw, Q4_K)
+        got = dequantize_like_gguf(q, d, m)
+        assert np.array_equal(got.view(np.uint32), want.view(np.uint32))  # bit for bit, signs of 0 too
+        # (q - 8) * scale + zero: (q - 8) * scale is exact (a float16 times a 6-bit integer
+        # times a 4-bit one fits float32); zero = m + 8 * scale and the final add each round
+        # by at most half a step, so each value is within one float32 step of the larger of
+        # |zero| and |w|. Measured over 200 seeds: no difference at all when d and dmin are of
+        # one magnitude (or d far below dmin), up to 0.9999 of that step (0.998 of the
+        # tensor's largest |w|'s) when d is decades above dmin; a value near 0 then differs
+        # by many of its own steps, so a relative tolerance would not hold.
+        groups = groups_of(q, d, m)
+        w = torch.from_numpy(want)
+        zero = groups.zero.repeat_interleave(32, dim=1)
+        assert torch.all((groups.dequantize() - w).abs() <= EPS32 * torch.maximum(zero.abs(), w.abs()))
+
+
+def test_q4_k_zero_and_negative_steps_keep_gguf_bits():
+    """``d * q + (-(dmin * mn))`` is ``d * q - dmin * mn`` to the sign of a zero."""
+    raw = q4_k_bytes(4, 256, seed=11).reshape(4, 144)
+    for row, (d, dmin) in enumerate([(0.0, 0.0), (-0.0, 1e-3), (1e-3, -0.0), (-2e-3, -1e-3)]):
+        raw[row, 0:4] = np.array([d, dmin], dtype=np.float16).view(np.uint8)
+    q, d, m = decode_blocks(raw, "Q4_K")
+    want = quants.dequantize(raw, Q4_K)
+    assert np.array_equal(dequantize_like_gguf(q, d, m).view(np.uint32), want.view(np.uint32))
+
+
+def test_an_int4_layer_on_q4_k_groups_computes_its_dequantized_weights():
+    raw = q4_k_bytes(64, 512, seed=7)
+    groups = groups_of(*decode_blocks(raw, "Q4_K"))
+    values = groups.dequantize()
+    bias = torch.randn(64, generator=torch.Generator().manual_seed(8))
+    layer = Int4Linear(groups, bias, torch.device("cpu"))
+    x = torch.randn(5, 512, generator=torch.Generator().manual_seed(9))
+    with torch.inference_mode():
+        got, want = layer(x), F.linear(x, values, bias)
+    assert got.dtype == torch.float32
+    # bfloat16 activations and scales: about 3 significant digits (as the Q4_1 layer test)
+    torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2 * float(want.abs().max()))
+    with torch.inference_mode():
+        assert torch.equal(layer(x[2:3]), got[2:3])
+
+
+def test_a_q4_k_tensor_written_by_gguf_py_reads_back(tmp_path):
+    path = tmp_path / "q4k.gguf"
+    raw = q4_k_bytes(24, 768, seed=3)
+    writer = GGUFWriter(path, "llama")
+    writer.add_tensor("norm.weight", np.ones(768, dtype=np.float32))  # moves the Q4_K tensor's offset
+    writer.add_tensor("blk.0.ffn_up.weight", raw, raw_dtype=Q4_K)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    arch, tensors = read_tensor_table(path)
+    entry = next(t for t in tensors if t.name == "blk.0.ffn_up.weight")
+    assert arch == "llama" and entry.kind == "Q4_K" and entry.shape == (768, 24)
+    rows = entry.rows()
+    assert rows.shape == (24, 3 * 144) and np.array_equal(rows, raw)
+    q, d, m = decode_blocks(rows, "Q4_K")
+    assert np.array_equal(dequantize_like_gguf(q, d, m), quants.dequantize(raw, Q4_K))
