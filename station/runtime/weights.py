@@ -1,7 +1,7 @@
 """The ``weights`` setting: which of the decoder's linear layers stay quantized, and how.
 
 * ``float``: every weight dense in the model's dtype (a GGUF file is dequantized).
-* ``auto`` (default): a GGUF file's Q4_0/Q4_1 weights stay 4-bit groups (``gguf_groups``:
+* ``auto`` (default): a GGUF file's Q4_0/Q4_1/Q4_K weights stay 4-bit groups (``gguf_groups``:
   its own blocks, no new rounding of the weights) and its Q8_0 weights become int8 rows; a
   float checkpoint stays float. Each layer runs the quantized kernel only where it measures
   faster than the float one on this machine (``KernelChoices``), else the same values dense.
@@ -156,7 +156,7 @@ def _own_memory(model: nn.Module) -> None:
 def _form(mode: str, file_type: str | None) -> str | None:
     if mode in ("int4", "int8"):
         return mode
-    if file_type in ("Q4_0", "Q4_1"):
+    if file_type in ("Q4_0", "Q4_1", "Q4_K"):
         return "int4"
     if file_type == "Q8_0":
         return "int8"

@@ -1,4 +1,4 @@
-"""GGUF Q4_K weights kept as 4-bit groups (station.runtime.gguf_groups, gguf_table).
+"""GGUF Q4_K weights kept as 4-bit groups (station.runtime.gguf_groups, gguf_table, weights).
 
 gguf-py has no Q4_K quantizer, so the blocks are random bytes with sane float16 ``d`` and
 ``dmin``: every 6-bit scale and min and every nibble occurs. The reference is gguf-py's own
@@ -13,9 +13,10 @@ import torch
 import torch.nn.functional as F
 from gguf import GGMLQuantizationType, GGUFWriter, quants
 
-from station.runtime.gguf_groups import decode_blocks, dequantize_like_gguf, groups_of
+from station.runtime.gguf_groups import decode_blocks, dequantize_like_gguf, groups_of, read_gguf_weights
 from station.runtime.gguf_table import read_tensor_table
 from station.runtime.quantized_linears import Int4Linear
+from station.runtime.weights import apply_weights, decoder_linears
 
 pytestmark = pytest.mark.usefixtures("few_threads")
 
@@ -104,3 +105,48 @@ def test_a_q4_k_tensor_written_by_gguf_py_reads_back(tmp_path):
     assert rows.shape == (24, 3 * 144) and np.array_equal(rows, raw)
     q, d, m = decode_blocks(rows, "Q4_K")
     assert np.array_equal(dequantize_like_gguf(q, d, m), quants.dequantize(raw, Q4_K))
+
+
+def _tiny_llama_from_q4_k_file(path):
+    """A one-layer Llama whose every decoder linear is a Q4_K tensor of ``path``, converted as
+    transformers converts a GGUF file: gguf-py's dequantize, then its tensor processor."""
+    from gguf import MODEL_ARCH, get_tensor_name_map
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS
+
+    config = LlamaConfig(hidden_size=256, intermediate_size=512, num_attention_heads=4,
+                         num_key_value_heads=2, num_hidden_layers=1, vocab_size=64)
+    model = LlamaForCausalLM(config).eval()
+    processor = TENSOR_PROCESSORS["llama"](config={"num_attention_heads": 4, "num_key_value_heads": 2})
+    table = get_tensor_name_map(MODEL_ARCH.LLAMA, 1)
+    writer = GGUFWriter(path, "llama")
+    with torch.no_grad():
+        for seed, (name, _, _, layer) in enumerate(decoder_linears(model)):
+            gguf_name = f"{table.get_name(name)}.weight"
+            rows, cols = layer.weight.shape
+            raw = q4_k_bytes(rows, cols, seed)
+            writer.add_tensor(gguf_name, raw, raw_dtype=Q4_K)
+            dense = processor.process(weights=quants.dequantize(raw, Q4_K), name=gguf_name,
+                                      tensor_key_mapping={}, parsed_parameters={}).weights
+            layer.weight.copy_(torch.from_numpy(np.ascontiguousarray(dense)))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return model
+
+
+def test_a_llama_files_q4_k_weights_stay_4_bit(tmp_path):
+    """Every Q4_K weight checks out against its conversion bit for bit (Q and K through the
+    rows transformers un-permutes), and ``auto`` keeps them as 4-bit groups."""
+    path = tmp_path / "tiny-q4k.gguf"
+    model = _tiny_llama_from_q4_k_file(path)
+    read = read_gguf_weights(path, model)
+    assert not read.rejected
+    assert len(read.int4) == 7 and set(read.types.values()) == {"Q4_K"}
+    params = dict(model.named_parameters())
+    for name, groups in read.int4.items():
+        assert groups.q.shape == params[name].shape and groups.scale.shape[1] == params[name].shape[1] // 32
+    report = apply_weights(model, "auto", torch.device("cpu"), torch.float32, gguf=path)
+    assert report.count("int4") + len(report.slower) == 7
+    assert set(report.source.values()) <= {"gguf"}
