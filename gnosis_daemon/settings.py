@@ -82,7 +82,7 @@ class Settings:
     # transformers' per-call wrappers (bit for bit the same output); off: the model's forward.
     lean_decoder: bool = True
     # The decoder's linear weights in memory: auto keeps a GGUF file's 4-bit groups (Q4_0,
-    # Q4_1) and int8 (Q8_0) and a float checkpoint's floats; int4 / int8 quantize the rest
+    # Q4_1, Q4_K) and int8 (Q8_0) and a float checkpoint's floats; int4 / int8 quantize the rest
     # at load; float dequantizes everything (docs/engine.md, "Weights that stay quantized").
     weights: str = "auto"
     tenant_salt: str = ""  # server-side secret mixed into prefix-cache keys

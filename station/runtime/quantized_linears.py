@@ -2,12 +2,14 @@
 
 * ``Int4Groups``: a weight as groups of 32 along the input dimension,
   ``w[n, k] = (q[n, k] - 8) * scale[n, k // 32] + zero[n, k // 32]`` with ``q`` in 0..15.
-  That is torch's weight-only int4 form, and GGUF's Q4_0 (``d * (q - 8)``: zero 0) and
-  Q4_1 (``d * q + m``: zero ``m + 8 d``) map onto it group for group. ``Int4Linear`` runs
-  it through ``_weight_int4pack_mm_for_cpu`` (CPU) or ``_weight_int4pack_mm`` (CUDA). Both
-  take bfloat16 activations, scales and zeros only (their float32 paths are ~25x slower on
-  CPU), so a layer rounds its input and its group scales to bfloat16, and returns float32
-  to a float32 model: the KV cache and everything around the layer keep the model's dtype.
+  That is torch's weight-only int4 form, and GGUF's Q4_0 (``d * (q - 8)``: zero 0),
+  Q4_1 (``d * q + m``: zero ``m + 8 d``) and Q4_K (each 32 of a 256-weight super-block
+  ``d * sc * q - dmin * mn``: scale ``d * sc``, zero ``8 d sc - dmin mn``) map onto it
+  group for group. ``Int4Linear`` runs it through ``_weight_int4pack_mm_for_cpu`` (CPU)
+  or ``_weight_int4pack_mm`` (CUDA). Both take bfloat16 activations, scales and zeros only
+  (their float32 paths are ~25x slower on CPU), so a layer rounds its input and its group
+  scales to bfloat16, and returns float32 to a float32 model: the KV cache and everything
+  around the layer keep the model's dtype.
 * ``Int8Rows``: ``w[n, k] = q[n, k] * scale[n]``, symmetric, one scale per output row, run
   through ``_weight_int8pack_mm``.
 
