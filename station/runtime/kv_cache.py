@@ -108,6 +108,10 @@ class KVCache:
         # [L, 2, num_blocks * block_size, H, D]: slot-addressed views for writes.
         self.flat = self.kv.view(shape.num_layers, 2, num_blocks * shape.block_size,
                                  shape.num_kv_heads, shape.head_dim)
+        # Per layer (K slots, V slots, K blocks, V blocks): the views attention takes every
+        # step, made once (each is a few torch calls a layer a token otherwise).
+        self.layer_views = [(self.flat[i, 0], self.flat[i, 1], self.kv[i, 0], self.kv[i, 1])
+                            for i in range(shape.num_layers)]
 
     @property
     def bytes_total(self) -> int:

@@ -58,6 +58,7 @@ class StepContext:
     decode_ctx_len: int  # B == 1: slice instead of masking
     prefills: list[PrefillMeta]
     decode_first_block: int | None = None  # B == 1 and its blocks are consecutive: a view
+    decode_slot: int = -1  # B == 1: the new token's slot (a plain copy, not index_copy_)
 
 
 def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
@@ -69,29 +70,30 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, **kwargs)
     # query: [1, H, T, D]; key/value: [1, Hkv, T, D] (rotary already applied)
-    layer = module.layer_idx
     _, num_heads, num_tokens, head_dim = query.shape
     num_kv_heads = key.shape[1]
     n_rep = num_heads // num_kv_heads
-    flat = ctx.kv_cache.flat[layer]  # [2, slots, Hkv, D]
-    flat[0].index_copy_(0, ctx.slot_mapping, key[0].transpose(0, 1))
-    flat[1].index_copy_(0, ctx.slot_mapping, value[0].transpose(0, 1))
-    pool = ctx.kv_cache.kv[layer]  # [2, num_blocks, bs, Hkv, D]
+    # [slots, Hkv, D] twice, [num_blocks, bs, Hkv, D] twice
+    k_slots, v_slots, k_pool, v_pool = ctx.kv_cache.layer_views[module.layer_idx]
+    b = ctx.num_decodes
+    if b == 1 and num_tokens == 1:
+        # One sequence decoding alone (a single stream's every step): no output buffer, no
+        # copy into it; the same operations on the same values as the general path below.
+        k_slots[ctx.decode_slot] = key.reshape(num_kv_heads, head_dim)
+        v_slots[ctx.decode_slot] = value.reshape(num_kv_heads, head_dim)
+        k, v = _decode_kv(ctx, k_pool, v_pool, 1, num_kv_heads, head_dim)
+        o = F.scaled_dot_product_attention(query.reshape(1, num_kv_heads, n_rep, head_dim),
+                                           k[:, :ctx.decode_ctx_len].transpose(1, 2),
+                                           v[:, :ctx.decode_ctx_len].transpose(1, 2), scale=scaling)
+        return o.view(1, 1, num_heads, head_dim), None
+    k_slots.index_copy_(0, ctx.slot_mapping, key[0].transpose(0, 1))
+    v_slots.index_copy_(0, ctx.slot_mapping, value[0].transpose(0, 1))
 
     out = query.new_empty(1, num_tokens, num_heads, head_dim)
-    b = ctx.num_decodes
     if b:
         # q: [B, Hkv, n_rep, D] -- one query token per sequence, its heads grouped per kv head
         q = query[0, :, :b].transpose(0, 1).reshape(b, num_kv_heads, n_rep, head_dim)
-        first = ctx.decode_first_block
-        if first is not None:  # consecutive blocks (common): read the pool in place
-            n_blocks = ctx.decode_block_tables.numel()
-            k = pool[0, first:first + n_blocks].view(1, -1, num_kv_heads, head_dim)
-            v = pool[1, first:first + n_blocks].view(1, -1, num_kv_heads, head_dim)
-        else:
-            # index_select on a flat 1-D table is much cheaper than 2-D advanced indexing
-            k = pool[0].index_select(0, ctx.decode_block_tables).view(b, -1, num_kv_heads, head_dim)
-            v = pool[1].index_select(0, ctx.decode_block_tables).view(b, -1, num_kv_heads, head_dim)
+        k, v = _decode_kv(ctx, k_pool, v_pool, b, num_kv_heads, head_dim)
         # k, v: [B, max_blocks * bs, Hkv, D]
         if ctx.decode_mask is None:
             k, v = k[:, :ctx.decode_ctx_len], v[:, :ctx.decode_ctx_len]
@@ -107,15 +109,28 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
         else:
             if p.first_block is not None:  # consecutive blocks: a view of the pool, no copy
                 end_block = p.first_block + p.block_table.numel()
-                k, v = pool[0, p.first_block:end_block], pool[1, p.first_block:end_block]
+                k, v = k_pool[p.first_block:end_block], v_pool[p.first_block:end_block]
             else:
-                k, v = pool[0].index_select(0, p.block_table), pool[1].index_select(0, p.block_table)
+                k, v = k_pool.index_select(0, p.block_table), v_pool.index_select(0, p.block_table)
             k = k.flatten(0, 1)[:p.ctx_len].transpose(0, 1)[None]
             v = v.flatten(0, 1)[:p.ctx_len].transpose(0, 1)[None]
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=p.mask, scale=scaling,
                                                enable_gqa=n_rep > 1)
         out[0, p.q_start:end] = o[0].transpose(0, 1)  # o: [1, H, n, D]
     return out, None
+
+
+def _decode_kv(ctx: StepContext, k_pool: torch.Tensor, v_pool: torch.Tensor, b: int,
+               num_kv_heads: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The decode rows' K and V, [B, max_blocks * bs, Hkv, D] each (padded with block 0)."""
+    first = ctx.decode_first_block
+    if first is not None:  # consecutive blocks (common): read the pool in place
+        n_blocks = ctx.decode_block_tables.numel()
+        return (k_pool[first:first + n_blocks].view(1, -1, num_kv_heads, head_dim),
+                v_pool[first:first + n_blocks].view(1, -1, num_kv_heads, head_dim))
+    # index_select on a flat 1-D table is much cheaper than 2-D advanced indexing
+    return (k_pool.index_select(0, ctx.decode_block_tables).view(b, -1, num_kv_heads, head_dim),
+            v_pool.index_select(0, ctx.decode_block_tables).view(b, -1, num_kv_heads, head_dim))
 
 
 def _first_if_consecutive(block_ids: list[int]) -> int | None:
@@ -246,6 +261,7 @@ class ModelRunner:
             decode_ctx_len=decode_ctx_len,
             prefills=prefills,
             decode_first_block=decode_first,
+            decode_slot=slots[0] if num_decodes == 1 else -1,
         )
         ids = torch.cat(ids_parts).to(dev)[None]
         pos_ids = torch.cat(pos_parts).to(dev)[None]

@@ -121,14 +121,20 @@ class Int4Linear(nn.Module):
 
 
 class Int8Linear(nn.Module):
-    """A linear layer over ``Int8Rows`` through ``_weight_int8pack_mm`` (inference only)."""
+    """A linear layer over ``Int8Rows`` through ``_weight_int8pack_mm`` (inference only).
+
+    On a CPU it computes in bfloat16 (activations and row scales rounded to it, as the int4
+    layers do): the float32 path of that kernel is ~5x slower at one row (the vocabulary
+    head of SmolLM2: 15 ms against 2.9 ms, and 6.4 ms for the float32 head through oneDNN).
+    """
 
     def __init__(self, rows: Int8Rows, bias: torch.Tensor | None, device: torch.device,
                  dtype: torch.dtype) -> None:
         super().__init__()
         self.out_features, self.in_features = rows.q.shape
+        compute = torch.bfloat16 if device.type == "cpu" else dtype
         self.register_buffer("weight_int8", rows.q.to(device).contiguous())
-        self.register_buffer("scales", rows.scale.to(device, dtype))
+        self.register_buffer("scales", rows.scale.to(device, compute))
         self.register_buffer("bias", None if bias is None else bias.detach().to(device))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
