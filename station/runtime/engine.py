@@ -79,7 +79,8 @@ class PagedEngine:
         self.scheduler = Scheduler(self.kv, settings.max_batch_size, settings.prefill_chunk_tokens)
         self.calls = EngineCalls(self)
         self.runner = ModelRunner(loaded.model, self.kv_cache, device,
-                                  pack_linears=settings.cpu_packed_linears, lean=settings.lean_decoder)
+                                  pack_linears=settings.cpu_packed_linears, lean=settings.lean_decoder,
+                                  head_kernel=getattr(loaded.weights, "head", None))
         self.device = device
         self._cond = threading.Condition()
         self._inbox: collections.deque[Sequence] = collections.deque()

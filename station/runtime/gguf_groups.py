@@ -173,3 +173,27 @@ def _rows_as_converted(processor: Any, array: np.ndarray, name: str) -> np.ndarr
     if result.weights.shape != array.shape:
         raise ValueError(f"the conversion reshapes {name}")
     return np.ascontiguousarray(result.weights)
+
+
+def read_q8_rows(gguf: Path, model: Any, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The Q8_0 blocks of the file's tensor that became ``weight`` (the model's parameter,
+    e.g. the vocabulary head tied to the embeddings): (q int8 [N, K], d float32 [N, K // 32]),
+    or None when that tensor is not Q8_0 or its blocks do not give ``weight`` bit for bit."""
+    arch, tensors = read_tensor_table(gguf)
+    params = dict(model.named_parameters())
+    names = {p for p, t in model.named_parameters(remove_duplicate=False) if t is weight}
+    wanted = {g for g, p in _gguf_names(arch, model.config, params).items() if p in names}
+    entry = next((t for t in tensors if t.name in wanted and t.kind == "Q8_0"), None)
+    if entry is None:
+        return None
+    rows = entry.rows()
+    blocks = np.ascontiguousarray(rows).reshape(rows.shape[0], -1, 34)
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    q = np.ascontiguousarray(blocks[..., 2:]).view(np.int8).reshape(rows.shape[0], -1)
+    q_t, d_t = torch.from_numpy(q.copy()), torch.from_numpy(d)
+    dense = weight.detach()
+    if tuple(dense.shape) != tuple(q_t.shape) or not torch.equal(
+            (q_t.float().view(q_t.shape[0], -1, GROUP) * d_t[..., None]).view(q_t.shape), dense.cpu().float()):
+        log.info("gguf_q8_rows_not_used", tensor=entry.name, reason="they do not give the weight bit for bit")
+        return None
+    return q_t, d_t

@@ -20,6 +20,8 @@ disagrees, a non-fp32 weight, a GPU, or a torch without oneDNN keeps the stock p
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -92,20 +94,31 @@ def pack_decoder_linears(model: nn.Module) -> int:
     return swapped
 
 
+# Up to this many rows the Q8_0 head kernel reads fewer bytes than the float32 head costs;
+# past it both are bound by arithmetic and oneDNN's is faster (SmolLM2's head on 2 cores:
+# 1 row 1.4 vs 6.2 ms, 4 rows 2.6 vs 4.6, 8 rows 5.8 vs 6.6, 16 rows 10.6 vs 8.0).
+KERNEL_MAX_ROWS = 8
+
+
 class VocabHead:
     """``lm_head`` for the few rows a step keeps, with the fastest kernel at hand.
 
     Packed for oneDNN where that applies (a copy). Otherwise one row is a plain
     ``F.linear`` and several rows use the tall-skinny ``W @ x.T``: MKL runs ``x @ W.T``
-    at 2-8 rows about as slowly as one call per row (8 rows: 22 -> 11-15 ms).
+    at 2-8 rows about as slowly as one call per row (8 rows: 22 -> 11-15 ms). A GGUF
+    file's Q8_0 head runs through ``cpu_kernels`` where that is faster (``weights``), for
+    steps of up to ``KERNEL_MAX_ROWS`` rows: the same product, its sums in another order.
     """
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor | None):
-        self.weight, self.bias, self.packed = weight, bias, packed
+    def __init__(self, weight: torch.Tensor | None, bias: torch.Tensor | None,
+                 packed: torch.Tensor | None, kernel: Callable | None = None):
+        self.weight, self.bias, self.packed, self.kernel = weight, bias, packed, kernel
 
     @classmethod
-    def for_model(cls, model: nn.Module, pack: bool = True) -> VocabHead | None:
-        """A head when the model's logits are exactly ``lm_head(last_hidden_state)``."""
+    def for_model(cls, model: nn.Module, pack: bool = True, kernel: Callable | None = None,
+                  ) -> VocabHead | None:
+        """A head when the model's logits are exactly ``lm_head(last_hidden_state)``;
+        ``kernel``: the same product another way (``cpu_kernels.Q8Linear``), used instead."""
         head = model.get_output_embeddings()
         config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
         if type(head) is not nn.Linear or any(
@@ -115,9 +128,11 @@ class VocabHead:
         packed = pack_weight(weight, bias) if pack else None
         if packed is not None:
             log.info("vocab_head_packed", kernel="onednn", bytes=weight.numel() * weight.element_size())
-        return cls(weight, bias, packed)
+        return cls(weight, bias, packed, kernel)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernel is not None and x.shape[0] <= KERNEL_MAX_ROWS:
+            return self.kernel(x)
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.bias,
                                                       "none", [], "")

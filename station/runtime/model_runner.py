@@ -155,7 +155,7 @@ def register_attention() -> None:
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, kv_cache: KVCache, device: torch.device,
-                 pack_linears: bool = True, lean: bool = True) -> None:
+                 pack_linears: bool = True, lean: bool = True, head_kernel=None) -> None:
         register_attention()
         model.set_attn_implementation(ATTN_IMPLEMENTATION)
         self.model = model.eval()
@@ -167,7 +167,7 @@ class ModelRunner:
         # (VocabHead); else the model's own forward.
         if pack_linears:
             pack_decoder_linears(model)
-        self._head = VocabHead.for_model(model, pack=pack_linears)
+        self._head = VocabHead.for_model(model, pack=pack_linears, kernel=head_kernel)
         # station.runtime.lean_decoder: the same layers' arithmetic without transformers'
         # per-call wrappers (Llama family); None: the model's own forward.
         self._lean = LeanDecoder.for_model(model, _registered_attention) if lean else None

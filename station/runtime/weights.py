@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from gnosis_daemon.logs import get_logger
@@ -51,6 +52,9 @@ class WeightsReport:
     slower: list[str] = field(default_factory=list)  # quantized kernel measured slower: kept float
     linear_bytes_before: int = 0
     linear_bytes_after: int = 0
+    # The vocabulary head over the file's Q8_0 blocks (cpu_kernels.Q8Linear), which the
+    # engine calls instead of the float32 head; None: the float32 head.
+    head: Any = None
 
     def count(self, form: str) -> int:
         return sum(1 for f in self.forms.values() if f == form)
@@ -126,11 +130,45 @@ def apply_weights(model: nn.Module, mode: str, device: torch.device, dtype: torc
             report.forms[name], report.source[name] = form, source
             report.linear_bytes_after += _bytes(quantized) - _bytes(layer)
     del built
+    if gguf is not None and device.type == "cpu" and dtype == torch.float32:
+        report.head = _q8_head(model, gguf, choices, choices_dir, device, dtype)
     choices.save()
     if any(form != "float" for form in report.forms.values()):
         _own_memory(model)
     log.info("weights_applied", **report.summary())
     return report
+
+
+def _q8_head(model: nn.Module, gguf: Path, choices: KernelChoices, cache_dir: Path | None,
+             device: torch.device, dtype: torch.dtype) -> Any:
+    """The head over the file's own Q8_0 blocks (``cpu_kernels``), where they give the float32
+    head's weight bit for bit, the kernel builds, computes the same product, and is faster."""
+    head = model.get_output_embeddings()
+    if type(head) is not nn.Linear or head.bias is not None or head.weight.shape[1] % 32:
+        return None
+    from station.runtime.cpu_kernels import Q8Linear, load_library
+    from station.runtime.gguf_groups import read_q8_rows
+
+    blocks = read_q8_rows(gguf, model, head.weight)
+    if blocks is None:
+        return None
+    lib = load_library(cache_dir)
+    if lib is None:
+        return None
+    kernel = Q8Linear(lib, *blocks)
+    x = torch.randn(5, kernel.in_features, generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        got, want = kernel(x), F.linear(x, head.weight.detach())
+        # the same product in another order (float32 sums), and a row alone as in a batch
+        if not (float((got - want).abs().max()) <= 1e-4 * float(want.abs().max())
+                and torch.equal(kernel(x[2:3]), got[2:3])):
+            log.warning("q8_head_disagrees", simd=lib.gnosis_simd().decode())
+            return None
+    if not choices.choose("q8-head", [(kernel, head.weight.detach())], device, dtype):
+        return None
+    log.info("q8_head_used", bytes=kernel.q.numel() + kernel.d.numel() * 4,
+             float_bytes=head.weight.numel() * 4, simd=lib.gnosis_simd().decode())
+    return kernel
 
 
 def _own_memory(model: nn.Module) -> None:
