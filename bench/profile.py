@@ -56,7 +56,7 @@ def _part_of(event: Any) -> str | None:
             return "attention"
         if name == "gnosis::sampling":
             return "sampling"
-        if name in _WEIGHT_OPS or "linear" in name:
+        if name in _WEIGHT_OPS or "linear" in name or "pack_mm" in name:  # int4/int8 kernels
             return "weights"
         node = node.cpu_parent
     return None
@@ -92,6 +92,13 @@ class _EngineProfile:
                 return sample(*args, **kwargs)
 
         fanout.sample_sequences = marked_sample
+        head = self.engine.runner._head  # the vocabulary head (a C kernel's time has no op)
+        if head is not None:
+            def marked_head(x):
+                with record_function("gnosis::vocab_head"):
+                    return head(x)
+
+            self.engine.runner._head = marked_head
         step = self.engine.step
         self.step_s: list[float] = []
 
