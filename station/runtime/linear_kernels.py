@@ -94,10 +94,12 @@ def pack_decoder_linears(model: nn.Module) -> int:
     return swapped
 
 
-# Up to this many rows the Q8_0 head kernel reads fewer bytes than the float32 head costs;
-# past it both are bound by arithmetic and oneDNN's is faster (SmolLM2's head on 2 cores:
-# 1 row 1.4 vs 6.2 ms, 4 rows 2.6 vs 4.6, 8 rows 5.8 vs 6.6, 16 rows 10.6 vs 8.0).
-KERNEL_MAX_ROWS = 8
+# Up to this many rows the Q8_0 head kernel is the faster head: it reads a quarter of the
+# bytes. Past it the arithmetic is the bound and oneDNN's float32 head wins (SmolLM2's
+# head on 2 cores, alone: 1 row 1.4 vs 6.2 ms, 4 rows 2.6 vs 4.6, 8 rows 5.8 vs 6.6, 16 rows
+# 10.6 vs 8.0; inside 8-stream decode the kernel at 8 rows made the aggregate 163-190 tok/s
+# against 198-218 with the float head, three rounds interleaved).
+KERNEL_MAX_ROWS = 4
 
 
 class VocabHead:
