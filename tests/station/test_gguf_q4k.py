@@ -10,13 +10,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-import torch.nn.functional as F
 from gguf import GGMLQuantizationType, GGUFWriter, quants
 
 from station.runtime.gguf_groups import decode_blocks, dequantize_like_gguf, groups_of, read_gguf_weights
 from station.runtime.gguf_table import read_tensor_table
-from station.runtime.quantized_linears import Int4Linear
 from station.runtime.weights import apply_weights, decoder_linears
+from tests.support.int4 import check_int4_layer
 
 pytestmark = pytest.mark.usefixtures("few_threads")
 
@@ -73,19 +72,7 @@ def test_q4_k_zero_and_negative_steps_keep_gguf_bits():
 
 
 def test_an_int4_layer_on_q4_k_groups_computes_its_dequantized_weights():
-    raw = q4_k_bytes(64, 512, seed=7)
-    groups = groups_of(*decode_blocks(raw, "Q4_K"))
-    values = groups.dequantize()
-    bias = torch.randn(64, generator=torch.Generator().manual_seed(8))
-    layer = Int4Linear(groups, bias, torch.device("cpu"))
-    x = torch.randn(5, 512, generator=torch.Generator().manual_seed(9))
-    with torch.inference_mode():
-        got, want = layer(x), F.linear(x, values, bias)
-    assert got.dtype == torch.float32
-    # bfloat16 activations and scales: about 3 significant digits (as the Q4_1 layer test)
-    torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2 * float(want.abs().max()))
-    with torch.inference_mode():
-        assert torch.equal(layer(x[2:3]), got[2:3])
+    check_int4_layer(groups_of(*decode_blocks(q4_k_bytes(64, 512, seed=7), "Q4_K")), seed=8)
 
 
 def test_a_q4_k_tensor_written_by_gguf_py_reads_back(tmp_path):

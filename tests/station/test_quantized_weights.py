@@ -20,6 +20,7 @@ from station.runtime.gguf_groups import decode_blocks, dequantize_like_gguf, gro
 from station.runtime.model_loader import load_model
 from station.runtime.quantized_linears import Int4Groups, Int4Linear, Int8Linear, Int8Rows
 from tests.station.test_paged_engine import BS, engine_for, prompt_of, submit
+from tests.support.int4 import check_int4_layer
 from tests.support.tiny_models import build_tiny_model
 
 pytestmark = pytest.mark.usefixtures("few_threads")
@@ -41,20 +42,9 @@ def test_blocks_decode_as_gguf_dequantizes_them(kind):
 
 def test_int4_layer_computes_its_dequantized_weights():
     weight = torch.randn(64, 128, generator=torch.Generator().manual_seed(1)) * 0.1
-    bias = torch.randn(64, generator=torch.Generator().manual_seed(2))
     groups = Int4Groups.quantize(weight)
-    values = groups.dequantize()
-    assert (values - weight).abs().max() <= (groups.scale.max() / 2) + 1e-6  # half a step at most
-    layer = Int4Linear(groups, bias, torch.device("cpu"))
-    x = torch.randn(5, 128, generator=torch.Generator().manual_seed(3))
-    with torch.inference_mode():
-        got, want = layer(x), F.linear(x, values, bias)
-    assert got.dtype == torch.float32
-    # bfloat16 activations and scales: about 3 significant digits
-    torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2 * float(want.abs().max()))
-    # a row gives the same answer alone as in a batch (decode rows must not depend on company)
-    with torch.inference_mode():
-        assert torch.equal(layer(x[2:3]), got[2:3])
+    assert (groups.dequantize() - weight).abs().max() <= (groups.scale.max() / 2) + 1e-6  # half a step at most
+    check_int4_layer(groups, seed=2)
 
 
 def test_int8_layer_computes_its_dequantized_weights():
