@@ -52,6 +52,9 @@ def load_library(cache_dir: Path | None) -> ctypes.CDLL | None:
     """The compiled kernels for this machine (built once, then reused); None if it cannot be."""
     from station.runtime.quantized_linears import machine_tag
 
+    if not SOURCE.is_file():
+        log.info("cpu_kernels_unavailable", reason=f"{SOURCE.name} is not installed beside {__name__}")
+        return None
     cc = compiler()
     if cc is None:
         log.info("cpu_kernels_unavailable", reason="no C compiler (cc, gcc or $CC)")
