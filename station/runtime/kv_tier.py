@@ -287,9 +287,7 @@ class DiskTier:
                     continue  # the same KV: this replica's copy is current
                 if ("write", sid) in self._jobs or (self._job is not None and self._job.session_id == sid) \
                         or any(pending is resident for pending in self.kv.to_write):
-                    # saved here since (queued, being written, or saved in the last step and
-                    # not yet queued: answers are applied before take_writes): ours replaces theirs
-                    continue
+                    continue  # saved here since (queued, in writing, or in to_write): ours wins
                 self.kv.sessions.delete(sid)  # another replica saved a later turn of it
             self.kv.disk.add(on_disk)
             self.figures.shared_added += 1
