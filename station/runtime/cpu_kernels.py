@@ -125,5 +125,6 @@ class Q8Linear:
         return y.view(*x.shape[:-1], self.out_features)
 
     def dequantize(self) -> torch.Tensor:
-        return (self.q.float().view(self.out_features, -1, GROUP) * self.d[..., None]).view(
-            self.out_features, self.in_features)
+        from station.runtime.gguf_groups import q8_values
+
+        return q8_values(self.q, self.d)

@@ -55,11 +55,16 @@ def decode_blocks(data: np.ndarray, kind: str) -> tuple[np.ndarray, np.ndarray, 
     blocks = np.ascontiguousarray(data).reshape(rows, -1, _BLOCK_BYTES[kind])
     if kind == "Q4_K":
         return _decode_q4_k(blocks)
-    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
-    m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32) if kind == "Q4_1" else None
+    d = _half(blocks, 0)
+    m = _half(blocks, 2) if kind == "Q4_1" else None
     nibbles = blocks[..., 4:] if kind == "Q4_1" else blocks[..., 2:]
     q = np.concatenate([nibbles & 0x0F, nibbles >> 4], axis=-1)  # [rows, blocks, 32]
     return q.reshape(rows, -1), d, m
+
+
+def _half(blocks: np.ndarray, at: int) -> np.ndarray:
+    """The float16 at byte ``at`` of every block [rows, blocks, bytes], as float32 [rows, blocks]."""
+    return blocks[..., at:at + 2].copy().view(np.float16)[..., 0].astype(np.float32)
 
 
 def _decode_q4_k(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -73,8 +78,7 @@ def _decode_q4_k(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray
     ``d * q + m`` is the format's ``d * sc * q - dmin * mn`` bit for bit.
     """
     rows, supers, _ = blocks.shape
-    d = blocks[..., 0:2].copy().view(np.float16).astype(np.float32)  # [rows, supers, 1]
-    dmin = blocks[..., 2:4].copy().view(np.float16).astype(np.float32)
+    d, dmin = _half(blocks, 0)[..., None], _half(blocks, 2)[..., None]  # [rows, supers, 1]
     packed = blocks[..., 4:16].reshape(rows, supers, 3, 4)
     low, high, rest = packed[..., 0, :], packed[..., 1, :], packed[..., 2, :]
     sc = np.concatenate([low & 0x3F, (rest & 0x0F) | ((low >> 2) & 0x30)], axis=-1)
@@ -188,12 +192,16 @@ def read_q8_rows(gguf: Path, model: Any, weight: torch.Tensor) -> tuple[torch.Te
         return None
     rows = entry.rows()
     blocks = np.ascontiguousarray(rows).reshape(rows.shape[0], -1, 34)
-    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
     q = np.ascontiguousarray(blocks[..., 2:]).view(np.int8).reshape(rows.shape[0], -1)
-    q_t, d_t = torch.from_numpy(q.copy()), torch.from_numpy(d)
+    q_t, d_t = torch.from_numpy(q.copy()), torch.from_numpy(_half(blocks, 0))
     dense = weight.detach()
-    if tuple(dense.shape) != tuple(q_t.shape) or not torch.equal(
-            (q_t.float().view(q_t.shape[0], -1, GROUP) * d_t[..., None]).view(q_t.shape), dense.cpu().float()):
+    if tuple(dense.shape) != tuple(q_t.shape) or not torch.equal(q8_values(q_t, d_t), dense.cpu().float()):
         log.info("gguf_q8_rows_not_used", tensor=entry.name, reason="they do not give the weight bit for bit")
         return None
     return q_t, d_t
+
+
+def q8_values(q: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    """Q8_0's values ``d * q`` (q int8 [N, K], d float32 [N, K // 32]) as float32 [N, K]:
+    exact, as the product of an 8-bit integer and a float16 always is in float32."""
+    return (q.float().view(q.shape[0], -1, GROUP) * d[..., None]).view(q.shape)
