@@ -82,6 +82,76 @@ def quality_figures(report: Report, settings) -> None:
     report.add("top-1 agreement over 512 teacher-forced tokens, quantized / float", agree, ">=", 0.99,
                f"{int((want == got).sum())} of {len(text)} positions; the text is the float model's "
                f"own greedy answer to {ESSAY!r}")
+    if quant.weights.step is not None:
+        step_figures(report, quant, dense, ids, text, want)
+
+
+def step_figures(report: Report, quant, dense, ids: list[int], text: list[int], want: torch.Tensor) -> None:
+    """The C decode step (``cpu_step``), which decodes in the station where it is used: its
+    top-1 agreement with the float model with every position through the step, and the
+    engine's greedy output (torch prefill, step decode) against the float model's."""
+    tokens = ids + text
+    step = quant.weights.step.bind(_pool(quant.model, len(tokens)), max_positions=len(tokens))
+    head = quant.weights.head or quant.model.get_output_embeddings()
+    with torch.inference_mode():
+        hidden = torch.cat([step([t], [p], [p], [list(range(-(-len(tokens) // 16)))])
+                            for p, t in enumerate(tokens[:-1])])
+        got = head(hidden[len(ids) - 1:]).argmax(-1)
+    step.close()
+    agree = float((want == got).float().mean())
+    report.add("top-1 agreement over 512 teacher-forced tokens, C decode step / float", agree, ">=", 0.99,
+               f"{int((want == got).sum())} of {len(text)} positions, every position through the step "
+               f"(the station decodes there; its prefill is torch's)")
+    tok, same, notes = quant.tokenizer, 0, []
+    answers = _engine_greedy(quant, [_chat_ids(tok, text) for text in PROMPTS], 64)
+    for i, (text, got_ids) in enumerate(zip(PROMPTS, answers)):
+        want_ids = _greedy(dense.model, _chat_ids(tok, text), 64)
+        if want_ids == got_ids:
+            same += 1
+            continue
+        at = next(j for j, (a, b) in enumerate(zip(want_ids, got_ids)) if a != b)
+        margin = _margin(dense.model, _chat_ids(tok, text) + want_ids[:at])
+        notes.append(f"prompt {i + 1} parts at token {at + 1} (float top-two margin {margin:.3f})")
+    report.add("greedy prompts whose 64 tokens are the same, station (C decode step) / float (5 prompts)",
+               same / 5, "info", None, f"{same} of 5 the same" + ("; " + "; ".join(notes) if notes else ""))
+
+
+def _pool(model, tokens: int):
+    from station.runtime.kv_cache import KVCache, KVCacheShape
+
+    shape = KVCacheShape.from_config(model.config, 16, torch.float32)
+    return KVCache(shape, -(-tokens // 16), torch.device("cpu"))
+
+
+def _engine_greedy(loaded, prompts: list[list[int]], n: int) -> list[list[int]]:
+    """The station's own greedy answers (its engine, in process), ``n`` tokens each."""
+    import threading
+
+    from gnosis_daemon.settings import Settings
+    from station.core.requests import Finished, GenerationRequest, SamplingParams, Token
+    from station.runtime.engine import PagedEngine
+
+    with tempfile.TemporaryDirectory() as run:
+        engine = PagedEngine(loaded, Settings(runtime_dir=run), num_blocks=256)
+        engine.start()
+        try:
+            answers = []
+            for i, prompt in enumerate(prompts):
+                tokens, done = [], threading.Event()
+
+                def sink(event, tokens=tokens, done=done):
+                    if isinstance(event, Token):
+                        tokens.append(event.token_id)
+                    elif isinstance(event, Finished) or type(event).__name__ == "Failed":
+                        done.set()
+
+                engine.add_request(GenerationRequest(f"q{i}", prompt, SamplingParams(
+                    max_tokens=n, min_tokens=n, temperature=0.0)), sink)
+                done.wait(600)
+                answers.append(tokens)
+        finally:
+            engine.shutdown()
+    return answers
 
 
 def station_figures(report: Report, settings, rounds: int, decode_tokens: int, tmp: Path) -> None:

@@ -81,6 +81,10 @@ class Settings:
     # Llama-family models: the decoder's forward in one loop over the same modules, without
     # transformers' per-call wrappers (bit for bit the same output); off: the model's forward.
     lean_decoder: bool = True
+    # 4-bit Llama-family models on a CPU: each decode step in one C call (station/runtime/
+    # cpu_step.c). auto: where it checks out and measures no slower than torch's layers
+    # (kept per machine); on: wherever it checks out; off: decode through torch.
+    cpu_decode_step: str = "auto"
     # The decoder's linear weights in memory: auto keeps a GGUF file's 4-bit groups (Q4_0,
     # Q4_1, Q4_K) and int8 (Q8_0) and a float checkpoint's floats; int4 / int8 quantize the rest
     # at load; float dequantizes everything (docs/engine.md, "Weights that stay quantized").
@@ -158,6 +162,8 @@ class Settings:
                "one of auto, float32, bfloat16, float16")
         _check(self.weights, self.weights in {"auto", "float", "int8", "int4"}, "weights",
                "one of auto, float, int8, int4")
+        _check(self.cpu_decode_step, self.cpu_decode_step in {"auto", "on", "off"}, "cpu_decode_step",
+               "one of auto, on, off")
         _check(self.tool_parser, self.tool_parser in {"auto", "hermes", "mistral", "llama3", "none"},
                "tool_parser", "one of auto, hermes, mistral, llama3, none")
         for name in ("max_model_len", "max_tokens_default", "max_frame_bytes", "kv_cache_bytes",

@@ -35,6 +35,8 @@ from gnosis_daemon.logs import get_logger
 log = get_logger(__name__)
 
 SOURCE = Path(__file__).with_suffix(".c")
+# compiled into the same library: the whole decode step (station.runtime.cpu_step)
+SOURCES = (SOURCE, SOURCE.with_name("cpu_step.c"))
 GROUP = 32
 BUILD_TIMEOUT_S = 120
 _loaded: dict[Path, ctypes.CDLL | None] = {}
@@ -52,8 +54,9 @@ def load_library(cache_dir: Path | None) -> ctypes.CDLL | None:
     """The compiled kernels for this machine (built once, then reused); None if it cannot be."""
     from station.runtime.quantized_linears import machine_tag
 
-    if not SOURCE.is_file():
-        log.info("cpu_kernels_unavailable", reason=f"{SOURCE.name} is not installed beside {__name__}")
+    missing = [source.name for source in SOURCES if not source.is_file()]
+    if missing:
+        log.info("cpu_kernels_unavailable", reason=f"{', '.join(missing)} not installed beside {__name__}")
         return None
     cc = compiler()
     if cc is None:
@@ -65,7 +68,8 @@ def load_library(cache_dir: Path | None) -> ctypes.CDLL | None:
     except (OSError, subprocess.SubprocessError) as exc:
         log.info("cpu_kernels_unavailable", reason=f"{cc} --version: {exc}")
         return None
-    key = hashlib.sha256(SOURCE.read_bytes() + repr((version, machine_tag())).encode()).hexdigest()[:16]
+    sources = b"".join(source.read_bytes() for source in SOURCES)
+    key = hashlib.sha256(sources + repr((version, machine_tag())).encode()).hexdigest()[:16]
     base = cache_dir if cache_dir is not None else Path(tempfile.gettempdir()) / "gnosis-daemon"
     path = base / "kernels" / f"cpu_kernels-{key}.so"
     if path not in _loaded:
@@ -81,7 +85,7 @@ def _build_and_open(cc: str, path: Path, arch: tuple[str, ...] = ("-march=native
             path.parent.mkdir(parents=True, exist_ok=True)
             tmp = path.with_suffix(f".{os.getpid()}.tmp")
             done = subprocess.run([cc, "-O3", *arch, "-shared", "-fPIC", "-pthread",
-                                   "-o", str(tmp), str(SOURCE)],
+                                   "-o", str(tmp), *map(str, SOURCES), "-lm"],
                                   capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
             if done.returncode != 0:
                 tmp.unlink(missing_ok=True)
@@ -100,6 +104,13 @@ def _build_and_open(cc: str, path: Path, arch: tuple[str, ...] = ("-march=native
     lib.gnosis_q8_linear.argtypes = [pointer, pointer, pointer, pointer, integer, integer, integer, integer]
     lib.gnosis_q8_linear.restype = integer
     lib.gnosis_simd.restype = ctypes.c_char_p
+    lib.gnosis_step_create.argtypes = [pointer, pointer, pointer]
+    lib.gnosis_step_create.restype = pointer
+    lib.gnosis_step_free.argtypes = [pointer]
+    lib.gnosis_step_threads.argtypes = [pointer]
+    lib.gnosis_step_threads.restype = integer
+    lib.gnosis_step_run.argtypes = [pointer, integer, pointer, pointer, pointer, pointer, integer, pointer]
+    lib.gnosis_step_run.restype = integer
     log.info("cpu_kernels_loaded", path=str(path), simd=lib.gnosis_simd().decode())
     return lib
 

@@ -80,7 +80,9 @@ class PagedEngine:
         self.calls = EngineCalls(self)
         self.runner = ModelRunner(loaded.model, self.kv_cache, device,
                                   pack_linears=settings.cpu_packed_linears, lean=settings.lean_decoder,
-                                  head_kernel=getattr(loaded.weights, "head", None))
+                                  head_kernel=getattr(loaded.weights, "head", None),
+                                  step=getattr(loaded.weights, "step", None),
+                                  max_positions=loaded.max_model_len)
         self.device = device
         self._cond = threading.Condition()
         self._inbox: collections.deque[Sequence] = collections.deque()

@@ -137,7 +137,8 @@ def load_model(settings: Settings) -> LoadedModel:
     model.eval()
     model.requires_grad_(False)
     weights = apply_weights(model, settings.weights, device, dtype,
-                            gguf=path if path.suffix == ".gguf" else None, choices_dir=cache_base(settings))
+                            gguf=path if path.suffix == ".gguf" else None, choices_dir=cache_base(settings),
+                            decode_step=settings.cpu_decode_step)
     config = model.config
     max_len = getattr(config, "max_position_embeddings", None) or settings.max_model_len
     return LoadedModel(

@@ -133,6 +133,17 @@ def _decode_kv(ctx: StepContext, k_pool: torch.Tensor, v_pool: torch.Tensor, b: 
             v_pool.index_select(0, ctx.decode_block_tables).view(b, -1, num_kv_heads, head_dim))
 
 
+def _decode_step_args(decodes: list[Sequence], bs: int) -> tuple[list[int], ...]:
+    tokens, positions, slots, tables = [], [], [], []
+    for seq in decodes:
+        pos = seq.num_computed_tokens
+        tokens.append(seq.token_ids[pos])
+        positions.append(pos)
+        slots.append(seq.blocks[pos // bs].block_id * bs + pos % bs)
+        tables.append([b.block_id for b in seq.blocks[:pos // bs + 1]])
+    return tokens, positions, slots, tables
+
+
 def _first_if_consecutive(block_ids: list[int]) -> int | None:
     """The first id when the ids run first, first + 1, ... (then K/V are a view of the pool)."""
     first = block_ids[0]
@@ -155,7 +166,8 @@ def register_attention() -> None:
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, kv_cache: KVCache, device: torch.device,
-                 pack_linears: bool = True, lean: bool = True, head_kernel=None) -> None:
+                 pack_linears: bool = True, lean: bool = True, head_kernel=None, step=None,
+                 max_positions: int = 0) -> None:
         register_attention()
         model.set_attn_implementation(ATTN_IMPLEMENTATION)
         self.model = model.eval()
@@ -171,11 +183,19 @@ class ModelRunner:
         # station.runtime.lean_decoder: the same layers' arithmetic without transformers'
         # per-call wrappers (Llama family); None: the model's own forward.
         self._lean = LeanDecoder.for_model(model, _registered_attention) if lean else None
+        # station.runtime.cpu_step: decode rows in one C call (4-bit Llama-family on a CPU),
+        # where the runner applies the head itself.
+        self._step = (step.bind(kv_cache, max_positions) if step is not None and self._head is not None
+                      and max_positions > 0 else None)
 
     def _decoder(self, ids: torch.Tensor, pos_ids: torch.Tensor) -> torch.Tensor:
         if self._lean is not None:
             return self._lean(ids, pos_ids)
         return self.model.base_model(input_ids=ids, position_ids=pos_ids, use_cache=False).last_hidden_state
+
+    def _decode_step(self, decodes: list[Sequence]) -> torch.Tensor:
+        with torch.inference_mode():
+            return self._step(*_decode_step_args(decodes, self.block_size))
 
     def run(self, batch: SchedulerOutput) -> tuple[torch.Tensor | None, list[Sequence]]:
         """One forward for the step -> (logits [K, V] float32, the K sequences to sample);
@@ -188,6 +208,12 @@ class ModelRunner:
         keep: list[int] = []
 
         decodes = batch.decodes
+        stepped = None  # [B, hidden]: the decode rows' final hidden states, from the C step
+        if decodes and self._step is not None and self._step.fits(
+                [seq.num_computed_tokens for seq in decodes]):
+            stepped = self._decode_step(decodes)
+            sampled.extend(decodes)
+            decodes = []
         num_decodes = len(decodes)
         decode_tables = decode_mask = decode_first = None
         decode_ctx_len = 0
@@ -247,10 +273,13 @@ class ModelRunner:
             q_start += n
         # (seq, first position, first row in the returned logits, rows) per prompt_logprobs chunk
         self.prompt_rows = []
+        first_row = 0 if stepped is None else stepped.shape[0]  # the stepped rows come first
         for seq, start, q, n in extra:
-            self.prompt_rows.append((seq, start, len(keep), n))
+            self.prompt_rows.append((seq, start, first_row + len(keep), n))
             keep.extend(range(q, q + n))
 
+        if stepped is not None and not keep and not batch.prefills:
+            return self._head(stepped).float(), sampled
         dev = self.device
         ctx = StepContext(
             kv_cache=self.kv_cache,
@@ -268,13 +297,15 @@ class ModelRunner:
         _local.context = ctx
         try:
             with torch.inference_mode():
-                if not keep:  # a mid-prompt chunk only: no logits needed, so no vocab head either
+                if not keep and stepped is None:  # a mid-prompt chunk only: no logits, no head
                     self._decoder(ids, pos_ids)
                     return None, []
-                rows = torch.tensor(keep, device=dev)
+                rows = torch.tensor(keep, device=dev, dtype=torch.long)
                 if self._head is not None:
-                    hidden = self._decoder(ids, pos_ids)
-                    return self._head(hidden[0, rows]).float(), sampled
+                    hidden = self._decoder(ids, pos_ids)[0, rows]
+                    if stepped is not None:
+                        hidden = torch.cat([stepped.to(hidden.dtype), hidden])
+                    return self._head(hidden).float(), sampled
                 out = self.model(input_ids=ids, position_ids=pos_ids, use_cache=False, logits_to_keep=rows)
         finally:
             _local.context = None

@@ -52,6 +52,23 @@ class Int4Groups:
         groups = (self.q.float() - 8).view(n, k // GROUP, GROUP)
         return (groups * self.scale[:, :, None] + self.zero[:, :, None]).view(n, k)
 
+    def step_layout(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """The C decode step's form (``cpu_step.c``): per row the 4-bit values as GGUF packs
+        them (byte j of a group: value j low, value j + 16 high), and per group float16
+        ``step`` and ``min`` with ``w = step * q + min``. Float16 holds a Q4_0 or Q4_1 file's
+        scales and minimums exactly (they are float16 there), others to 11 bits (torch's
+        kernels take bfloat16, 8); None where a value does not fit in float16."""
+        n, k = self.q.shape
+        if k % GROUP:
+            return None
+        q = self.q.view(n, k // GROUP, 2, GROUP // 2)
+        packed = (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
+        step = self.scale.to(torch.float16)
+        low = (self.zero - 8 * self.scale).to(torch.float16)
+        if not (torch.isfinite(step).all() and torch.isfinite(low).all()):
+            return None
+        return packed, step.contiguous(), low.contiguous()
+
     @classmethod
     def quantize(cls, weight: torch.Tensor) -> Int4Groups:
         """Asymmetric min/max groups (as GGUF's Q4_1): the group's ends are exact."""
@@ -103,6 +120,8 @@ class Int4Linear(nn.Module):
         self.register_buffer("scales_and_zeros", torch.stack([groups.scale.t(), groups.zero.t()], -1)
                              .to(device, torch.bfloat16).contiguous())
         self.register_buffer("bias", None if bias is None else bias.detach().to(device))
+        # The same values for the C decode step (``cpu_step``), which takes them or drops them.
+        self.step_form = groups.step_layout() if device.type == "cpu" else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features).to(torch.bfloat16)

@@ -42,6 +42,7 @@ from station.runtime.quantized_linears import (
 log = get_logger(__name__)
 
 MODES = ("auto", "float", "int8", "int4")
+STEP_MODES = ("auto", "on", "off")
 
 
 @dataclass(slots=True)
@@ -55,6 +56,9 @@ class WeightsReport:
     # The vocabulary head over the file's Q8_0 blocks (cpu_kernels.Q8Linear), which the
     # engine calls instead of the float32 head; None: the float32 head.
     head: Any = None
+    # The whole decode step in C over the 4-bit layers (cpu_step.StepWeights), which the
+    # engine binds to its KV pool; None: the step runs through torch.
+    step: Any = None
 
     def count(self, form: str) -> int:
         return sum(1 for f in self.forms.values() if f == form)
@@ -65,7 +69,8 @@ class WeightsReport:
         if not any(f != "float" for f in self.forms.values()):
             return "float"
         digest = hashlib.sha256(json.dumps(sorted(self.forms.items())).encode()).hexdigest()[:16]
-        return f"int4:{self.count('int4')},int8:{self.count('int8')},{digest}"
+        step = ",cpu-step" if self.step is not None else ""  # its own arithmetic (cpu_step)
+        return f"int4:{self.count('int4')},int8:{self.count('int8')},{digest}{step}"
 
     def summary(self) -> dict[str, Any]:
         return {"mode": self.mode, "int4_layers": self.count("int4"), "int8_layers": self.count("int8"),
@@ -87,10 +92,13 @@ def decoder_linears(model: nn.Module) -> list[tuple[str, nn.Module, str, nn.Line
 
 
 def apply_weights(model: nn.Module, mode: str, device: torch.device, dtype: torch.dtype, *,
-                  gguf: Path | None = None, choices_dir: Path | None = None) -> WeightsReport:
+                  gguf: Path | None = None, choices_dir: Path | None = None,
+                  decode_step: str = "auto") -> WeightsReport:
     """Swap the decoder's linears for quantized ones as ``mode`` says; -> what was done."""
     if mode not in MODES:
         raise ValueError(f"weights must be one of {', '.join(MODES)}, not {mode!r}")
+    if decode_step not in STEP_MODES:
+        raise ValueError(f"cpu_decode_step must be one of {', '.join(STEP_MODES)}, not {decode_step!r}")
     report = WeightsReport(mode)
     layers = decoder_linears(model)
     for name, _, _, layer in layers:
@@ -132,9 +140,15 @@ def apply_weights(model: nn.Module, mode: str, device: torch.device, dtype: torc
     del built
     if gguf is not None and device.type == "cpu" and dtype == torch.float32:
         report.head = _q8_head(model, gguf, choices, choices_dir, device, dtype)
-    choices.save()
     if any(form != "float" for form in report.forms.values()):
         _own_memory(model)
+    if decode_step != "off" and device.type == "cpu" and dtype == torch.float32 and report.count("int4"):
+        report.step = _cpu_step(model, choices, choices_dir, decode_step)
+    else:
+        from station.runtime.cpu_step import release_step_forms
+
+        release_step_forms(model)
+    choices.save()
     log.info("weights_applied", **report.summary())
     return report
 
@@ -169,6 +183,33 @@ def _q8_head(model: nn.Module, gguf: Path, choices: KernelChoices, cache_dir: Pa
     log.info("q8_head_used", bytes=kernel.q.numel() + kernel.d.numel() * 4,
              float_bytes=head.weight.numel() * 4, simd=lib.gnosis_simd().decode())
     return kernel
+
+
+def _cpu_step(model: nn.Module, choices: KernelChoices, cache_dir: Path | None, mode: str) -> Any:
+    """The C decode step (``cpu_step``) where the model has its shape, the library builds
+    and the step agrees with the model's forward; ``auto``: and it measures no slower than
+    torch's products alone for the same token (by ``KernelChoices.FLOAT_MARGIN``)."""
+    from station.runtime.cpu_kernels import load_library
+    from station.runtime.cpu_step import StepWeights, checked_and_timed, release_step_forms
+
+    lib = load_library(cache_dir)
+    if lib is None:
+        release_step_forms(model)
+        return None
+    weights = StepWeights.for_model(model, lib)
+    if weights is None:
+        return None
+    key = "cpu-step:cpu"
+    agrees, step_s, torch_s = checked_and_timed(weights, model)
+    if not agrees:
+        return None
+    if mode == "auto" and key not in choices.answers:
+        choices.measured[key] = (step_s, torch_s)
+        choices.answers[key] = step_s < torch_s * choices.FLOAT_MARGIN
+    used = mode == "on" or choices.answers[key]
+    log.info("cpu_step_measured", step_ms=round(step_s * 1e3, 3), torch_linears_ms=round(torch_s * 1e3, 3),
+             used=used, mode=mode, bytes=weights.nbytes)
+    return weights if used else None
 
 
 def _own_memory(model: nn.Module) -> None:

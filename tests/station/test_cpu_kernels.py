@@ -97,7 +97,9 @@ def test_the_default_gguf_head_runs_on_its_q8_blocks_and_the_engine_still_equals
     from station.runtime.gguf_groups import read_q8_rows
     from station.runtime.model_loader import default_model_path
 
-    loaded = load_model(Settings(model_cache_dir=str(default_model_cache.root)))
+    # decode through torch's layers, as model.generate does (the C decode step, which has its
+    # own arithmetic, is tests/station/test_cpu_step.py's)
+    loaded = load_model(Settings(model_cache_dir=str(default_model_cache.root), cpu_decode_step="off"))
     # whether the station uses it is measured at load (kernel-choices); here it is used either way
     assert loaded.weights.head is None or isinstance(loaded.weights.head, Q8Linear)
     weight = loaded.model.get_output_embeddings().weight

@@ -1,0 +1,465 @@
+/* A whole decode step of a Llama-family model on 4-bit weights, in one call
+   (station/runtime/cpu_step.py says when the station uses it and why).
+
+   A decode token of a small model is 30 layers x (2 norms, 4 matrix products, rotary,
+   attention, SiLU): a few hundred torch calls, each a Python round trip and an OpenMP
+   fork/join, more time than the arithmetic. Here the step is one C call: B tokens (one per
+   sequence) in, the final norm's output out, K/V written into the paged pool and read
+   back through each sequence's block table, the work split over a pool of threads that
+   live as long as the step does.
+
+   Weights: per output row, the row's 4-bit values as GGUF keeps them (32-value groups,
+   byte j of a group holds values j and j + 16) and per group a float16 step and minimum,
+   w = step * q + min, q in 0..15. Activations: each 32-value group of a row is scaled to
+   int16 (its largest magnitude to 32767) for the integer multiply-add, and the minimum
+   term uses the group's float32 sum: the only rounding added is the activations' to 15
+   bits (torch's int4 kernels round them to bfloat16, 8 bits). Every output of a row is
+   computed from that row's values alone, in the same order whatever B is: a sequence
+   decodes alike alone or in a batch. */
+
+#include <math.h>
+#include <pthread.h>
+#include <sched.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define STEP_SIMD 1
+#else
+#define STEP_SIMD 0
+#endif
+
+#define G 32
+#define MAX_THREADS 64
+#define SPIN_NS 300000 /* a worker spins this long for work, then sleeps */
+
+typedef struct {
+    const uint8_t *q;   /* [N, K / 2] */
+    const uint16_t *s;  /* [N, K / 32] float16 steps */
+    const uint16_t *m;  /* [N, K / 32] float16 minimums */
+    const float *bias;  /* [N] or NULL */
+    int n, k;
+} mat_t;
+
+typedef struct {
+    mat_t qkv, o, gate_up, down;
+    const float *norm1, *norm2;
+    float *k_pool, *v_pool; /* [slots, kv_heads, head_dim] */
+} layer_t;
+
+struct step;
+/* One chunk of a parallel region: chunk index, the running thread's index (its scratch). */
+typedef void (*task_fn)(struct step *, int chunk, int tid);
+
+typedef struct step {
+    int layers, hidden, heads, kv_heads, head_dim, inter, block_size, max_pos, max_batch, max_ctx;
+    float eps, scaling;
+    const float *embed, *final_norm, *cos, *sin;
+    layer_t *layer;
+    /* scratch, sized for max_batch rows */
+    float *h, *x, *qkv, *att, *act, *scores, *xd, *xs;
+    int16_t *xq;
+    /* this call */
+    int b;
+    const int64_t *pos;
+    const int32_t *tables;
+    int table_width;
+    const mat_t *mat;
+    int out_mode; /* 0: store, 1: add into h, 2: SiLU(gate) * up */
+    float *out;
+    layer_t *cur;
+    /* the pool */
+    int nt, vocab, num_blocks;
+    pthread_t tid[MAX_THREADS];
+    struct worker_arg { struct step *s; int id; } args[MAX_THREADS];
+    atomic_int gen, stop;
+    /* the region being run: (gen << 32 | next chunk to claim), chunks finished */
+    _Atomic int64_t ticket;
+    atomic_int finished;
+    int chunks;
+    int sleepers;
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    task_fn fn;
+} step_t;
+
+static inline float f16(uint16_t v) {
+#if STEP_SIMD
+    return _cvtsh_ss(v);
+#else
+    uint32_t sign = (uint32_t)(v & 0x8000) << 16, exp = (v >> 10) & 0x1f, man = v & 0x3ff, bits;
+    if (exp == 0) {
+        if (man == 0) { bits = sign; } else {
+            exp = 113;
+            while (!(man & 0x400)) { man <<= 1; exp--; }
+            bits = sign | (exp << 23) | ((man & 0x3ff) << 13);
+        }
+    } else if (exp == 31) bits = sign | 0x7f800000 | (man << 13);
+    else bits = sign | ((exp + 112) << 23) | (man << 13);
+    float f; memcpy(&f, &bits, 4); return f;
+#endif
+}
+
+/* -- the thread pool */
+
+static double now_ns(void) {
+    struct timespec t; clock_gettime(CLOCK_MONOTONIC, &t); return t.tv_sec * 1e9 + t.tv_nsec;
+}
+
+/* Claim and run the chunks of region `gen` until none is left. A thread that comes late
+   (descheduled, or still waking) finds them all taken and does nothing: the caller never
+   waits for a thread that has not started a chunk. */
+static void run_chunks(step_t *s, int gen, int tid) {
+    for (;;) {
+        int64_t t = atomic_load_explicit(&s->ticket, memory_order_acquire);
+        if ((int)(t >> 32) != gen || (int)(t & 0xffffffff) >= s->chunks) return;
+        if (!atomic_compare_exchange_weak(&s->ticket, &t, t + 1)) continue;
+        s->fn(s, (int)(t & 0xffffffff), tid);
+        atomic_fetch_add_explicit(&s->finished, 1, memory_order_release);
+    }
+}
+
+static void *worker(void *arg) {
+    step_t *s = ((struct worker_arg *)arg)->s;
+    int id = ((struct worker_arg *)arg)->id, seen = 0; /* gen starts at 0 */
+    for (;;) {
+        double start = now_ns();
+        int spins = 0;
+        while (atomic_load_explicit(&s->gen, memory_order_acquire) == seen) {
+#if STEP_SIMD
+            _mm_pause();
+#endif
+            if (++spins % 256 == 0 && now_ns() - start > SPIN_NS) {
+                pthread_mutex_lock(&s->mu);
+                s->sleepers++;
+                while (atomic_load(&s->gen) == seen) pthread_cond_wait(&s->cv, &s->mu);
+                s->sleepers--;
+                pthread_mutex_unlock(&s->mu);
+            }
+        }
+        seen = atomic_load(&s->gen);
+        if (atomic_load(&s->stop)) return NULL;
+        run_chunks(s, seen, id);
+    }
+}
+
+/* Run fn over chunks 0..chunks-1 on the pool's threads (the caller's is thread 0). */
+static void parallel(step_t *s, task_fn fn, int chunks) {
+    if (s->nt == 1 || chunks == 1) {
+        for (int c = 0; c < chunks; c++) fn(s, c, 0);
+        return;
+    }
+    int gen = atomic_load(&s->gen) + 1;
+    s->fn = fn;
+    s->chunks = chunks;
+    atomic_store(&s->finished, 0);
+    atomic_store_explicit(&s->ticket, (int64_t)gen << 32, memory_order_release);
+    atomic_store_explicit(&s->gen, gen, memory_order_release);
+    pthread_mutex_lock(&s->mu);
+    if (s->sleepers) pthread_cond_broadcast(&s->cv);
+    pthread_mutex_unlock(&s->mu);
+    run_chunks(s, gen, 0);
+    /* only chunks another thread has started remain */
+    for (int spins = 1; atomic_load_explicit(&s->finished, memory_order_acquire) != chunks; spins++) {
+#if STEP_SIMD
+        _mm_pause();
+#endif
+        if (spins % 4096 == 0) sched_yield();
+    }
+}
+
+/* -- arithmetic */
+
+static void rms_norm(const float *h, const float *w, float *out, int n, float eps) {
+    float ss = 0.0f;
+    for (int i = 0; i < n; i++) ss += h[i] * h[i];
+    float r = 1.0f / sqrtf(ss / n + eps);
+    for (int i = 0; i < n; i++) out[i] = w[i] * (h[i] * r);
+}
+
+/* A row of activations as int16 per 32-value group: xq, the group's step xd and sum xs. */
+static void quantize(const float *x, int k, int16_t *xq, float *xd, float *xs) {
+    for (int g = 0; g < k / G; g++) {
+        const float *v = x + g * G;
+        float amax = 0.0f, sum = 0.0f;
+        for (int i = 0; i < G; i++) { float a = fabsf(v[i]); amax = a > amax ? a : amax; sum += v[i]; }
+        float d = amax / 32767.0f, inv = amax > 0.0f ? 32767.0f / amax : 0.0f;
+        for (int i = 0; i < G; i++) xq[g * G + i] = (int16_t)lrintf(v[i] * inv);
+        xd[g] = d;
+        xs[g] = sum;
+    }
+}
+
+#define TILE 4
+/* y[t] = sum_k w[n, k] * x[t, k] for the t < bt rows of a tile (rows of xq are k apart). */
+static void dot_rows(const mat_t *w, int n, const int16_t *xq, const float *xd, const float *xs,
+                     int bt, float *y) {
+    const int k = w->k, groups = k / G;
+    const uint8_t *q = w->q + (size_t)n * (k / 2);
+    const uint16_t *sp = w->s + (size_t)n * groups, *mp = w->m + (size_t)n * groups;
+#if STEP_SIMD
+    __m256 acc[TILE];
+    float tail[TILE];
+    for (int t = 0; t < bt; t++) { acc[t] = _mm256_setzero_ps(); tail[t] = 0.0f; }
+    const __m128i low = _mm_set1_epi8(0x0f);
+    for (int g = 0; g < groups; g++) {
+        __m128i raw = _mm_loadu_si128((const __m128i *)(q + g * 16));
+        __m256i w0 = _mm256_cvtepu8_epi16(_mm_and_si128(raw, low));
+        __m256i w1 = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(raw, 4), low));
+        float step = f16(sp[g]), mn = f16(mp[g]);
+        for (int t = 0; t < bt; t++) {
+            const int16_t *xg = xq + (size_t)t * k + g * G;
+            __m256i p = _mm256_add_epi32(
+                _mm256_madd_epi16(w0, _mm256_loadu_si256((const __m256i *)xg)),
+                _mm256_madd_epi16(w1, _mm256_loadu_si256((const __m256i *)(xg + 16))));
+            acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(step * xd[t * groups + g]), acc[t]);
+            tail[t] += mn * xs[t * groups + g];
+        }
+    }
+    for (int t = 0; t < bt; t++) {
+        __m128 r = _mm_add_ps(_mm256_castps256_ps128(acc[t]), _mm256_extractf128_ps(acc[t], 1));
+        r = _mm_add_ps(r, _mm_movehl_ps(r, r));
+        r = _mm_add_ss(r, _mm_shuffle_ps(r, r, 1));
+        y[t] = _mm_cvtss_f32(r) + tail[t];
+    }
+#else
+    for (int t = 0; t < bt; t++) {
+        float acc = 0.0f, tail = 0.0f;
+        for (int g = 0; g < groups; g++) {
+            const int16_t *xg = xq + (size_t)t * k + g * G;
+            int32_t sum = 0;
+            for (int j = 0; j < 16; j++)
+                sum += (q[g * 16 + j] & 15) * xg[j] + (q[g * 16 + j] >> 4) * xg[j + 16];
+            acc += (float)sum * (f16(sp[g]) * xd[t * groups + g]);
+            tail += f16(mp[g]) * xs[t * groups + g];
+        }
+        y[t] = acc + tail;
+    }
+#endif
+}
+
+#define ROWS_PER_CHUNK 32
+/* Output rows [chunk * 32, +32) of the current matrix, every token row. */
+static void matmul_task(step_t *s, int chunk, int tid) {
+    (void)tid;
+    const mat_t *w = s->mat;
+    int rows = s->out_mode == 2 ? w->n / 2 : w->n;
+    int n0 = chunk * ROWS_PER_CHUNK, n1 = n0 + ROWS_PER_CHUNK < rows ? n0 + ROWS_PER_CHUNK : rows;
+    int groups = w->k / G;
+    float y[TILE], u[TILE];
+    for (int b0 = 0; b0 < s->b; b0 += TILE) {
+        int bt = s->b - b0 < TILE ? s->b - b0 : TILE;
+        const int16_t *xq = s->xq + (size_t)b0 * w->k;
+        const float *xd = s->xd + (size_t)b0 * groups, *xs = s->xs + (size_t)b0 * groups;
+        for (int n = n0; n < n1; n++) {
+            dot_rows(w, n, xq, xd, xs, bt, y);
+            if (w->bias) for (int t = 0; t < bt; t++) y[t] += w->bias[n];
+            if (s->out_mode == 2) {
+                dot_rows(w, n + rows, xq, xd, xs, bt, u);
+                if (w->bias) for (int t = 0; t < bt; t++) u[t] += w->bias[n + rows];
+                for (int t = 0; t < bt; t++)
+                    s->out[(size_t)(b0 + t) * rows + n] = y[t] / (1.0f + expf(-y[t])) * u[t];
+            } else if (s->out_mode == 1) {
+                for (int t = 0; t < bt; t++) s->out[(size_t)(b0 + t) * rows + n] += y[t];
+            } else {
+                for (int t = 0; t < bt; t++) s->out[(size_t)(b0 + t) * rows + n] = y[t];
+            }
+        }
+    }
+}
+
+static void matmul(step_t *s, const mat_t *w, const float *x, int mode, float *out) {
+    int groups = w->k / G;
+    for (int t = 0; t < s->b; t++)
+        quantize(x + (size_t)t * w->k, w->k, s->xq + (size_t)t * w->k, s->xd + (size_t)t * groups,
+                 s->xs + (size_t)t * groups);
+    s->mat = w;
+    s->out_mode = mode;
+    s->out = out;
+    int rows = mode == 2 ? w->n / 2 : w->n;
+    parallel(s, matmul_task, (rows + ROWS_PER_CHUNK - 1) / ROWS_PER_CHUNK);
+}
+
+static inline float dot(const float *a, const float *b, int n) {
+#if STEP_SIMD
+    if (n % 8 == 0) {
+        __m256 acc = _mm256_setzero_ps();
+        for (int i = 0; i < n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+        __m128 r = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+        r = _mm_add_ps(r, _mm_movehl_ps(r, r));
+        r = _mm_add_ss(r, _mm_shuffle_ps(r, r, 1));
+        return _mm_cvtss_f32(r);
+    }
+#endif
+    float acc = 0.0f;
+    for (int i = 0; i < n; i++) acc += a[i] * b[i];
+    return acc;
+}
+
+/* Attention of one (token row, head) pair over its sequence's positions 0..pos. */
+static void attention_task(step_t *s, int job, int tid) {
+    const int hd = s->head_dim, kvh = s->kv_heads, rep = s->heads / kvh, bs = s->block_size;
+    const int qkv_n = (s->heads + 2 * kvh) * hd;
+    float *scores = s->scores + (size_t)tid * s->max_ctx;
+    {
+        int t = job / s->heads, head = job % s->heads, kv = head / rep;
+        const float *q = s->qkv + (size_t)t * qkv_n + head * hd;
+        const int32_t *table = s->tables + (size_t)t * s->table_width;
+        int ctx = (int)s->pos[t] + 1;
+        float best = -INFINITY;
+        for (int p = 0; p < ctx; p++) {
+            size_t slot = (size_t)table[p / bs] * bs + p % bs;
+            float v = dot(q, s->cur->k_pool + (slot * kvh + kv) * hd, hd) * s->scaling;
+            scores[p] = v;
+            best = v > best ? v : best;
+        }
+        float total = 0.0f;
+        for (int p = 0; p < ctx; p++) { scores[p] = expf(scores[p] - best); total += scores[p]; }
+        float *o = s->att + (size_t)t * s->heads * hd + head * hd;
+        memset(o, 0, sizeof(float) * hd);
+        for (int p = 0; p < ctx; p++) {
+            size_t slot = (size_t)table[p / bs] * bs + p % bs;
+            const float *v = s->cur->v_pool + (slot * kvh + kv) * hd;
+            float wgt = scores[p] / total;
+            for (int i = 0; i < hd; i++) o[i] += wgt * v[i];
+        }
+    }
+}
+
+/* Rotary embedding in place on `heads` vectors of head_dim at x (rotate-half form). */
+static void rotate(float *x, int heads, int hd, const float *cos, const float *sin) {
+    int half = hd / 2;
+    for (int h = 0; h < heads; h++) {
+        float *v = x + h * hd;
+        for (int i = 0; i < half; i++) {
+            float a = v[i], b = v[i + half];
+            v[i] = a * cos[i] - b * sin[i];
+            v[i + half] = b * cos[i + half] + a * sin[i + half];
+        }
+    }
+}
+
+/* -- the interface (cpu_step.py) */
+
+static void set_mat(mat_t *m, const int64_t *p, const int64_t *d) {
+    m->q = (const uint8_t *)p[0]; m->s = (const uint16_t *)p[1]; m->m = (const uint16_t *)p[2];
+    m->bias = (const float *)p[3]; m->n = (int)d[0]; m->k = (int)d[1];
+}
+
+/* dims: layers, hidden, heads, kv_heads, head_dim, inter, block_size, max_pos, max_batch, threads,
+   vocab, num_blocks (of the pool)
+   fdims: eps, scaling; ptrs: embed, final_norm, cos, sin, then per layer: 4 matrices x (q, s, m,
+   bias), norm1, norm2, k_pool, v_pool. NULL if a buffer cannot be had. */
+void *gnosis_step_create(const int64_t *dims, const float *fdims, const int64_t *ptrs) {
+    step_t *s = calloc(1, sizeof(step_t));
+    if (!s) return NULL;
+    s->layers = dims[0]; s->hidden = dims[1]; s->heads = dims[2]; s->kv_heads = dims[3];
+    s->head_dim = dims[4]; s->inter = dims[5]; s->block_size = dims[6]; s->max_pos = dims[7];
+    s->max_batch = dims[8]; s->max_ctx = dims[7];
+    int nt = dims[9] < 1 ? 1 : dims[9] > MAX_THREADS ? MAX_THREADS : dims[9];
+    s->vocab = dims[10];
+    s->num_blocks = dims[11];
+    s->eps = fdims[0]; s->scaling = fdims[1];
+    s->embed = (const float *)ptrs[0]; s->final_norm = (const float *)ptrs[1];
+    s->cos = (const float *)ptrs[2]; s->sin = (const float *)ptrs[3];
+    s->layer = calloc(s->layers, sizeof(layer_t));
+    int hd = s->head_dim, qkv_n = (s->heads + 2 * s->kv_heads) * hd, att_n = s->heads * hd;
+    for (int l = 0; l < s->layers; l++) {
+        const int64_t *p = ptrs + 4 + l * 20;
+        layer_t *L = &s->layer[l];
+        int64_t d_qkv[2] = {qkv_n, s->hidden}, d_o[2] = {s->hidden, att_n},
+                d_gu[2] = {2 * s->inter, s->hidden}, d_down[2] = {s->hidden, s->inter};
+        set_mat(&L->qkv, p, d_qkv); set_mat(&L->o, p + 4, d_o);
+        set_mat(&L->gate_up, p + 8, d_gu); set_mat(&L->down, p + 12, d_down);
+        L->norm1 = (const float *)p[16]; L->norm2 = (const float *)p[17];
+        L->k_pool = (float *)p[18]; L->v_pool = (float *)p[19];
+    }
+    int B = s->max_batch, widest = s->inter > qkv_n ? s->inter : qkv_n;
+    widest = widest > att_n ? widest : att_n;
+    widest = widest > s->hidden ? widest : s->hidden;
+    s->h = malloc(sizeof(float) * B * s->hidden);
+    s->x = malloc(sizeof(float) * B * widest);
+    s->qkv = malloc(sizeof(float) * B * qkv_n);
+    s->att = malloc(sizeof(float) * B * att_n);
+    s->act = malloc(sizeof(float) * B * s->inter);
+    s->scores = malloc(sizeof(float) * (size_t)nt * s->max_ctx);
+    s->xq = malloc(sizeof(int16_t) * B * widest);
+    s->xd = malloc(sizeof(float) * B * (widest / G + 1));
+    s->xs = malloc(sizeof(float) * B * (widest / G + 1));
+    if (!s->layer || !s->h || !s->x || !s->qkv || !s->att || !s->act || !s->scores || !s->xq ||
+        !s->xd || !s->xs) {
+        free(s->layer); free(s->h); free(s->x); free(s->qkv); free(s->att); free(s->act);
+        free(s->scores); free(s->xq); free(s->xd); free(s->xs); free(s);
+        return NULL;
+    }
+    pthread_mutex_init(&s->mu, NULL);
+    pthread_cond_init(&s->cv, NULL);
+    s->nt = 1;
+    for (int i = 1; i < nt; i++) {
+        s->args[i].s = s;
+        s->args[i].id = i;
+        if (pthread_create(&s->tid[i], NULL, worker, &s->args[i]) != 0) break;
+        s->nt = i + 1;
+    }
+    return s;
+}
+
+void gnosis_step_free(void *handle) {
+    step_t *s = (step_t *)handle;
+    if (!s) return;
+    atomic_store(&s->stop, 1);
+    atomic_fetch_add(&s->gen, 1);
+    pthread_mutex_lock(&s->mu);
+    pthread_cond_broadcast(&s->cv);
+    pthread_mutex_unlock(&s->mu);
+    for (int i = 1; i < s->nt; i++) pthread_join(s->tid[i], NULL);
+    free(s->layer); free(s->h); free(s->x); free(s->qkv); free(s->att); free(s->act);
+    free(s->scores); free(s->xq); free(s->xd); free(s->xs);
+    free(s);
+}
+
+int gnosis_step_threads(void *handle) { return ((step_t *)handle)->nt; }
+
+/* b token rows: tokens[b], positions[b], slots[b] (where each writes its K/V), tables
+   [b, width] (each sequence's block ids), out [b, hidden]. 0, or -1 for a bad argument. */
+int gnosis_step_run(void *handle, int b, const int64_t *tokens, const int64_t *pos, const int64_t *slots,
+                    const int32_t *tables, int width, float *out) {
+    step_t *s = (step_t *)handle;
+    if (b < 1 || b > s->max_batch) return -1;
+    for (int t = 0; t < b; t++) {
+        if (tokens[t] < 0 || tokens[t] >= s->vocab || slots[t] < 0 ||
+            slots[t] >= (int64_t)s->num_blocks * s->block_size || pos[t] < 0 || pos[t] >= s->max_pos ||
+            (int64_t)width * s->block_size <= pos[t])
+            return -1;
+        for (int i = 0; i <= pos[t] / s->block_size; i++)
+            if (tables[(size_t)t * width + i] < 0 || tables[(size_t)t * width + i] >= s->num_blocks) return -1;
+    }
+    const int H = s->hidden, hd = s->head_dim, kvh = s->kv_heads, qkv_n = (s->heads + 2 * kvh) * hd;
+    s->b = b; s->pos = pos; s->tables = tables; s->table_width = width;
+    for (int t = 0; t < b; t++) memcpy(s->h + (size_t)t * H, s->embed + (size_t)tokens[t] * H, sizeof(float) * H);
+    for (int l = 0; l < s->layers; l++) {
+        layer_t *L = &s->layer[l];
+        s->cur = L;
+        for (int t = 0; t < b; t++) rms_norm(s->h + (size_t)t * H, L->norm1, s->x + (size_t)t * H, H, s->eps);
+        matmul(s, &L->qkv, s->x, 0, s->qkv);
+        for (int t = 0; t < b; t++) {
+            float *q = s->qkv + (size_t)t * qkv_n, *k = q + s->heads * hd, *v = k + kvh * hd;
+            const float *c = s->cos + (size_t)pos[t] * hd, *sn = s->sin + (size_t)pos[t] * hd;
+            rotate(q, s->heads, hd, c, sn);
+            rotate(k, kvh, hd, c, sn);
+            memcpy(L->k_pool + (size_t)slots[t] * kvh * hd, k, sizeof(float) * kvh * hd);
+            memcpy(L->v_pool + (size_t)slots[t] * kvh * hd, v, sizeof(float) * kvh * hd);
+        }
+        parallel(s, attention_task, b * s->heads);
+        matmul(s, &L->o, s->att, 1, s->h);
+        for (int t = 0; t < b; t++) rms_norm(s->h + (size_t)t * H, L->norm2, s->x + (size_t)t * H, H, s->eps);
+        matmul(s, &L->gate_up, s->x, 2, s->act);
+        matmul(s, &L->down, s->act, 1, s->h);
+    }
+    for (int t = 0; t < b; t++) rms_norm(s->h + (size_t)t * H, s->final_norm, out + (size_t)t * H, H, s->eps);
+    return 0;
+}
