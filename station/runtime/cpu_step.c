@@ -34,6 +34,7 @@
 #endif
 
 #define G 32
+#define MAX_GROUPS 1024 /* input widths up to 32768 */
 #define MAX_THREADS 64
 #define SPIN_NS 300000 /* a worker spins this long for work, then sleeps */
 
@@ -195,6 +196,68 @@ static void quantize(const float *x, int k, int16_t *xq, float *xd, float *xs) {
 }
 
 #define TILE 4
+#if STEP_SIMD
+/* The body of dot_rows for a constant number of token rows (bt), so that the compiler
+   unrolls the row loops and keeps every accumulator in a register. */
+static inline __attribute__((always_inline)) void dot_body(
+        const uint8_t *q, const uint16_t *sp, const uint16_t *mp, int k, const int16_t *xq,
+        const float *xd, const float *xs, const int bt, float *y) {
+    const int groups = k / G, g8 = groups & ~7;
+    /* the row's group scales widened once, times each token row's activation steps; the
+       minimums' term, sum over groups of min * (the group's activation sum), vectorized */
+    float scale[TILE][MAX_GROUPS];
+    __m256 tailv[TILE];
+    float tail[TILE];
+    for (int t = 0; t < bt; t++) tailv[t] = _mm256_setzero_ps();
+    for (int g = 0; g < g8; g += 8) {
+        __m256 st = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sp + g)));
+        __m256 mn = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(mp + g)));
+        for (int t = 0; t < bt; t++) {
+            _mm256_storeu_ps(scale[t] + g, _mm256_mul_ps(st, _mm256_loadu_ps(xd + t * groups + g)));
+            tailv[t] = _mm256_fmadd_ps(mn, _mm256_loadu_ps(xs + t * groups + g), tailv[t]);
+        }
+    }
+    for (int t = 0; t < bt; t++) {
+        __m128 r = _mm_add_ps(_mm256_castps256_ps128(tailv[t]), _mm256_extractf128_ps(tailv[t], 1));
+        r = _mm_add_ps(r, _mm_movehl_ps(r, r));
+        r = _mm_add_ss(r, _mm_shuffle_ps(r, r, 1));
+        tail[t] = _mm_cvtss_f32(r);
+        for (int g = g8; g < groups; g++) {
+            scale[t][g] = f16(sp[g]) * xd[t * groups + g];
+            tail[t] += f16(mp[g]) * xs[t * groups + g];
+        }
+    }
+    __m256 acc0[TILE], acc1[TILE];
+    for (int t = 0; t < bt; t++) acc0[t] = acc1[t] = _mm256_setzero_ps();
+    const __m256i low = _mm256_set1_epi16(0x0f);
+    int g = 0;
+#define GROUP_STEP(ACC)                                                                       \
+    {                                                                                         \
+        /* 16-bit lane j: byte j of the group, whose low nibble is value j, high j + 16 */    \
+        __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(q + g * 16)));      \
+        __m256i w0 = _mm256_and_si256(v, low), w1 = _mm256_srli_epi16(v, 4);                  \
+        for (int t = 0; t < bt; t++) {                                                        \
+            const int16_t *xg = xq + (size_t)t * k + g * G;                                   \
+            __m256i p = _mm256_add_epi32(                                                     \
+                _mm256_madd_epi16(w0, _mm256_loadu_si256((const __m256i *)xg)),               \
+                _mm256_madd_epi16(w1, _mm256_loadu_si256((const __m256i *)(xg + 16))));       \
+            ACC[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_broadcast_ss(&scale[t][g]), ACC[t]); \
+        }                                                                                     \
+        g++;                                                                                  \
+    }
+    while (g + 1 < groups) { GROUP_STEP(acc0) GROUP_STEP(acc1) }
+    if (g < groups) GROUP_STEP(acc0)
+#undef GROUP_STEP
+    for (int t = 0; t < bt; t++) {
+        __m256 a = _mm256_add_ps(acc0[t], acc1[t]);
+        __m128 r = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+        r = _mm_add_ps(r, _mm_movehl_ps(r, r));
+        r = _mm_add_ss(r, _mm_shuffle_ps(r, r, 1));
+        y[t] = _mm_cvtss_f32(r) + tail[t];
+    }
+}
+#endif
+
 /* y[t] = sum_k w[n, k] * x[t, k] for the t < bt rows of a tile (rows of xq are k apart). */
 static void dot_rows(const mat_t *w, int n, const int16_t *xq, const float *xd, const float *xs,
                      int bt, float *y) {
@@ -202,29 +265,11 @@ static void dot_rows(const mat_t *w, int n, const int16_t *xq, const float *xd, 
     const uint8_t *q = w->q + (size_t)n * (k / 2);
     const uint16_t *sp = w->s + (size_t)n * groups, *mp = w->m + (size_t)n * groups;
 #if STEP_SIMD
-    __m256 acc[TILE];
-    float tail[TILE];
-    for (int t = 0; t < bt; t++) { acc[t] = _mm256_setzero_ps(); tail[t] = 0.0f; }
-    const __m128i low = _mm_set1_epi8(0x0f);
-    for (int g = 0; g < groups; g++) {
-        __m128i raw = _mm_loadu_si128((const __m128i *)(q + g * 16));
-        __m256i w0 = _mm256_cvtepu8_epi16(_mm_and_si128(raw, low));
-        __m256i w1 = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(raw, 4), low));
-        float step = f16(sp[g]), mn = f16(mp[g]);
-        for (int t = 0; t < bt; t++) {
-            const int16_t *xg = xq + (size_t)t * k + g * G;
-            __m256i p = _mm256_add_epi32(
-                _mm256_madd_epi16(w0, _mm256_loadu_si256((const __m256i *)xg)),
-                _mm256_madd_epi16(w1, _mm256_loadu_si256((const __m256i *)(xg + 16))));
-            acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(step * xd[t * groups + g]), acc[t]);
-            tail[t] += mn * xs[t * groups + g];
-        }
-    }
-    for (int t = 0; t < bt; t++) {
-        __m128 r = _mm_add_ps(_mm256_castps256_ps128(acc[t]), _mm256_extractf128_ps(acc[t], 1));
-        r = _mm_add_ps(r, _mm_movehl_ps(r, r));
-        r = _mm_add_ss(r, _mm_shuffle_ps(r, r, 1));
-        y[t] = _mm_cvtss_f32(r) + tail[t];
+    switch (bt) {
+    case 1: dot_body(q, sp, mp, k, xq, xd, xs, 1, y); break;
+    case 2: dot_body(q, sp, mp, k, xq, xd, xs, 2, y); break;
+    case 3: dot_body(q, sp, mp, k, xq, xd, xs, 3, y); break;
+    default: dot_body(q, sp, mp, k, xq, xd, xs, 4, y); break;
     }
 #else
     for (int t = 0; t < bt; t++) {
@@ -361,6 +406,10 @@ void *gnosis_step_create(const int64_t *dims, const float *fdims, const int64_t 
     s->head_dim = dims[4]; s->inter = dims[5]; s->block_size = dims[6]; s->max_pos = dims[7];
     s->max_batch = dims[8]; s->max_ctx = dims[7];
     int nt = dims[9] < 1 ? 1 : dims[9] > MAX_THREADS ? MAX_THREADS : dims[9];
+    if (dims[1] > MAX_GROUPS * G || dims[5] > MAX_GROUPS * G || dims[2] * dims[4] > MAX_GROUPS * G) {
+        free(s);
+        return NULL;
+    }
     s->vocab = dims[10];
     s->num_blocks = dims[11];
     s->eps = fdims[0]; s->scaling = fdims[1];

@@ -36,6 +36,7 @@ from gnosis_daemon.logs import get_logger
 
 log = get_logger(__name__)
 
+MAX_WIDTH = 32768  # inputs of a layer (cpu_step.c's MAX_GROUPS groups of 32)
 STEP_ROWS = 8  # decode rows per call; more rows are more calls, each row computed alike
 _PROJECTIONS = (("self_attn", ("q_proj", "k_proj", "v_proj")), ("self_attn", ("o_proj",)),
                 ("mlp", ("gate_proj", "up_proj")), ("mlp", ("down_proj",)))
@@ -123,7 +124,7 @@ class CpuStep:
         self.handle = self.lib.gnosis_step_create(self._dims.data_ptr(), self._fdims.data_ptr(),
                                                   self._ptrs.data_ptr())
         if not self.handle:
-            raise MemoryError("cpu_step: the step's buffers could not be allocated")
+            raise MemoryError("cpu_step: the step's buffers could not be allocated")  # (widths checked)
         self.threads = self.lib.gnosis_step_threads(self.handle)
         self.calls = 0  # token rows computed (tests and stats see the step was taken)
 
@@ -184,6 +185,9 @@ def _unsupported(model: nn.Module) -> str | None:
                 if type(linear) is not Int4Linear or getattr(linear, "step_form", None) is None:
                     return f"{owner}.{name} is not a 4-bit layer on a CPU"
         attn = layer.self_attn
+        widths = (config.hidden_size, layer.mlp.gate_proj.out_features, attn.head_dim * config.num_attention_heads)
+        if max(widths) > MAX_WIDTH:
+            return f"a layer wider than {MAX_WIDTH} inputs"
         if attn.head_dim % 2 or layer.mlp.gate_proj.out_features != layer.mlp.up_proj.out_features:
             return "unexpected shapes"
     return None
