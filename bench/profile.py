@@ -41,10 +41,13 @@ from bench.common import free_port, make_prompt_ids, start_station, stop_station
 from gnosis_daemon.client import open_station_client
 from gnosis_daemon.settings import load_settings
 
-PARTS = ("weights", "attention", "other ops", "Python", "sampling", "engine loop",
+PARTS = ("C decode step", "weights", "attention", "other ops", "Python", "sampling", "engine loop",
          "detokenizing", "socket + station serving", "host (HTTP, SSE)")
 _WEIGHT_OPS = ("aten::linear", "aten::addmm", "aten::mm", "aten::matmul", "mkldnn::_linear_pointwise",
                "aten::mkldnn_linear", "gnosis::vocab_head")
+
+
+_C_CALLS = ("gnosis::vocab_head", "gnosis::cpu_step")
 
 
 def _part_of(event: Any) -> str | None:
@@ -52,6 +55,8 @@ def _part_of(event: Any) -> str | None:
     node = event
     while node is not None:
         name = node.name
+        if name == "gnosis::cpu_step":  # station.runtime.cpu_step: the layers in one C call
+            return "C decode step"
         if name in ("gnosis::attention",):
             return "attention"
         if name == "gnosis::sampling":
@@ -94,11 +99,21 @@ class _EngineProfile:
         fanout.sample_sequences = marked_sample
         head = self.engine.runner._head  # the vocabulary head (a C kernel's time has no op)
         if head is not None:
-            def marked_head(x):
+            def marked_head(x, **kwargs):
                 with record_function("gnosis::vocab_head"):
-                    return head(x)
+                    return head(x, **kwargs)
+
+            marked_head.kernel = head.kernel
 
             self.engine.runner._head = marked_head
+        cpu_step = self.engine.runner._step  # a C call: no op of its own either
+        if cpu_step is not None:
+            def marked_cpu_step(*args):
+                with record_function("gnosis::cpu_step"):
+                    return cpu_step(*args)
+
+            self.engine.runner._step = marked_cpu_step
+            marked_cpu_step.fits = cpu_step.fits
         step = self.engine.step
         self.step_s: list[float] = []
 
@@ -157,10 +172,14 @@ class _EngineProfile:
         step_us = sum(e.cpu_time_total for e in steps)
         own: dict[str, float] = collections.defaultdict(float)
         for event in events:
-            if event.name.startswith("gnosis::") or not _inside(event, "gnosis::step"):
+            # a marker's own time is Python around its ops, except where the marked call is a
+            # C kernel (the head, the C step): there its own time is the kernel's
+            if (event.name.startswith("gnosis::") and event.name not in _C_CALLS) or not _inside(
+                    event, "gnosis::step"):
                 continue
             own[_part_of(event) or "other ops"] += event.self_cpu_time_total
-        shares = {part: own.get(part, 0.0) / step_us for part in ("weights", "attention", "other ops", "sampling")}
+        shares = {part: own.get(part, 0.0) / step_us
+                  for part in ("C decode step", "weights", "attention", "other ops", "sampling")}
         shares["Python"] = max(0.0, 1 - sum(shares.values()))
         return shares
 

@@ -126,13 +126,13 @@ class Q8Linear:
         self.lib = lib
         self.q, self.d = q.contiguous(), d.contiguous()
         self.out_features, self.in_features = q.shape
+        self.threads = torch.get_num_threads()  # its own threads, whatever torch has later
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features).to(torch.float32).contiguous()
         y = torch.empty(rows.shape[0], self.out_features, dtype=torch.float32)
         self.lib.gnosis_q8_linear(self.q.data_ptr(), self.d.data_ptr(), rows.data_ptr(), y.data_ptr(),
-                                  rows.shape[0], self.out_features, self.in_features,
-                                  torch.get_num_threads())
+                                  rows.shape[0], self.out_features, self.in_features, self.threads)
         return y.view(*x.shape[:-1], self.out_features)
 
     def dequantize(self) -> torch.Tensor:
