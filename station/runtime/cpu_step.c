@@ -35,6 +35,7 @@
 
 #define G 32
 #define MAX_GROUPS 1024 /* input widths up to 32768 */
+#define MAX_HEAD_DIM 512
 #define MAX_THREADS 64
 #define SPIN_NS 300000 /* a worker spins this long for work, then sleeps */
 
@@ -182,16 +183,81 @@ static void rms_norm(const float *h, const float *w, float *out, int n, float ep
     for (int i = 0; i < n; i++) out[i] = w[i] * (h[i] * r);
 }
 
+#if STEP_SIMD
+/* e^x for 8 floats (Cephes' expf: range reduction by ln 2 in two parts, a degree-6
+   polynomial; within 2 ulp of expf over the range it does not clamp). */
+static inline __m256 exp8(__m256 x) {
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3f));
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    x = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    x = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), x);
+    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+    y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+
+static inline float hsum8(__m256 a) {
+    __m128 r = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    r = _mm_add_ps(r, _mm_movehl_ps(r, r));
+    r = _mm_add_ss(r, _mm_shuffle_ps(r, r, 1));
+    return _mm_cvtss_f32(r);
+}
+#endif
+
+/* SiLU(gate) * up over n values, in place in gate. */
+static void silu_mul(float *gate, const float *up, int n) {
+    int i = 0;
+#if STEP_SIMD
+    for (; i + 8 <= n; i += 8) {
+        __m256 g = _mm256_loadu_ps(gate + i);
+        __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), g));
+        _mm256_storeu_ps(gate + i, _mm256_mul_ps(_mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.0f), e)),
+                                                 _mm256_loadu_ps(up + i)));
+    }
+#endif
+    for (; i < n; i++) gate[i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
+}
+
 /* A row of activations as int16 per 32-value group: xq, the group's step xd and sum xs. */
 static void quantize(const float *x, int k, int16_t *xq, float *xd, float *xs) {
     for (int g = 0; g < k / G; g++) {
         const float *v = x + g * G;
+#if STEP_SIMD
+        __m256 a[4], mx = _mm256_setzero_ps(), sum = _mm256_setzero_ps();
+        const __m256 sign = _mm256_set1_ps(-0.0f);
+        for (int i = 0; i < 4; i++) {
+            a[i] = _mm256_loadu_ps(v + 8 * i);
+            mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, a[i]));
+            sum = _mm256_add_ps(sum, a[i]);
+        }
+        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+        float amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1)));
+        float inv = amax > 0.0f ? 32767.0f / amax : 0.0f;
+        __m256 scale = _mm256_set1_ps(inv);
+        for (int i = 0; i < 4; i += 2) {
+            __m256i lo = _mm256_cvtps_epi32(_mm256_mul_ps(a[i], scale));
+            __m256i hi = _mm256_cvtps_epi32(_mm256_mul_ps(a[i + 1], scale));
+            __m256i packed = _mm256_permute4x64_epi64(_mm256_packs_epi32(lo, hi), 0xd8);
+            _mm256_storeu_si256((__m256i *)(xq + g * G + 8 * i), packed);
+        }
+        xd[g] = amax / 32767.0f;
+        xs[g] = hsum8(sum);
+#else
         float amax = 0.0f, sum = 0.0f;
         for (int i = 0; i < G; i++) { float a = fabsf(v[i]); amax = a > amax ? a : amax; sum += v[i]; }
         float d = amax / 32767.0f, inv = amax > 0.0f ? 32767.0f / amax : 0.0f;
         for (int i = 0; i < G; i++) xq[g * G + i] = (int16_t)lrintf(v[i] * inv);
         xd[g] = d;
         xs[g] = sum;
+#endif
     }
 }
 
@@ -295,7 +361,7 @@ static void matmul_task(step_t *s, int chunk, int tid) {
     int rows = s->out_mode == 2 ? w->n / 2 : w->n;
     int n0 = chunk * ROWS_PER_CHUNK, n1 = n0 + ROWS_PER_CHUNK < rows ? n0 + ROWS_PER_CHUNK : rows;
     int groups = w->k / G;
-    float y[TILE], u[TILE];
+    float y[TILE], u[TILE], up[TILE][ROWS_PER_CHUNK];
     for (int b0 = 0; b0 < s->b; b0 += TILE) {
         int bt = s->b - b0 < TILE ? s->b - b0 : TILE;
         const int16_t *xq = s->xq + (size_t)b0 * w->k;
@@ -303,17 +369,21 @@ static void matmul_task(step_t *s, int chunk, int tid) {
         for (int n = n0; n < n1; n++) {
             dot_rows(w, n, xq, xd, xs, bt, y);
             if (w->bias) for (int t = 0; t < bt; t++) y[t] += w->bias[n];
-            if (s->out_mode == 2) {
+            if (s->out_mode == 2) {  /* gate here, up beside it; SiLU(gate) * up below */
                 dot_rows(w, n + rows, xq, xd, xs, bt, u);
                 if (w->bias) for (int t = 0; t < bt; t++) u[t] += w->bias[n + rows];
-                for (int t = 0; t < bt; t++)
-                    s->out[(size_t)(b0 + t) * rows + n] = y[t] / (1.0f + expf(-y[t])) * u[t];
+                for (int t = 0; t < bt; t++) {
+                    s->out[(size_t)(b0 + t) * rows + n] = y[t];
+                    up[t][n - n0] = u[t];
+                }
             } else if (s->out_mode == 1) {
                 for (int t = 0; t < bt; t++) s->out[(size_t)(b0 + t) * rows + n] += y[t];
             } else {
                 for (int t = 0; t < bt; t++) s->out[(size_t)(b0 + t) * rows + n] = y[t];
             }
         }
+        if (s->out_mode == 2)
+            for (int t = 0; t < bt; t++) silu_mul(s->out + (size_t)(b0 + t) * rows + n0, up[t], n1 - n0);
     }
 }
 
@@ -348,31 +418,54 @@ static inline float dot(const float *a, const float *b, int n) {
 /* Attention of one (token row, head) pair over its sequence's positions 0..pos. */
 static void attention_task(step_t *s, int job, int tid) {
     const int hd = s->head_dim, kvh = s->kv_heads, rep = s->heads / kvh, bs = s->block_size;
-    const int qkv_n = (s->heads + 2 * kvh) * hd;
+    const int qkv_n = (s->heads + 2 * kvh) * hd, stride = kvh * hd;
     float *scores = s->scores + (size_t)tid * s->max_ctx;
-    {
-        int t = job / s->heads, head = job % s->heads, kv = head / rep;
-        const float *q = s->qkv + (size_t)t * qkv_n + head * hd;
-        const int32_t *table = s->tables + (size_t)t * s->table_width;
-        int ctx = (int)s->pos[t] + 1;
-        float best = -INFINITY;
-        for (int p = 0; p < ctx; p++) {
-            size_t slot = (size_t)table[p / bs] * bs + p % bs;
-            float v = dot(q, s->cur->k_pool + (slot * kvh + kv) * hd, hd) * s->scaling;
-            scores[p] = v;
+    int t = job / s->heads, head = job % s->heads, kv = head / rep;
+    const float *q = s->qkv + (size_t)t * qkv_n + head * hd;
+    const int32_t *table = s->tables + (size_t)t * s->table_width;
+    const int ctx = (int)s->pos[t] + 1;
+    const float *kbase = s->cur->k_pool + kv * hd, *vbase = s->cur->v_pool + kv * hd;
+    float best = -INFINITY;
+    for (int p0 = 0, blk = 0; p0 < ctx; p0 += bs, blk++) {
+        const float *k = kbase + (size_t)table[blk] * bs * stride;
+        int end = ctx - p0 < bs ? ctx - p0 : bs;
+        for (int j = 0; j < end; j++, k += stride) {
+            float v = dot(q, k, hd) * s->scaling;
+            scores[p0 + j] = v;
             best = v > best ? v : best;
         }
-        float total = 0.0f;
-        for (int p = 0; p < ctx; p++) { scores[p] = expf(scores[p] - best); total += scores[p]; }
-        float *o = s->att + (size_t)t * s->heads * hd + head * hd;
-        memset(o, 0, sizeof(float) * hd);
-        for (int p = 0; p < ctx; p++) {
-            size_t slot = (size_t)table[p / bs] * bs + p % bs;
-            const float *v = s->cur->v_pool + (slot * kvh + kv) * hd;
-            float wgt = scores[p] / total;
-            for (int i = 0; i < hd; i++) o[i] += wgt * v[i];
+    }
+    float total = 0.0f;
+    int p = 0;
+#if STEP_SIMD
+    __m256 tot = _mm256_setzero_ps();
+    for (; p + 8 <= ctx; p += 8) {
+        __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(scores + p), _mm256_set1_ps(best)));
+        _mm256_storeu_ps(scores + p, e);
+        tot = _mm256_add_ps(tot, e);
+    }
+    total = hsum8(tot);
+#endif
+    for (; p < ctx; p++) { scores[p] = expf(scores[p] - best); total += scores[p]; }
+    float *o = s->att + (size_t)t * s->heads * hd + head * hd;
+    float acc[MAX_HEAD_DIM];
+    memset(acc, 0, sizeof(float) * hd);
+    for (int p0 = 0, blk = 0; p0 < ctx; p0 += bs, blk++) {
+        const float *v = vbase + (size_t)table[blk] * bs * stride;
+        int end = ctx - p0 < bs ? ctx - p0 : bs;
+        for (int j = 0; j < end; j++, v += stride) {
+            float wgt = scores[p0 + j];
+            int i = 0;
+#if STEP_SIMD
+            __m256 w8 = _mm256_set1_ps(wgt);
+            for (; i + 8 <= hd; i += 8)
+                _mm256_storeu_ps(acc + i, _mm256_fmadd_ps(w8, _mm256_loadu_ps(v + i), _mm256_loadu_ps(acc + i)));
+#endif
+            for (; i < hd; i++) acc[i] += wgt * v[i];
         }
     }
+    float inv = 1.0f / total;
+    for (int i = 0; i < hd; i++) o[i] = acc[i] * inv;
 }
 
 /* Rotary embedding in place on `heads` vectors of head_dim at x (rotate-half form). */
@@ -406,7 +499,8 @@ void *gnosis_step_create(const int64_t *dims, const float *fdims, const int64_t 
     s->head_dim = dims[4]; s->inter = dims[5]; s->block_size = dims[6]; s->max_pos = dims[7];
     s->max_batch = dims[8]; s->max_ctx = dims[7];
     int nt = dims[9] < 1 ? 1 : dims[9] > MAX_THREADS ? MAX_THREADS : dims[9];
-    if (dims[1] > MAX_GROUPS * G || dims[5] > MAX_GROUPS * G || dims[2] * dims[4] > MAX_GROUPS * G) {
+    if (dims[1] > MAX_GROUPS * G || dims[5] > MAX_GROUPS * G || dims[2] * dims[4] > MAX_GROUPS * G ||
+        dims[4] > MAX_HEAD_DIM) {
         free(s);
         return NULL;
     }

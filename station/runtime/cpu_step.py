@@ -188,7 +188,7 @@ def _unsupported(model: nn.Module) -> str | None:
         widths = (config.hidden_size, layer.mlp.gate_proj.out_features, attn.head_dim * config.num_attention_heads)
         if max(widths) > MAX_WIDTH:
             return f"a layer wider than {MAX_WIDTH} inputs"
-        if attn.head_dim % 2 or layer.mlp.gate_proj.out_features != layer.mlp.up_proj.out_features:
+        if attn.head_dim % 2 or attn.head_dim > 512 or layer.mlp.gate_proj.out_features != layer.mlp.up_proj.out_features:
             return "unexpected shapes"
     return None
 
