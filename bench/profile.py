@@ -99,21 +99,15 @@ class _EngineProfile:
         fanout.sample_sequences = marked_sample
         head = self.engine.runner._head  # the vocabulary head (a C kernel's time has no op)
         if head is not None:
-            def marked_head(x, **kwargs):
+            def marked_head(x):
                 with record_function("gnosis::vocab_head"):
-                    return head(x, **kwargs)
+                    return head(x)
 
             marked_head.kernel = head.kernel
 
             self.engine.runner._head = marked_head
-        cpu_step = self.engine.runner._step  # a C call: no op of its own either
-        if cpu_step is not None:
-            def marked_cpu_step(*args):
-                with record_function("gnosis::cpu_step"):
-                    return cpu_step(*args)
-
-            self.engine.runner._step = marked_cpu_step
-            marked_cpu_step.fits = cpu_step.fits
+        if self.engine.runner._step is not None:  # C calls: no ops of their own either
+            self.engine.runner._step = _MarkedStep(self.engine.runner._step, record_function)
         step = self.engine.step
         self.step_s: list[float] = []
 
@@ -182,6 +176,21 @@ class _EngineProfile:
                   for part in ("C decode step", "weights", "attention", "other ops", "sampling")}
         shares["Python"] = max(0.0, 1 - sum(shares.values()))
         return shares
+
+
+class _MarkedStep:
+    """The C decode step (and the head it runs on its threads) under profiler markers."""
+
+    def __init__(self, step: Any, record_function: Any) -> None:
+        self.step, self.record_function, self.fits = step, record_function, step.fits
+
+    def __call__(self, *args: Any) -> Any:
+        with self.record_function("gnosis::cpu_step"):
+            return self.step(*args)
+
+    def head(self, *args: Any) -> Any:
+        with self.record_function("gnosis::vocab_head"):
+            return self.step.head(*args)
 
 
 def _inside(event: Any, name: str) -> bool:

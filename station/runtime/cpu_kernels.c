@@ -89,8 +89,10 @@ static void tile(const int8_t *q, const float *d, const float *x, float *y, int 
 #endif
 }
 
-static void rows(const int8_t *q, const float *d, const float *x, float *y, int M, int N, int K,
-                 int n0, int n1) {
+/* Output columns n0..n1 of y for every row of x (also the C decode step's head, on its
+   own threads: cpu_step.c). */
+void gnosis_q8_rows(const int8_t *q, const float *d, const float *x, float *y, int M, int N, int K,
+                    int n0, int n1) {
     for (int m0 = 0; m0 < M; m0 += TILE) {
         int mt = M - m0 < TILE ? M - m0 : TILE;
         for (int n = n0; n < n1; n++) tile(q, d, x + (size_t)m0 * K, y + (size_t)m0 * N, mt, N, K, n);
@@ -106,7 +108,7 @@ typedef struct {
 
 static void *run(void *arg) {
     job_t *j = (job_t *)arg;
-    rows(j->q, j->d, j->x, j->y, j->M, j->N, j->K, j->n0, j->n1);
+    gnosis_q8_rows(j->q, j->d, j->x, j->y, j->M, j->N, j->K, j->n0, j->n1);
     return NULL;
 }
 

@@ -111,6 +111,8 @@ def _build_and_open(cc: str, path: Path, arch: tuple[str, ...] = ("-march=native
     lib.gnosis_step_threads.restype = integer
     lib.gnosis_step_run.argtypes = [pointer, integer, pointer, pointer, pointer, pointer, integer, pointer]
     lib.gnosis_step_run.restype = integer
+    lib.gnosis_step_head.argtypes = [pointer, pointer, pointer, pointer, pointer, integer, integer, integer]
+    lib.gnosis_step_head.restype = integer
     log.info("cpu_kernels_loaded", path=str(path), simd=lib.gnosis_simd().decode())
     return lib
 

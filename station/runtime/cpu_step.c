@@ -74,6 +74,9 @@ typedef struct step {
     int out_mode; /* 0: store, 1: add into h, 2: SiLU(gate) * up */
     float *out;
     layer_t *cur;
+    const int8_t *head_q;
+    const float *head_d, *head_x;
+    int head_m, head_n, head_k;
     /* the pool */
     int nt, vocab, num_blocks;
     pthread_t tid[MAX_THREADS];
@@ -479,6 +482,31 @@ static void rotate(float *x, int heads, int hd, const float *cos, const float *s
             v[i + half] = b * cos[i + half] + a * sin[i + half];
         }
     }
+}
+
+/* -- the vocabulary head over Q8_0 blocks (cpu_kernels.c) on the step's threads */
+
+void gnosis_q8_rows(const int8_t *q, const float *d, const float *x, float *y, int M, int N, int K,
+                    int n0, int n1);
+
+#define HEAD_ROWS_PER_CHUNK 512
+
+static void head_task(step_t *s, int chunk, int tid) {
+    (void)tid;
+    int n0 = chunk * HEAD_ROWS_PER_CHUNK;
+    int n1 = n0 + HEAD_ROWS_PER_CHUNK < s->head_n ? n0 + HEAD_ROWS_PER_CHUNK : s->head_n;
+    gnosis_q8_rows(s->head_q, s->head_d, s->head_x, s->out, s->head_m, s->head_n, s->head_k, n0, n1);
+}
+
+/* y [m, n] = x [m, k] @ (q * d).T, as gnosis_q8_linear computes it, without starting threads. */
+int gnosis_step_head(void *handle, const int8_t *q, const float *d, const float *x, float *y, int m,
+                     int n, int k) {
+    step_t *s = (step_t *)handle;
+    if (m < 1 || n < 1 || k % G) return -1;
+    s->head_q = q; s->head_d = d; s->head_x = x; s->out = y;
+    s->head_m = m; s->head_n = n; s->head_k = k;
+    parallel(s, head_task, (n + HEAD_ROWS_PER_CHUNK - 1) / HEAD_ROWS_PER_CHUNK);
+    return 0;
 }
 
 /* -- the interface (cpu_step.py) */

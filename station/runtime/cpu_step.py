@@ -150,6 +150,16 @@ class CpuStep:
         self.calls += len(tokens)
         return out
 
+    def head(self, kernel: Any, x: torch.Tensor) -> torch.Tensor:
+        """``kernel(x)`` (a ``cpu_kernels.Q8Linear``, the same sums) on the step's threads."""
+        rows = x.reshape(-1, kernel.in_features).to(torch.float32).contiguous()
+        y = torch.empty(rows.shape[0], kernel.out_features)
+        done = self.lib.gnosis_step_head(self.handle, kernel.q.data_ptr(), kernel.d.data_ptr(), rows.data_ptr(),
+                                         y.data_ptr(), rows.shape[0], kernel.out_features, kernel.in_features)
+        if done != 0:
+            raise ValueError("cpu_step: a head of a shape the kernel does not take")
+        return y
+
     def close(self) -> None:
         if self.handle:
             self.lib.gnosis_step_free(self.handle)

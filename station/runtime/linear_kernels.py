@@ -132,9 +132,8 @@ class VocabHead:
             log.info("vocab_head_packed", kernel="onednn", bytes=weight.numel() * weight.element_size())
         return cls(weight, bias, packed, kernel)
 
-    def __call__(self, x: torch.Tensor, any_rows: bool = False) -> torch.Tensor:
-        """``any_rows``: the kernel for any number of rows (torch is down to one thread)."""
-        if self.kernel is not None and (any_rows or x.shape[0] <= KERNEL_MAX_ROWS):
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernel is not None and x.shape[0] <= KERNEL_MAX_ROWS:
             return self.kernel(x)
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.bias,

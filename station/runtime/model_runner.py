@@ -289,9 +289,12 @@ class ModelRunner:
             keep.extend(range(q, q + n))
 
         if stepped is not None and not keep and not batch.prefills:
-            quiet = getattr(self._head, "kernel", None) is not None
-            self._quiet_torch(quiet)
-            return self._head(stepped, any_rows=quiet).float(), sampled
+            kernel = getattr(self._head, "kernel", None)
+            self._quiet_torch(kernel is not None)
+            if kernel is not None:  # the Q8_0 head on the step's threads: the same sums
+                with torch.inference_mode():
+                    return self._step.head(kernel, stepped), sampled
+            return self._head(stepped).float(), sampled
         self._quiet_torch(False)
         dev = self.device
         ctx = StepContext(

@@ -108,6 +108,21 @@ def test_a_row_gives_the_same_bits_alone_and_in_a_batch(tiny, tmp_path):
     assert step.calls == sum(len(p) - 1 for p in prompts) + 2 * rows
 
 
+def test_the_head_on_the_steps_threads_equals_the_q8_kernel(tiny, tmp_path):
+    from station.runtime.cpu_kernels import Q8Linear
+
+    loaded = _load(tiny["llama"], tmp_path)
+    step = loaded.weights.step.bind(_pool(loaded.model, 4), max_positions=16)
+    gen = torch.Generator().manual_seed(5)
+    q = torch.randint(-127, 128, (1100, 64), generator=gen, dtype=torch.int8)  # 3 chunks of 512 rows
+    d = (torch.rand(1100, 2, generator=gen) * 1e-2).half().float()
+    kernel = Q8Linear(step.lib, q, d)
+    x = torch.randn(6, 64, generator=gen)
+    with torch.inference_mode():
+        assert torch.equal(step.head(kernel, x), kernel(x))
+        assert torch.equal(step.head(kernel, x[4:5]), kernel(x)[4:5])
+
+
 def test_bad_arguments_are_refused_and_the_step_goes_on(tiny, tmp_path):
     loaded = _load(tiny["llama"], tmp_path)
     pool = _pool(loaded.model, 4)
