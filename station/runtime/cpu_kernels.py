@@ -39,7 +39,7 @@ SOURCE = Path(__file__).with_suffix(".c")
 SOURCES = (SOURCE, SOURCE.with_name("cpu_step.c"))
 GROUP = 32
 BUILD_TIMEOUT_S = 120
-_loaded: dict[Path, ctypes.CDLL | None] = {}
+_loaded: dict[str, ctypes.CDLL | None] = {}  # by key: the same source, compiler and machine
 
 
 def compiler() -> str | None:
@@ -70,11 +70,11 @@ def load_library(cache_dir: Path | None) -> ctypes.CDLL | None:
         return None
     sources = b"".join(source.read_bytes() for source in SOURCES)
     key = hashlib.sha256(sources + repr((version, machine_tag())).encode()).hexdigest()[:16]
+    if key in _loaded:  # this process has built or opened this very library already
+        return _loaded[key]
     base = cache_dir if cache_dir is not None else Path(tempfile.gettempdir()) / "gnosis-daemon"
-    path = base / "kernels" / f"cpu_kernels-{key}.so"
-    if path not in _loaded:
-        _loaded[path] = _build_and_open(cc, path)
-    return _loaded[path]
+    _loaded[key] = _build_and_open(cc, base / "kernels" / f"cpu_kernels-{key}.so")
+    return _loaded[key]
 
 
 def _build_and_open(cc: str, path: Path, arch: tuple[str, ...] = ("-march=native",)) -> ctypes.CDLL | None:
