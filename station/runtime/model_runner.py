@@ -198,6 +198,15 @@ class ModelRunner:
         with torch.inference_mode():
             return self._step(*_decode_step_args(decodes, self.block_size))
 
+    def _stepped_head(self, stepped: torch.Tensor) -> torch.Tensor:
+        """The C step's rows' logits, computed alike whatever else is in the step: the Q8_0
+        head on the step's threads (the kernel's own sums) where there is one."""
+        kernel = getattr(self._head, "kernel", None)
+        with torch.inference_mode():
+            if kernel is not None:
+                return self._step.head(kernel, stepped)
+            return self._head(stepped).float()
+
     def _quiet_torch(self, quiet: bool) -> None:
         """Decode steps that run wholly in C (the step, then the head's C kernel) leave torch
         one thread until the next prefill: the few torch ops around them (sampling) then open
@@ -289,12 +298,8 @@ class ModelRunner:
             keep.extend(range(q, q + n))
 
         if stepped is not None and not keep and not batch.prefills:
-            kernel = getattr(self._head, "kernel", None)
-            self._quiet_torch(kernel is not None)
-            if kernel is not None:  # the Q8_0 head on the step's threads: the same sums
-                with torch.inference_mode():
-                    return self._step.head(kernel, stepped), sampled
-            return self._head(stepped).float(), sampled
+            self._quiet_torch(getattr(self._head, "kernel", None) is not None)
+            return self._stepped_head(stepped), sampled
         self._quiet_torch(False)
         dev = self.device
         ctx = StepContext(
@@ -318,10 +323,10 @@ class ModelRunner:
                     return None, []
                 rows = torch.tensor(keep, device=dev, dtype=torch.long)
                 if self._head is not None:
-                    hidden = self._decoder(ids, pos_ids)[0, rows]
-                    if stepped is not None:
-                        hidden = torch.cat([stepped.to(hidden.dtype), hidden])
-                    return self._head(hidden).float(), sampled
+                    logits = self._head(self._decoder(ids, pos_ids)[0, rows]).float()
+                    if stepped is not None:  # the decode rows' head as in a C-only step
+                        logits = torch.cat([self._stepped_head(stepped), logits])
+                    return logits, sampled
                 out = self.model(input_ids=ids, position_ids=pos_ids, use_cache=False, logits_to_keep=rows)
         finally:
             _local.context = None
