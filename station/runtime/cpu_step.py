@@ -124,7 +124,8 @@ class CpuStep:
         self.handle = self.lib.gnosis_step_create(self._dims.data_ptr(), self._fdims.data_ptr(),
                                                   self._ptrs.data_ptr())
         if not self.handle:
-            raise MemoryError("cpu_step: the step's buffers could not be allocated")  # (widths checked)
+            # NULL: out of memory (the widths it cannot take were refused in _unsupported)
+            raise MemoryError("cpu_step: the step's buffers could not be allocated")
         self.threads = self.lib.gnosis_step_threads(self.handle)
         self.calls = 0  # token rows computed (tests and stats see the step was taken)
 
