@@ -58,7 +58,7 @@ struct step;
 typedef void (*task_fn)(struct step *, int chunk, int tid);
 
 typedef struct step {
-    int layers, hidden, heads, kv_heads, head_dim, inter, block_size, max_pos, max_batch, max_ctx;
+    int layers, hidden, heads, kv_heads, head_dim, inter, block_size, max_pos, max_batch;
     float eps, scaling;
     const float *embed, *final_norm, *cos, *sin;
     layer_t *layer;
@@ -82,10 +82,9 @@ typedef struct step {
     pthread_t tid[MAX_THREADS];
     struct worker_arg { struct step *s; int id; } args[MAX_THREADS];
     atomic_int gen, stop;
-    /* the region being run: (gen << 32 | next chunk to claim), chunks finished */
+    /* the region being run, in one word (TICKET), and its chunks finished */
     _Atomic int64_t ticket;
     atomic_int finished;
-    int chunks;
     int sleepers;
     pthread_mutex_t mu;
     pthread_cond_t cv;
@@ -115,15 +114,25 @@ static double now_ns(void) {
     struct timespec t; clock_gettime(CLOCK_MONOTONIC, &t); return t.tv_sec * 1e9 + t.tv_nsec;
 }
 
+/* A region's ticket: its generation (low 24 bits), its number of chunks and the next chunk
+   to claim (20 bits each), in one word, so that a claim checks all three at once. (A count
+   kept beside the ticket let a thread read the next region's count with this region's
+   ticket and claim one chunk too many, which hung or raced the caller.) */
+#define CHUNK_BITS 20
+#define MAX_CHUNKS ((1 << CHUNK_BITS) - 1)
+#define GEN_MASK 0xffffff
+#define TICKET(gen, chunks) (((int64_t)((gen) & GEN_MASK) << (2 * CHUNK_BITS)) | ((int64_t)(chunks) << CHUNK_BITS))
+
 /* Claim and run the chunks of region `gen` until none is left. A thread that comes late
    (descheduled, or still waking) finds them all taken and does nothing: the caller never
    waits for a thread that has not started a chunk. */
 static void run_chunks(step_t *s, int gen, int tid) {
     for (;;) {
         int64_t t = atomic_load_explicit(&s->ticket, memory_order_acquire);
-        if ((int)(t >> 32) != gen || (int)(t & 0xffffffff) >= s->chunks) return;
+        int next = (int)(t & MAX_CHUNKS), chunks = (int)((t >> CHUNK_BITS) & MAX_CHUNKS);
+        if ((int)(t >> (2 * CHUNK_BITS)) != (gen & GEN_MASK) || next >= chunks) return;
         if (!atomic_compare_exchange_weak(&s->ticket, &t, t + 1)) continue;
-        s->fn(s, (int)(t & 0xffffffff), tid);
+        s->fn(s, next, tid);
         atomic_fetch_add_explicit(&s->finished, 1, memory_order_release);
     }
 }
@@ -154,15 +163,14 @@ static void *worker(void *arg) {
 
 /* Run fn over chunks 0..chunks-1 on the pool's threads (the caller's is thread 0). */
 static void parallel(step_t *s, task_fn fn, int chunks) {
-    if (s->nt == 1 || chunks == 1) {
+    if (s->nt == 1 || chunks == 1 || chunks > MAX_CHUNKS) {
         for (int c = 0; c < chunks; c++) fn(s, c, 0);
         return;
     }
-    int gen = atomic_load(&s->gen) + 1;
+    int gen = (atomic_load(&s->gen) + 1) & GEN_MASK;  /* wraps: a long-lived station runs ~10^4 a second */
     s->fn = fn;
-    s->chunks = chunks;
     atomic_store(&s->finished, 0);
-    atomic_store_explicit(&s->ticket, (int64_t)gen << 32, memory_order_release);
+    atomic_store_explicit(&s->ticket, TICKET(gen, chunks), memory_order_release);
     atomic_store_explicit(&s->gen, gen, memory_order_release);
     pthread_mutex_lock(&s->mu);
     if (s->sleepers) pthread_cond_broadcast(&s->cv);
@@ -287,10 +295,7 @@ static inline __attribute__((always_inline)) void dot_body(
         }
     }
     for (int t = 0; t < bt; t++) {
-        __m128 r = _mm_add_ps(_mm256_castps256_ps128(tailv[t]), _mm256_extractf128_ps(tailv[t], 1));
-        r = _mm_add_ps(r, _mm_movehl_ps(r, r));
-        r = _mm_add_ss(r, _mm_shuffle_ps(r, r, 1));
-        tail[t] = _mm_cvtss_f32(r);
+        tail[t] = hsum8(tailv[t]);
         for (int g = g8; g < groups; g++) {
             scale[t][g] = f16(sp[g]) * xd[t * groups + g];
             tail[t] += f16(mp[g]) * xs[t * groups + g];
@@ -317,13 +322,7 @@ static inline __attribute__((always_inline)) void dot_body(
     while (g + 1 < groups) { GROUP_STEP(acc0) GROUP_STEP(acc1) }
     if (g < groups) GROUP_STEP(acc0)
 #undef GROUP_STEP
-    for (int t = 0; t < bt; t++) {
-        __m256 a = _mm256_add_ps(acc0[t], acc1[t]);
-        __m128 r = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-        r = _mm_add_ps(r, _mm_movehl_ps(r, r));
-        r = _mm_add_ss(r, _mm_shuffle_ps(r, r, 1));
-        y[t] = _mm_cvtss_f32(r) + tail[t];
-    }
+    for (int t = 0; t < bt; t++) y[t] = hsum8(_mm256_add_ps(acc0[t], acc1[t])) + tail[t];
 }
 #endif
 
@@ -407,10 +406,7 @@ static inline float dot(const float *a, const float *b, int n) {
     if (n % 8 == 0) {
         __m256 acc = _mm256_setzero_ps();
         for (int i = 0; i < n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
-        __m128 r = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
-        r = _mm_add_ps(r, _mm_movehl_ps(r, r));
-        r = _mm_add_ss(r, _mm_shuffle_ps(r, r, 1));
-        return _mm_cvtss_f32(r);
+        return hsum8(acc);
     }
 #endif
     float acc = 0.0f;
@@ -422,7 +418,7 @@ static inline float dot(const float *a, const float *b, int n) {
 static void attention_task(step_t *s, int job, int tid) {
     const int hd = s->head_dim, kvh = s->kv_heads, rep = s->heads / kvh, bs = s->block_size;
     const int qkv_n = (s->heads + 2 * kvh) * hd, stride = kvh * hd;
-    float *scores = s->scores + (size_t)tid * s->max_ctx;
+    float *scores = s->scores + (size_t)tid * s->max_pos;
     int t = job / s->heads, head = job % s->heads, kv = head / rep;
     const float *q = s->qkv + (size_t)t * qkv_n + head * hd;
     const int32_t *table = s->tables + (size_t)t * s->table_width;
@@ -520,12 +516,19 @@ static void set_mat(mat_t *m, const int64_t *p, const int64_t *d) {
    vocab, num_blocks (of the pool)
    fdims: eps, scaling; ptrs: embed, final_norm, cos, sin, then per layer: 4 matrices x (q, s, m,
    bias), norm1, norm2, k_pool, v_pool. NULL if a buffer cannot be had. */
+/* The step and what it allocated (free(NULL) is nothing). */
+static void free_buffers(step_t *s) {
+    free(s->layer); free(s->h); free(s->x); free(s->qkv); free(s->att); free(s->act);
+    free(s->scores); free(s->xq); free(s->xd); free(s->xs);
+    free(s);
+}
+
 void *gnosis_step_create(const int64_t *dims, const float *fdims, const int64_t *ptrs) {
     step_t *s = calloc(1, sizeof(step_t));
     if (!s) return NULL;
     s->layers = dims[0]; s->hidden = dims[1]; s->heads = dims[2]; s->kv_heads = dims[3];
     s->head_dim = dims[4]; s->inter = dims[5]; s->block_size = dims[6]; s->max_pos = dims[7];
-    s->max_batch = dims[8]; s->max_ctx = dims[7];
+    s->max_batch = dims[8];
     int nt = dims[9] < 1 ? 1 : dims[9] > MAX_THREADS ? MAX_THREADS : dims[9];
     if (dims[1] > MAX_GROUPS * G || dims[5] > MAX_GROUPS * G || dims[2] * dims[4] > MAX_GROUPS * G ||
         dims[4] > MAX_HEAD_DIM) {
@@ -557,14 +560,13 @@ void *gnosis_step_create(const int64_t *dims, const float *fdims, const int64_t 
     s->qkv = malloc(sizeof(float) * B * qkv_n);
     s->att = malloc(sizeof(float) * B * att_n);
     s->act = malloc(sizeof(float) * B * s->inter);
-    s->scores = malloc(sizeof(float) * (size_t)nt * s->max_ctx);
+    s->scores = malloc(sizeof(float) * (size_t)nt * s->max_pos);
     s->xq = malloc(sizeof(int16_t) * B * widest);
     s->xd = malloc(sizeof(float) * B * (widest / G + 1));
     s->xs = malloc(sizeof(float) * B * (widest / G + 1));
     if (!s->layer || !s->h || !s->x || !s->qkv || !s->att || !s->act || !s->scores || !s->xq ||
         !s->xd || !s->xs) {
-        free(s->layer); free(s->h); free(s->x); free(s->qkv); free(s->att); free(s->act);
-        free(s->scores); free(s->xq); free(s->xd); free(s->xs); free(s);
+        free_buffers(s);
         return NULL;
     }
     pthread_mutex_init(&s->mu, NULL);
@@ -588,9 +590,7 @@ void gnosis_step_free(void *handle) {
     pthread_cond_broadcast(&s->cv);
     pthread_mutex_unlock(&s->mu);
     for (int i = 1; i < s->nt; i++) pthread_join(s->tid[i], NULL);
-    free(s->layer); free(s->h); free(s->x); free(s->qkv); free(s->att); free(s->act);
-    free(s->scores); free(s->xq); free(s->xd); free(s->xs);
-    free(s);
+    free_buffers(s);
 }
 
 int gnosis_step_threads(void *handle) { return ((step_t *)handle)->nt; }
