@@ -54,18 +54,13 @@ def quality_figures(report: Report, settings) -> None:
                    f"nothing was quantized ({quant.weights.summary()}): no quality figures")
         return
     tok = dense.tokenizer
-    same, notes = 0, []
-    for i, text in enumerate(PROMPTS):
-        ids = _chat_ids(tok, text)
-        want, got = _greedy(dense.model, ids, 64), _greedy(quant.model, ids, 64)
-        if want == got:
-            same += 1
-            continue
-        at = next(j for j, (a, b) in enumerate(zip(want, got)) if a != b)
-        margin = _margin(dense.model, ids + want[:at])
-        notes.append(f"prompt {i + 1} parts at token {at + 1}: float {tok.decode([want[at]])!r}, "
-                     f"quantized {tok.decode([got[at]])!r}, where the float model's top two "
-                     f"logits differ by {margin:.3f}")
+    prompts = [_chat_ids(tok, text) for text in PROMPTS]
+    float_answers = [_greedy(dense.model, ids, 64) for ids in prompts]
+    answers = [_greedy(quant.model, ids, 64) for ids in prompts]
+    same, partings = _partings(dense.model, prompts, float_answers, answers)
+    notes = [f"prompt {i + 1} parts at token {at + 1}: float {tok.decode([float_answers[i][at]])!r}, "
+             f"quantized {tok.decode([answers[i][at]])!r}, where the float model's top two "
+             f"logits differ by {margin:.3f}" for i, at, margin in partings]
     # Reported, with where and why each prompt parts: the int4 kernels compute in bfloat16,
     # so a token whose top two logits are closer than that rounding can go either way.
     report.add("greedy prompts whose 64 tokens are the same, quantized / float (5 prompts)", same / 5,
@@ -83,37 +78,47 @@ def quality_figures(report: Report, settings) -> None:
                f"{int((want == got).sum())} of {len(text)} positions; the text is the float model's "
                f"own greedy answer to {ESSAY!r}")
     if quant.weights.step is not None:
-        step_figures(report, quant, dense, ids, text, want)
+        step_figures(report, quant, dense, ids, text, want, prompts, float_answers)
 
 
-def step_figures(report: Report, quant, dense, ids: list[int], text: list[int], want: torch.Tensor) -> None:
+def step_figures(report: Report, quant, dense, ids: list[int], text: list[int], want: torch.Tensor,
+                 prompts: list[list[int]], float_answers: list[list[int]]) -> None:
     """The C decode step (``cpu_step``), which decodes in the station where it is used: its
     top-1 agreement with the float model with every position through the step, and the
-    engine's greedy output (torch prefill, step decode) against the float model's."""
+    engine's greedy output (torch prefill, step decode) against the float model's
+    (``float_answers``, to ``prompts``)."""
     tokens = ids + text
-    step = quant.weights.step.bind(_pool(quant.model, len(tokens)), max_positions=len(tokens))
+    pool = _pool(quant.model, len(tokens))
+    step = quant.weights.step.bind(pool, max_positions=len(tokens))
     head = quant.weights.head or quant.model.get_output_embeddings()
+    table = list(range(pool.num_blocks))
     with torch.inference_mode():
-        hidden = torch.cat([step([t], [p], [p], [list(range(-(-len(tokens) // 16)))])
-                            for p, t in enumerate(tokens[:-1])])
+        hidden = torch.cat([step([t], [p], [p], [table]) for p, t in enumerate(tokens[:-1])])
         got = head(hidden[len(ids) - 1:]).argmax(-1)
     step.close()
     agree = float((want == got).float().mean())
     report.add("top-1 agreement over 512 teacher-forced tokens, C decode step / float", agree, ">=", 0.99,
                f"{int((want == got).sum())} of {len(text)} positions, every position through the step "
                f"(the station decodes there; its prefill is torch's)")
-    tok, same, notes = quant.tokenizer, 0, []
-    answers = _engine_greedy(quant, [_chat_ids(tok, text) for text in PROMPTS], 64)
-    for i, (text, got_ids) in enumerate(zip(PROMPTS, answers)):
-        want_ids = _greedy(dense.model, _chat_ids(tok, text), 64)
-        if want_ids == got_ids:
-            same += 1
-            continue
-        at = next(j for j, (a, b) in enumerate(zip(want_ids, got_ids)) if a != b)
-        margin = _margin(dense.model, _chat_ids(tok, text) + want_ids[:at])
-        notes.append(f"prompt {i + 1} parts at token {at + 1} (float top-two margin {margin:.3f})")
+    same, partings = _partings(dense.model, prompts, float_answers, _engine_greedy(quant, prompts, 64))
+    notes = [f"prompt {i + 1} parts at token {at + 1} (float top-two margin {margin:.3f})"
+             for i, at, margin in partings]
     report.add("greedy prompts whose 64 tokens are the same, station (C decode step) / float (5 prompts)",
                same / 5, "info", None, f"{same} of 5 the same" + ("; " + "; ".join(notes) if notes else ""))
+
+
+def _partings(dense, prompts: list[list[int]], float_answers: list[list[int]],
+              answers: list[list[int]]) -> tuple[int, list[tuple[int, int, float]]]:
+    """(answers equal to the float model's, and per other prompt (index, first token that
+    differs, the float model's margin between its top two tokens there))."""
+    same, partings = 0, []
+    for i, (ids, want, got) in enumerate(zip(prompts, float_answers, answers)):
+        if want == got:
+            same += 1
+            continue
+        at = next(j for j, (a, b) in enumerate(zip(want, got)) if a != b)
+        partings.append((i, at, _margin(dense, ids + want[:at])))
+    return same, partings
 
 
 def _pool(model, tokens: int):
@@ -128,7 +133,7 @@ def _engine_greedy(loaded, prompts: list[list[int]], n: int) -> list[list[int]]:
     import threading
 
     from gnosis_daemon.settings import Settings
-    from station.core.requests import Finished, GenerationRequest, SamplingParams, Token
+    from station.core.requests import Failed, Finished, GenerationRequest, SamplingParams, Token
     from station.runtime.engine import PagedEngine
 
     with tempfile.TemporaryDirectory() as run:
@@ -142,7 +147,7 @@ def _engine_greedy(loaded, prompts: list[list[int]], n: int) -> list[list[int]]:
                 def sink(event, tokens=tokens, done=done):
                     if isinstance(event, Token):
                         tokens.append(event.token_id)
-                    elif isinstance(event, Finished) or type(event).__name__ == "Failed":
+                    elif isinstance(event, (Finished, Failed)):
                         done.set()
 
                 engine.add_request(GenerationRequest(f"q{i}", prompt, SamplingParams(

@@ -37,6 +37,7 @@ from gnosis_daemon.logs import get_logger
 log = get_logger(__name__)
 
 MAX_WIDTH = 32768  # inputs of a layer (cpu_step.c's MAX_GROUPS groups of 32)
+MAX_HEAD_DIM = 512  # cpu_step.c's MAX_HEAD_DIM
 STEP_ROWS = 8  # decode rows per call; more rows are more calls, each row computed alike
 _PROJECTIONS = (("self_attn", ("q_proj", "k_proj", "v_proj")), ("self_attn", ("o_proj",)),
                 ("mlp", ("gate_proj", "up_proj")), ("mlp", ("down_proj",)))
@@ -77,14 +78,12 @@ class StepWeights:
             self.mats.append(parts)
             self.norms.append((layer.input_layernorm.weight.detach(),
                                layer.post_attention_layernorm.weight.detach()))
-        release_step_forms(model)  # the fused copies above are the only ones now
 
     @classmethod
     def for_model(cls, model: nn.Module, lib: ctypes.CDLL) -> StepWeights | None:
         reason = _unsupported(model)
         if reason is not None:
             log.info("cpu_step_not_used", reason=reason)
-            release_step_forms(model)
             return None
         return cls(lib, model)
 
@@ -171,7 +170,8 @@ class CpuStep:
 
 
 def release_step_forms(model: nn.Module) -> None:
-    """Drop the int4 layers' step copies (``Int4Linear.step_form``) where no step uses them."""
+    """Drop the int4 layers' step copies (``Int4Linear.step_form``): a step has its stacked
+    copy, or there is no step."""
     for module in model.modules():
         if getattr(module, "step_form", None) is not None:
             module.step_form = None
@@ -199,37 +199,40 @@ def _unsupported(model: nn.Module) -> str | None:
         widths = (config.hidden_size, layer.mlp.gate_proj.out_features, attn.head_dim * config.num_attention_heads)
         if max(widths) > MAX_WIDTH:
             return f"a layer wider than {MAX_WIDTH} inputs"
-        if attn.head_dim % 2 or attn.head_dim > 512 or layer.mlp.gate_proj.out_features != layer.mlp.up_proj.out_features:
+        if attn.head_dim % 2 or attn.head_dim > MAX_HEAD_DIM or layer.mlp.gate_proj.out_features != layer.mlp.up_proj.out_features:
             return "unexpected shapes"
     return None
 
 
-def checked_and_timed(weights: StepWeights, model: nn.Module, block_size: int = 16,
-                      tokens: int = 6) -> tuple[bool, float, float]:
+def checked_and_timed(weights: StepWeights, model: nn.Module, timed: bool, block_size: int = 16,
+                      tokens: int = 6) -> tuple[bool, float | None, float | None]:
     """(the step agrees with the model's own forward, seconds a step, seconds the torch
-    layers' products alone take for the same token)."""
+    layers' products alone take for the same token); the times None unless ``timed``."""
     from station.runtime.kv_cache import KVCache, KVCacheShape
+    from station.runtime.quantized_linears import Int4Linear
 
     shape = KVCacheShape.from_config(model.config, block_size, torch.float32)
     blocks = -(-tokens // block_size)
     step = weights.bind(KVCache(shape, blocks, torch.device("cpu")), max_positions=tokens)
     ids = torch.randint(0, weights.vocab, (tokens,), generator=torch.Generator().manual_seed(0))
     table = list(range(blocks))
+    step_s = torch_s = None
     with torch.inference_mode():
         want = model.base_model(input_ids=ids[None], use_cache=False).last_hidden_state[0]
         got = torch.cat([step([int(ids[p])], [p], [p], [table]) for p in range(tokens)])
         agrees = bool((got - want).abs().max() <= 5e-2 * float(want.abs().max()))
-        linears = [m for m in model.base_model.modules() if type(m).__name__ == "Int4Linear"]
-        inputs = [torch.randn(1, m.in_features) for m in linears]
-        step_s = torch_s = float("inf")
-        for _ in range(7):  # alternating, best of each: both see the same machine
-            start = time.perf_counter()
-            step([int(ids[-1])], [tokens - 1], [tokens - 1], [table])
-            step_s = min(step_s, time.perf_counter() - start)
-            start = time.perf_counter()
-            for m, x in zip(linears, inputs):
-                m(x)
-            torch_s = min(torch_s, time.perf_counter() - start)
+        if timed and agrees:
+            linears = [m for m in model.base_model.modules() if isinstance(m, Int4Linear)]
+            inputs = [torch.randn(1, m.in_features) for m in linears]
+            step_s = torch_s = float("inf")
+            for _ in range(7):  # alternating, best of each: both see the same machine
+                start = time.perf_counter()
+                step([int(ids[-1])], [tokens - 1], [tokens - 1], [table])
+                step_s = min(step_s, time.perf_counter() - start)
+                start = time.perf_counter()
+                for m, x in zip(linears, inputs):
+                    m(x)
+                torch_s = min(torch_s, time.perf_counter() - start)
     step.close()
     if not agrees:
         log.warning("cpu_step_disagrees", max_diff=float((got - want).abs().max()),

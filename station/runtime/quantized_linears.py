@@ -120,8 +120,9 @@ class Int4Linear(nn.Module):
         self.register_buffer("scales_and_zeros", torch.stack([groups.scale.t(), groups.zero.t()], -1)
                              .to(device, torch.bfloat16).contiguous())
         self.register_buffer("bias", None if bias is None else bias.detach().to(device))
-        # The same values for the C decode step (``cpu_step``), which takes them or drops them.
-        self.step_form = groups.step_layout() if device.type == "cpu" else None
+        # The same values in the C decode step's form (``Int4Groups.step_layout``), where
+        # ``weights`` keeps them for it; the step takes them or they are dropped.
+        self.step_form = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features).to(torch.bfloat16)

@@ -113,6 +113,8 @@ def apply_weights(model: nn.Module, mode: str, device: torch.device, dtype: torc
 
         from_file = read_gguf_weights(gguf, model)
     choices = KernelChoices(_choices_path(choices_dir, model, gguf) if mode == "auto" else None)
+    # the C decode step (cpu_step) may take the 4-bit layers' values: keep its form of them
+    step_wanted = decode_step != "off" and device.type == "cpu" and dtype == torch.float32
     built: dict[str, list] = {"int4": [], "int8": []}  # form -> [(name, parent, attr, layer, new, values, source)]
     for name, parent, attr, layer in layers:
         weight_name = f"{name}.weight"
@@ -121,7 +123,7 @@ def apply_weights(model: nn.Module, mode: str, device: torch.device, dtype: torc
             continue  # auto: a block that did not check out stays float, never re-rounded
         bias = None if layer.bias is None else layer.bias.detach()
         made = _build(form, layer, from_file.int4.get(weight_name) if from_file else None,
-                      device, dtype)
+                      device, dtype, step_wanted)
         if made is None:
             continue
         quantized, values, source = made
@@ -142,12 +144,11 @@ def apply_weights(model: nn.Module, mode: str, device: torch.device, dtype: torc
         report.head = _q8_head(model, gguf, choices, choices_dir, device, dtype)
     if any(form != "float" for form in report.forms.values()):
         _own_memory(model)
-    if decode_step != "off" and device.type == "cpu" and dtype == torch.float32 and report.count("int4"):
-        report.step = _cpu_step(model, choices, choices_dir, decode_step)
-    else:
+    if step_wanted and report.count("int4"):
         from station.runtime.cpu_step import release_step_forms
 
-        release_step_forms(model)
+        report.step = _cpu_step(model, choices, choices_dir, decode_step)
+        release_step_forms(model)  # the step holds its own stacked copy, or there is no step
     choices.save()
     log.info("weights_applied", **report.summary())
     return report
@@ -190,25 +191,25 @@ def _cpu_step(model: nn.Module, choices: KernelChoices, cache_dir: Path | None, 
     and the step agrees with the model's forward; ``auto``: and it measures no slower than
     torch's products alone for the same token (by ``KernelChoices.FLOAT_MARGIN``)."""
     from station.runtime.cpu_kernels import load_library
-    from station.runtime.cpu_step import StepWeights, checked_and_timed, release_step_forms
+    from station.runtime.cpu_step import StepWeights, checked_and_timed
 
     lib = load_library(cache_dir)
-    if lib is None:
-        release_step_forms(model)
-        return None
-    weights = StepWeights.for_model(model, lib)
+    weights = StepWeights.for_model(model, lib) if lib is not None else None
     if weights is None:
         return None
     key = "cpu-step:cpu"
-    agrees, step_s, torch_s = checked_and_timed(weights, model)
+    measure = mode == "auto" and key not in choices.answers  # else known, or not asked
+    agrees, step_s, torch_s = checked_and_timed(weights, model, timed=measure)
     if not agrees:
         return None
-    if mode == "auto" and key not in choices.answers:
+    if measure:
         choices.measured[key] = (step_s, torch_s)
         choices.answers[key] = step_s < torch_s * choices.FLOAT_MARGIN
+        log.info("cpu_step_measured", step_ms=round(step_s * 1e3, 3),
+                 torch_linears_ms=round(torch_s * 1e3, 3))
     used = mode == "on" or choices.answers[key]
-    log.info("cpu_step_measured", step_ms=round(step_s * 1e3, 3), torch_linears_ms=round(torch_s * 1e3, 3),
-             used=used, mode=mode, bytes=weights.nbytes)
+    log.info("cpu_step_used" if used else "cpu_step_not_used", mode=mode, bytes=weights.nbytes,
+             **({} if used else {"reason": "measured slower than torch's layers"}))
     return weights if used else None
 
 
@@ -243,7 +244,7 @@ def _form(mode: str, file_type: str | None) -> str | None:
 
 
 def _build(form: str, layer: nn.Linear, from_file: Int4Groups | None, device: torch.device,
-           dtype: torch.dtype) -> tuple[nn.Module, torch.Tensor, str] | None:
+           dtype: torch.dtype, step_form: bool) -> tuple[nn.Module, torch.Tensor, str] | None:
     """(the quantized layer, the values it stands for, where they came from) or None."""
     weight = layer.weight.detach()
     bias = None if layer.bias is None else layer.bias.detach()
@@ -255,7 +256,10 @@ def _build(form: str, layer: nn.Linear, from_file: Int4Groups | None, device: to
             groups = Int4Groups.quantize(weight)
         if not int4_applies(groups):
             return None
-        return Int4Linear(groups, bias, device), groups.dequantize(), source
+        quantized = Int4Linear(groups, bias, device)
+        if step_form:
+            quantized.step_form = groups.step_layout()
+        return quantized, groups.dequantize(), source
     rows = Int8Rows.quantize(weight)
     return Int8Linear(rows, bias, device, dtype), rows.dequantize(), "load"
 
