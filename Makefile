@@ -22,8 +22,12 @@ $(STAMP): pyproject.toml | $(PY)
 run: $(STAMP)
 	$(VENV)/bin/gnosis-daemon run $(ARGS)
 
+# Two pytest workers (pytest-xdist), a test module each at a time (its module-scoped stations
+# are started once): about 10 minutes on two cores against 15 on one. TEST_JOBS=0 runs the
+# suite in this one process.
+TEST_JOBS ?= 2
 test: $(STAMP)
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest $(if $(filter 0,$(TEST_JOBS)),,-n $(TEST_JOBS) --dist loadscope) $(PYTEST_ARGS)
 
 # The bench's extras, installed when missing: `bench` (matplotlib, for docs/img/) and `peer`
 # (llama-cpp-python[server], compiled from source: ~10 minutes on two cores; the bench itself

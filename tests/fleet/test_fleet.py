@@ -10,8 +10,10 @@ the same greedy answers as the uninterrupted run. Timings on a shared CPU mean n
 from __future__ import annotations
 
 import re
+import shutil
 import subprocess
 import sys
+import tempfile
 
 from bench.fleet.report import BEGIN, END
 from tests.support.procs import REPO, child_env
@@ -22,11 +24,13 @@ def test_fleet_drill_on_a_tiny_model(tmp_path):
     model_dir = build_tiny_model(tmp_path / "tiny-llama", "llama")
     out = tmp_path / "benchmarks.md"
     out.write_text("# Benchmarks\n\nKept.\n")
-    proc = subprocess.run(
-        [sys.executable, "-m", "bench.fleet", "--model", str(model_dir), "--conversations", "8",
-         "--system-words", "30", "--max-tokens", "6", "--scan-s", "0.25", "--out", str(out),
-         "--workdir", str(tmp_path / "fleet")],
-        cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=600)
+    # The replicas bind Unix sockets under the workdir: a short one, since tmp_path under
+    # pytest-xdist (".../popen-gw1/...") can pass the 107 bytes a socket path may have.
+    workdir = tempfile.mkdtemp(prefix="gnosis-fleet-")
+    try:
+        proc = _drill(model_dir, out, workdir)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-3000:]
     report = out.read_text()
     assert report.startswith("# Benchmarks\n\nKept.\n\n" + BEGIN) and report.rstrip().endswith(END)
@@ -46,6 +50,14 @@ def test_fleet_drill_on_a_tiny_model(tmp_path):
     for check, met in ((c[0], c[1]) for c in rows.values() if len(c) == 2 and c[0] != "check"):
         assert met == "yes", check
     assert "Verdict: **pass**." in report
+
+
+def _drill(model_dir, out, workdir):
+    return subprocess.run(
+        [sys.executable, "-m", "bench.fleet", "--model", str(model_dir), "--conversations", "8",
+         "--system-words", "30", "--max-tokens", "6", "--scan-s", "0.25", "--out", str(out),
+         "--workdir", workdir],
+        cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=600)
 
 
 def test_make_bench_rewrites_its_table_and_keeps_the_fleet_section(tmp_path):

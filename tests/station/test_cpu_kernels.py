@@ -58,11 +58,9 @@ def test_every_variant_computes_the_blocks_product(tmp_path, name, arch, needs):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
     for m in range(9):  # each row alone equals that row in the batch (tiles of 4 rows)
         assert torch.equal(kernel(x[m:m + 1]), got[m:m + 1]), m
-    torch.set_num_threads(1)
-    try:
-        assert torch.equal(kernel(x), got)  # one thread, or several: the same bits
-    finally:
-        torch.set_num_threads(2)
+    for threads in (1, 3):  # rows split over one thread or several: the same bits
+        kernel.threads = threads
+        assert torch.equal(kernel(x), got), threads
 
 
 def test_a_failed_build_leaves_no_kernel(tmp_path, monkeypatch):

@@ -93,7 +93,7 @@ def test_the_step_computes_the_models_forward_on_its_own_values(tiny, tmp_path, 
 def test_a_row_gives_the_same_bits_alone_and_in_a_batch(tiny, tmp_path):
     loaded = _load(tiny["llama"], tmp_path)
     rows = STEP_ROWS + 3  # two calls' worth
-    step = loaded.weights.step.bind(_pool(loaded.model, 10 * rows), max_positions=64)
+    step = loaded.weights.step.bind(_pool(loaded.model, 10 * rows), max_positions=64, threads=2)
     prompts = [prompt_of(100 + i, 5 + 3 * i) for i in range(rows)]  # up to 35 tokens
     tables = [[10 * i + j for j in range(10)] for i in range(rows)]
     with torch.inference_mode():
@@ -112,7 +112,7 @@ def test_the_head_on_the_steps_threads_equals_the_q8_kernel(tiny, tmp_path):
     from station.runtime.cpu_kernels import Q8Linear
 
     loaded = _load(tiny["llama"], tmp_path)
-    step = loaded.weights.step.bind(_pool(loaded.model, 4), max_positions=16)
+    step = loaded.weights.step.bind(_pool(loaded.model, 4), max_positions=16, threads=2)
     gen = torch.Generator().manual_seed(5)
     q = torch.randint(-127, 128, (1100, 64), generator=gen, dtype=torch.int8)  # 3 chunks of 512 rows
     d = (torch.rand(1100, 2, generator=gen) * 1e-2).half().float()
