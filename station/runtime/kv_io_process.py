@@ -76,7 +76,7 @@ class KVIOProcess:
         return self._received.pop(0)
 
     def open(self, root: Path, fingerprint: str, block_size: int, block_shape: tuple[int, ...],
-             dtype: str, budget: int, area: Any, busy_wait_s: float,
+             dtype: Any, budget: int, area: Any, busy_wait_s: float,
              shared_scan_s: float | None = None) -> tuple[list[SessionRecord], dict[str, Any]]:
         """Open the store at ``root`` in the process, on ``area`` (``kv_cache.SharedBlocks``).
         ``busy_wait_s``: how long to wait for another process's lock on the store (a station
@@ -85,7 +85,8 @@ class KVIOProcess:
         (``discovered`` messages follow).
         -> (its sessions, least recently used first; its stats). Raises ``TierOpenFailed``."""
         self.send({"op": "open", "root": str(root), "fingerprint": fingerprint,
-                   "block_size": block_size, "block_shape": list(block_shape), "dtype": dtype,
+                   "block_size": block_size, "block_shape": list(block_shape), "dtype": str(dtype),
+                   "dtype_bytes": dtype.itemsize,
                    "budget": budget, "busy_wait_s": busy_wait_s, "area_blocks": area.num_blocks,
                    "area_bytes": area.nbytes, "shared_scan_s": shared_scan_s},
                   fds=(area.fd,))

@@ -40,24 +40,17 @@ import time
 from typing import Any
 
 import numpy
-import torch
 
 from gnosis_daemon.logs import configure_logging, get_logger
 from gnosis_daemon.protocol import FrameDecoder, encode
 from station.core.block_pool import BlockHash
 from station.runtime.kv_store import KVStore, Quarantined, StoreBusy
+from station.runtime.kv_store_format import DTypeName
 
 log = get_logger(__name__)
 
 MAX_FRAME_BYTES = 256 * 1024 * 1024  # a part names block slots and tokens, never KV bytes
 SESSIONS_PER_FRAME = 256
-
-
-def dtype_named(name: str) -> torch.dtype:
-    dtype = getattr(torch, name.removeprefix("torch."), None)
-    if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"not a torch dtype: {name!r}")
-    return dtype
 
 
 class Worker:
@@ -68,7 +61,6 @@ class Worker:
         self.store: KVStore | None = None
         self.area: numpy.ndarray | None = None  # [L, 2, slots, bytes of a block's layer half]
         self.block_shape: tuple[int, ...] = ()
-        self.dtype = torch.float32
         self._cond = threading.Condition()
         self._jobs: collections.deque[dict[str, Any]] = collections.deque()  # writer's, in order
         self._loads: collections.deque[dict[str, Any]] = collections.deque()
@@ -124,7 +116,7 @@ class Worker:
     def _open(self, message: dict[str, Any]) -> None:
         try:
             self.block_shape = tuple(message["block_shape"])
-            self.dtype = dtype_named(message["dtype"])
+            dtype = DTypeName(message["dtype"], message["dtype_bytes"])
             fd = self._fds.pop(0)
             mapped = mmap.mmap(fd, message["area_bytes"])
             os.close(fd)
@@ -136,7 +128,7 @@ class Worker:
                 try:
                     self.scan_s = message.get("shared_scan_s")
                     self.store = KVStore(message["root"], message["fingerprint"],
-                                         message["block_size"], self.block_shape, self.dtype,
+                                         message["block_size"], self.block_shape, dtype,
                                          message["budget"], shared=self.scan_s is not None)
                     break
                 except StoreBusy:
@@ -235,9 +227,9 @@ class Worker:
         reply["stats"] = self.stats()
         return reply
 
-    def _block(self, slot: int) -> torch.Tensor:
-        raw = numpy.ascontiguousarray(self.area[:, :, slot])
-        return torch.from_numpy(raw).view(self.dtype).view(self.block_shape)
+    def _block(self, slot: int) -> numpy.ndarray:
+        """The block's bytes in the pool's layout: [layers, 2, its block of one half]."""
+        return numpy.ascontiguousarray(self.area[:, :, slot]).reshape(-1)
 
     # -- loads (loader thread)
     def _load_loop(self) -> None:
@@ -253,9 +245,9 @@ class Worker:
                 bs = self.store.layout.block_size
                 tokens = job["tokens"]
                 for i, (slot, block_hash) in enumerate(zip(job["slots"], job["hashes"])):
-                    data = self.store.read_block(BlockHash(block_hash), tokens[i * bs:(i + 1) * bs])
-                    self.area[:, :, slot] = data.contiguous().view(torch.uint8).numpy().reshape(
-                        self.area.shape[0], 2, -1)
+                    data = self.store.read_block(BlockHash(block_hash), tokens[i * bs:(i + 1) * bs],
+                                                 raw=True)
+                    self.area[:, :, slot] = data.reshape(self.area.shape[0], 2, -1)
                 reply["ok"] = True
             except Exception as exc:  # a bad file is quarantined by the store, which says why
                 log.warning("kv_tier_load_failed", error=str(exc))
@@ -274,7 +266,6 @@ def main(argv: list[str]) -> int:
     except OSError:  # not allowed here: run at the station's priority
         pass
     configure_logging("kv-io", level, fmt)
-    torch.set_num_threads(1)  # it copies and hashes; the station's decode owns the cores
     Worker(socket.socket(fileno=sock_fd)).run()
     return 0
 

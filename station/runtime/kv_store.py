@@ -62,9 +62,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Sequence
-
-import torch
+from typing import TYPE_CHECKING, Callable, Sequence
 
 from gnosis_daemon.logs import get_logger
 from station.core.block_pool import BlockHash
@@ -73,6 +71,12 @@ from station.runtime.kv_store_format import (
     check_hash, decode_block, encode_block, encode_session, fsync_dir, session_name, write_atomic,
 )
 from station.runtime.kv_store_index import StoreIndex
+
+if TYPE_CHECKING:
+    import numpy
+    import torch
+
+    from station.runtime.kv_store_format import DTypeName
 from station.runtime.kv_store_listing import STALE_S, StoreListing, _unlink
 
 __all__ = ["Evicted", "KVStore", "KVStoreError", "Missing", "Quarantined", "SessionRecord",
@@ -94,7 +98,7 @@ class Evicted:
 
 class KVStore(StoreListing):
     def __init__(self, root: str | os.PathLike[str], fingerprint: str, block_size: int,
-                 block_shape: tuple[int, ...], dtype: torch.dtype, disk_budget_bytes: int,
+                 block_shape: tuple[int, ...], dtype: torch.dtype | DTypeName, disk_budget_bytes: int,
                  clock: Callable[[], float] = time.time, shared: bool = False) -> None:
         shape = tuple(int(d) for d in block_shape)
         if block_size < 1 or not shape or min(shape) < 1 or disk_budget_bytes < 0:
@@ -167,14 +171,16 @@ class KVStore(StoreListing):
         return {**self.index.stats(), "budget_bytes": self.disk_budget_bytes}
 
     # -- reading (the loader thread)
-    def read_block(self, block_hash: BlockHash, expected_token_ids: Sequence[int]) -> torch.Tensor:
-        """The block's KV (CPU, ``block_shape``/``dtype``), every field verified.
+    def read_block(self, block_hash: BlockHash, expected_token_ids: Sequence[int],
+                   raw: bool = False) -> torch.Tensor | numpy.ndarray:
+        """The block's KV (CPU, ``block_shape``/``dtype``; ``raw``: its bytes, a uint8
+        array), every field verified.
 
         Raises ``Quarantined`` (the file is moved aside and counted), ``Missing`` or
         ``Unreadable``, all ``KVStoreError``s."""
         path = self.blocks_dir / block_relpath(block_hash)  # checks the hash
         try:
-            tokens, tensor, size = decode_block(path, self.layout, block_hash)
+            tokens, tensor, size = decode_block(path, self.layout, block_hash, raw)
             if tokens != tuple(expected_token_ids):
                 # sha256 chains make this a wrong file, not a collision
                 raise Quarantined("tokens", "the block holds other tokens than its hash's")
@@ -193,8 +199,9 @@ class KVStore(StoreListing):
 
     # -- writing (the writer thread)
     def write_block(self, block_hash: BlockHash, token_ids: Sequence[int],
-                    tensor: torch.Tensor) -> bool:
-        """Store one block (a CPU tensor of ``block_shape``/``dtype``); False if present.
+                    tensor: torch.Tensor | numpy.ndarray) -> bool:
+        """Store one block (a CPU tensor of ``block_shape``/``dtype``, or its raw bytes as a
+        uint8 array); False if present.
 
         Either way the block is pending (spared by eviction) until the next
         ``write_session``."""

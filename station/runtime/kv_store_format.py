@@ -21,6 +21,10 @@ No pickle: the header is JSON and the payload raw bytes reinterpreted as the dty
 file can never run code, whoever wrote it. The payload goes through uint8 views both ways,
 so bfloat16 (which numpy lacks) round-trips bit for bit like float16 and float32.
 
+torch is imported only where a payload becomes a tensor or a tensor a payload: the tier's
+I/O process (``kv_io_worker``) moves raw bytes between the files and the pool's shared
+blocks and never imports it (two seconds of a station's start, and its memory, saved).
+
 A reader raises ``Quarantined(reason)`` for any file it cannot trust, ``Missing`` when
 the file is not there and ``Unreadable`` when the OS fails the read; nothing else comes
 out of it for bad bytes. Reasons: ``magic``, ``version``, ``truncated`` (shorter than its
@@ -44,12 +48,15 @@ import struct
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO, Sequence
+from typing import TYPE_CHECKING, Any, BinaryIO, Sequence
 
-import torch
+import numpy
 import xxhash
 
 from station.core.block_pool import BlockHash
+
+if TYPE_CHECKING:
+    import torch
 
 BLOCK_MAGIC = b"GNKVBLK\x00"
 SESSION_MAGIC = b"GNKVSES\x00"
@@ -88,13 +95,37 @@ class Quarantined(KVStoreError):
 
 
 @dataclass(frozen=True, slots=True)
+class DTypeName:
+    """A torch dtype by its name (``str(torch.bfloat16)``) and size, torch not imported."""
+
+    name: str
+    itemsize: int
+
+    def __post_init__(self) -> None:
+        if not re.fullmatch(r"torch\.[a-z0-9_]+", self.name) or self.itemsize not in (1, 2, 4, 8):
+            raise ValueError(f"not a torch dtype: {self.name!r} of {self.itemsize!r} bytes")
+
+    def __str__(self) -> str:
+        return self.name
+
+
+def torch_dtype(dtype: torch.dtype | DTypeName) -> torch.dtype:
+    import torch
+
+    found = getattr(torch, str(dtype).removeprefix("torch."), None)
+    if not isinstance(found, torch.dtype) or found.itemsize != dtype.itemsize:
+        raise ValueError(f"not a torch dtype: {dtype}")
+    return found
+
+
+@dataclass(frozen=True, slots=True)
 class KVLayout:
     """What every file of one store must agree on."""
 
     fingerprint: str
     block_size: int
     shape: tuple[int, ...]  # one block's KV, e.g. [L, 2, block_size, H, D]
-    dtype: torch.dtype
+    dtype: torch.dtype | DTypeName  # compared by name: str(torch.float32) == "torch.float32"
 
     @property
     def payload_bytes(self) -> int:
@@ -164,20 +195,34 @@ def _pack(magic: bytes, header: dict[str, Any], payload: Any) -> list[Any]:
 
 
 def encode_block(layout: KVLayout, block_hash: BlockHash, token_ids: Sequence[int],
-                 tensor: torch.Tensor) -> list[Any]:
-    if not isinstance(tensor, torch.Tensor):
-        raise TypeError(f"a block is a torch.Tensor, not a {type(tensor).__name__}")
-    if tensor.device.type != "cpu":
-        raise ValueError(f"a block is written from the CPU, not from {tensor.device}")
-    if tuple(tensor.shape) != layout.shape or tensor.dtype != layout.dtype:
-        raise ValueError(f"a block is {list(layout.shape)} {layout.dtype}, "
-                         f"not {list(tensor.shape)} {tensor.dtype}")
-    # uint8 view, not numpy's dtype: numpy has no bfloat16.
-    raw = tensor.detach().contiguous().view(torch.uint8).reshape(-1).numpy()
+                 tensor: torch.Tensor | numpy.ndarray) -> list[Any]:
+    """``tensor``: the block's KV, a CPU tensor of the layout's shape and dtype, or its raw
+    bytes as they lie in memory (a uint8 array of ``payload_bytes``)."""
+    if isinstance(tensor, numpy.ndarray):
+        if tensor.dtype != numpy.uint8 or tensor.size != layout.payload_bytes:
+            raise ValueError(f"a block's raw bytes are {layout.payload_bytes} uint8, "
+                             f"not {tensor.size} {tensor.dtype}")
+        raw = numpy.ascontiguousarray(tensor).reshape(-1)
+    else:
+        raw = _tensor_bytes(layout, tensor)
     header = {"fingerprint": layout.fingerprint, "block_size": layout.block_size,
               "shape": list(layout.shape), "dtype": str(layout.dtype),
               "block_hash": block_hash.hex(), "token_ids": list(token_ids)}
     return _pack(BLOCK_MAGIC, header, raw)
+
+
+def _tensor_bytes(layout: KVLayout, tensor: Any) -> numpy.ndarray:
+    import torch
+
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"a block is a torch.Tensor, not a {type(tensor).__name__}")
+    if tensor.device.type != "cpu":
+        raise ValueError(f"a block is written from the CPU, not from {tensor.device}")
+    if tuple(tensor.shape) != layout.shape or str(tensor.dtype) != str(layout.dtype):
+        raise ValueError(f"a block is {list(layout.shape)} {layout.dtype}, "
+                         f"not {list(tensor.shape)} {tensor.dtype}")
+    # uint8 view, not numpy's dtype: numpy has no bfloat16.
+    return tensor.detach().contiguous().view(torch.uint8).reshape(-1).numpy()
 
 
 def encode_session(layout: KVLayout, record: SessionRecord) -> list[Any]:
@@ -243,7 +288,7 @@ def _parse_header(raw: bytes) -> dict[str, Any] | None:
     return header if isinstance(header, dict) else None
 
 
-def _read_checked(fh: BinaryIO, magic: bytes) -> tuple[dict[str, Any], torch.Tensor, int]:
+def _read_checked(fh: BinaryIO, magic: bytes) -> tuple[dict[str, Any], numpy.ndarray, int]:
     info = os.fstat(fh.fileno())
     if not stat.S_ISREG(info.st_mode):
         raise Quarantined("name", "not a regular file")
@@ -267,13 +312,13 @@ def _read_checked(fh: BinaryIO, magic: bytes) -> tuple[dict[str, Any], torch.Ten
     declared = header.get("payload_bytes") if header is not None else None
     if _is_int(declared) and payload_len < declared:
         raise Quarantined("truncated", f"{payload_len} payload bytes of {declared}")
-    # Straight into a torch allocation: aligned for any dtype, and no copy to make a tensor.
-    payload = torch.empty(payload_len, dtype=torch.uint8)
-    _read_exact(fh, memoryview(payload.numpy()))
+    # Read in place: numpy's allocation is aligned for any dtype, and a tensor is a view of it.
+    payload = numpy.empty(payload_len, dtype=numpy.uint8)
+    _read_exact(fh, memoryview(payload))
     stored = bytearray(CHECKSUM_BYTES)
     _read_exact(fh, memoryview(stored))
     digest = xxhash.xxh3_128()
-    for piece in (prefix, raw, payload.numpy()):
+    for piece in (prefix, raw, payload):
         digest.update(piece)
     if digest.digest() != stored:
         raise Quarantined("checksum")
@@ -284,7 +329,7 @@ def _read_checked(fh: BinaryIO, magic: bytes) -> tuple[dict[str, Any], torch.Ten
     return header, payload, size
 
 
-def _read(path: Path, magic: bytes) -> tuple[dict[str, Any], torch.Tensor, int]:
+def _read(path: Path, magic: bytes) -> tuple[dict[str, Any], numpy.ndarray, int]:
     """The verified header, payload (uint8) and file size of ``path``."""
     try:
         # O_NOFOLLOW: a link planted in the store is never followed out of it.
@@ -312,9 +357,10 @@ def _check_layout(header: dict[str, Any], layout: KVLayout) -> None:
         raise Quarantined("block_size", f"{block_size} (here {layout.block_size})")
 
 
-def decode_block(path: Path, layout: KVLayout, block_hash: BlockHash,
-                 ) -> tuple[tuple[int, ...], torch.Tensor, int]:
-    """The verified token ids, KV tensor and file size of the block file at ``path``."""
+def decode_block(path: Path, layout: KVLayout, block_hash: BlockHash, raw: bool = False,
+                 ) -> tuple[tuple[int, ...], torch.Tensor | numpy.ndarray, int]:
+    """The verified token ids, KV tensor and file size of the block file at ``path``;
+    ``raw``: the KV as its bytes (a uint8 array of ``payload_bytes``), torch not needed."""
     header, payload, size = _read(path, BLOCK_MAGIC)
     _check_layout(header, layout)
     shape, dtype = header.get("shape"), header.get("dtype")
@@ -324,15 +370,20 @@ def decode_block(path: Path, layout: KVLayout, block_hash: BlockHash,
         raise Quarantined("shape", f"{shape} (here {list(layout.shape)})")
     if dtype != str(layout.dtype):
         raise Quarantined("dtype", f"{dtype!r} (here {layout.dtype})")
-    if payload.numel() != layout.payload_bytes:
-        raise Quarantined("header", f"{payload.numel()} payload bytes, the shape needs "
+    if payload.size != layout.payload_bytes:
+        raise Quarantined("header", f"{payload.size} payload bytes, the shape needs "
                           f"{layout.payload_bytes}")
     if header.get("block_hash") != block_hash.hex():
         raise Quarantined("name", "its header names another block hash")
     tokens = header.get("token_ids")
     if not _is_tokens(tokens) or len(tokens) != layout.block_size:
         raise Quarantined("header", f"'token_ids' is not {layout.block_size} token ids")
-    return tuple(tokens), payload.view(layout.dtype).reshape(layout.shape), size
+    if raw:
+        return tuple(tokens), payload, size
+    import torch
+
+    tensor = torch.from_numpy(payload).view(torch_dtype(layout.dtype)).reshape(layout.shape)
+    return tuple(tokens), tensor, size
 
 
 def decode_session(path: Path, layout: KVLayout) -> tuple[SessionRecord, int]:
@@ -353,7 +404,7 @@ def decode_session(path: Path, layout: KVLayout) -> tuple[SessionRecord, int]:
         raise Quarantined("header", f"{len(tokens)} tokens for {len(hashes)} blocks")
     if not _is_number(last_used) or not _is_number(saved_at):
         raise Quarantined("header", "'last_used' or 'saved_at' is not a finite number")
-    if payload.numel():
+    if payload.size:
         raise Quarantined("header", "a session manifest carries no payload")
     if session_name(sid) != path.name:
         raise Quarantined("name", "its header names another session")

@@ -56,7 +56,7 @@ def open_tier(engine: Any, settings: Any, io: KVIOProcess | None = None) -> dict
         io = io or KVIOProcess(settings.log_level, settings.log_format, settings.kv_io_nice)
         area, slots = tier_slots(engine, settings)
         records, stats = io.open(root, engine.loaded.fingerprint, shape.block_size, block_shape,
-                                 str(shape.dtype), settings.kv_disk_bytes, area, _BUSY_WAIT_S,
+                                 shape.dtype, settings.kv_disk_bytes, area, _BUSY_WAIT_S,
                                  shared_scan_s=settings.kv_shared_scan_s if shared else None)
     except Exception as exc:  # an unusable directory, or no process: serve without the tier
         log.exception("kv_tier_open_failed", path=str(root))

@@ -94,6 +94,55 @@ def test_blocks_round_trip_bit_for_bit_across_a_reopen(tmp_path, dtype):
         assert store.stats()["reads"] == 3
 
 
+def test_the_io_process_path_moves_raw_bytes_without_torch(tmp_path):
+    """The tier's I/O process names the dtype (``DTypeName``) and moves a block's bytes:
+    in a process that never imports torch, its files read back as the tensors written
+    here, and what it reads back are those tensors' bytes, bit for bit (bfloat16 too)."""
+    dtype = torch.bfloat16
+    with open_store(tmp_path, dtype=dtype) as store:
+        tokens = tokens_of(2, 2)
+        hashes = put(store, "from-tensors", tokens)
+    script = textwrap.dedent(f"""
+        import sys
+        import numpy
+        import station.runtime.kv_io_worker  # what the I/O process imports
+        from station.runtime.kv_store import KVStore
+        from station.runtime.kv_store_format import DTypeName
+        from station.core.block_pool import block_hashes_for
+        tokens = {tokens!r}
+        with KVStore(sys.argv[1], {FP!r}, {BS}, {SHAPE!r}, DTypeName("torch.bfloat16", 2), 10**9) as store:
+            hashes = block_hashes_for(tokens, {BS}, {KEYS!r})
+            for i, h in enumerate(hashes):
+                raw = store.read_block(h, tokens[i * {BS}:(i + 1) * {BS}], raw=True)
+                assert raw.dtype == numpy.uint8 and raw.size == store.layout.payload_bytes
+                sys.stdout.write("block " + raw.tobytes().hex() + "\\n")
+            # written back from raw bytes (reversed), as the writer thread does
+            out = list(reversed(tokens))
+            again = block_hashes_for(out, {BS}, {KEYS!r})
+            for i, h in enumerate(again):
+                raw = numpy.frombuffer(bytes(range(256)) * 2, dtype=numpy.uint8)[:store.layout.payload_bytes]
+                store.write_block(h, out[i * {BS}:(i + 1) * {BS}], raw.copy())
+            store.write_session("from-bytes", "t", out, again, 2.0)
+        assert "torch" not in sys.modules, "the I/O process's path imported torch"
+    """)
+    proc = subprocess.run([sys.executable, "-c", script, str(tmp_path)], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [line.split()[1] for line in proc.stdout.splitlines() if line.startswith("block ")]
+    assert lines == [kv_for(h, dtype).view(torch.uint8).numpy().tobytes().hex() for h in hashes]
+    with open_store(tmp_path, dtype=dtype) as store:
+        assert [r.session_id for r in store.load_sessions()] == ["from-tensors", "from-bytes"]
+        out = list(reversed(tokens))
+        for i, h in enumerate(block_hashes_for(out, BS, KEYS)):
+            got = store.read_block(h, out[i * BS:(i + 1) * BS])
+            assert got.dtype == dtype and tuple(got.shape) == SHAPE
+            assert got.view(torch.uint8).flatten().tolist() == (list(range(256)) * 2)[:got.numel() * 2]
+    with pytest.raises(ValueError, match="raw bytes"):  # a wrong length is refused
+        with open_store(tmp_path, dtype=dtype) as store:
+            store.write_block(block_hashes_for(tokens_of(3, 1), BS, KEYS)[0], tokens_of(3, 1),
+                              torch.zeros(7, dtype=torch.uint8).numpy())
+
+
 def test_sessions_round_trip_least_recently_used_first(tmp_path):
     with open_store(tmp_path) as store:
         a = put(store, "conv-a", tokens_of(1, 2), last_used=20.5, tenant="alice")
