@@ -45,7 +45,7 @@ from gnosis_daemon.logs import configure_logging, get_logger
 from gnosis_daemon.protocol import FrameDecoder, encode
 from station.core.block_pool import BlockHash
 from station.runtime.kv_store import KVStore, Quarantined, StoreBusy
-from station.runtime.kv_store_format import DTypeName
+from station.runtime.kv_dtype import DTypeName
 
 log = get_logger(__name__)
 

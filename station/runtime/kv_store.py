@@ -76,7 +76,7 @@ if TYPE_CHECKING:
     import numpy
     import torch
 
-    from station.runtime.kv_store_format import DTypeName
+    from station.runtime.kv_dtype import DTypeName
 from station.runtime.kv_store_listing import STALE_S, StoreListing, _unlink
 
 __all__ = ["Evicted", "KVStore", "KVStoreError", "Missing", "Quarantined", "SessionRecord",

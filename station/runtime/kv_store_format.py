@@ -54,6 +54,7 @@ import numpy
 import xxhash
 
 from station.core.block_pool import BlockHash
+from station.runtime.kv_dtype import DTypeName, torch_dtype
 
 if TYPE_CHECKING:
     import torch
@@ -92,30 +93,6 @@ class Quarantined(KVStoreError):
         self.reason = reason
         self.detail = detail
         self.moved_to: Path | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class DTypeName:
-    """A torch dtype by its name (``str(torch.bfloat16)``) and size, torch not imported."""
-
-    name: str
-    itemsize: int
-
-    def __post_init__(self) -> None:
-        if not re.fullmatch(r"torch\.[a-z0-9_]+", self.name) or self.itemsize not in (1, 2, 4, 8):
-            raise ValueError(f"not a torch dtype: {self.name!r} of {self.itemsize!r} bytes")
-
-    def __str__(self) -> str:
-        return self.name
-
-
-def torch_dtype(dtype: torch.dtype | DTypeName) -> torch.dtype:
-    import torch
-
-    found = getattr(torch, str(dtype).removeprefix("torch."), None)
-    if not isinstance(found, torch.dtype) or found.itemsize != dtype.itemsize:
-        raise ValueError(f"not a torch dtype: {dtype}")
-    return found
 
 
 @dataclass(frozen=True, slots=True)

@@ -107,7 +107,7 @@ def test_the_io_process_path_moves_raw_bytes_without_torch(tmp_path):
         import numpy
         import station.runtime.kv_io_worker  # what the I/O process imports
         from station.runtime.kv_store import KVStore
-        from station.runtime.kv_store_format import DTypeName
+        from station.runtime.kv_dtype import DTypeName
         from station.core.block_pool import block_hashes_for
         tokens = {tokens!r}
         with KVStore(sys.argv[1], {FP!r}, {BS}, {SHAPE!r}, DTypeName("torch.bfloat16", 2), 10**9) as store:
