@@ -433,9 +433,9 @@ static inline void prefetch_ahead(const float *base, const int32_t *table, int p
 
 /* Attention of one token row for the query heads that share one K/V head (GQA), over its
    sequence's positions 0..pos. Each K and V vector is read from the pool once for all of
-   them (a job per query head read them once per head: at a 2,000-token context that was
-   3x the pool's bytes a token, 92 MB per head group on the default model); each head's
-   arithmetic is as it was, its dot products, softmax and weighted sum in position order. */
+   them (a job per query head read it once per query head: on the default model at 2,024
+   positions, 3 x 93 MB a token); each head's arithmetic is as it was, its dot products,
+   softmax and weighted sum in position order. */
 static void attention_task(step_t *s, int job, int tid) {
     const int hd = s->head_dim, kvh = s->kv_heads, rep = s->heads / kvh, bs = s->block_size;
     const int qkv_n = (s->heads + 2 * kvh) * hd, stride = kvh * hd;

@@ -44,8 +44,8 @@ import numpy
 from gnosis_daemon.logs import configure_logging, get_logger
 from gnosis_daemon.protocol import FrameDecoder, encode
 from station.core.block_pool import BlockHash
-from station.runtime.kv_store import KVStore, Quarantined, StoreBusy
 from station.runtime.kv_dtype import DTypeName
+from station.runtime.kv_store import KVStore, Quarantined, StoreBusy
 
 log = get_logger(__name__)
 
@@ -228,7 +228,7 @@ class Worker:
         return reply
 
     def _block(self, slot: int) -> numpy.ndarray:
-        """The block's bytes in the pool's layout: [layers, 2, its block of one half]."""
+        """The block's bytes as the pool holds them (per layer, its K then its V), flat."""
         return numpy.ascontiguousarray(self.area[:, :, slot]).reshape(-1)
 
     # -- loads (loader thread)

@@ -71,13 +71,13 @@ from station.runtime.kv_store_format import (
     check_hash, decode_block, encode_block, encode_session, fsync_dir, session_name, write_atomic,
 )
 from station.runtime.kv_store_index import StoreIndex
+from station.runtime.kv_store_listing import STALE_S, StoreListing, _unlink
 
 if TYPE_CHECKING:
     import numpy
     import torch
 
     from station.runtime.kv_dtype import DTypeName
-from station.runtime.kv_store_listing import STALE_S, StoreListing, _unlink
 
 __all__ = ["Evicted", "KVStore", "KVStoreError", "Missing", "Quarantined", "SessionRecord",
            "STALE_S", "StoreBusy", "Unreadable"]
