@@ -37,6 +37,7 @@
 #define MAX_GROUPS 1024 /* input widths up to 32768 */
 #define MAX_HEAD_DIM 512
 #define MAX_THREADS 64
+#define MAX_ROWS 64 /* token rows a call may take (max_batch) */
 #define SPIN_NS 300000 /* a worker spins this long for work, then sleeps */
 
 typedef struct {
@@ -65,6 +66,8 @@ typedef struct step {
     /* scratch, sized for max_batch rows */
     float *h, *x, *qkv, *att, *act, *scores, *acc, *xd, *xs;
     int16_t *xq;
+    int group_start[MAX_ROWS], group_len[MAX_ROWS]; /* this call's attention groups */
+    int group_max, pairs; /* rows a group may hold; (row, head) pairs of a thread's scratch */
     /* this call */
     int b;
     const int64_t *pos;
@@ -414,6 +417,22 @@ static inline float dot(const float *a, const float *b, int n) {
     return acc;
 }
 
+#if STEP_SIMD
+/* dot(q, k + u * stride, n) for u < 4, each summed exactly as dot() sums it (n % 8 == 0). */
+static inline void dot4(const float *q, const float *k, int stride, int n, float *out) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    const float *k1 = k + stride, *k2 = k1 + stride, *k3 = k2 + stride;
+    for (int i = 0; i < n; i += 8) {
+        __m256 qi = _mm256_loadu_ps(q + i);
+        a0 = _mm256_fmadd_ps(qi, _mm256_loadu_ps(k + i), a0);
+        a1 = _mm256_fmadd_ps(qi, _mm256_loadu_ps(k1 + i), a1);
+        a2 = _mm256_fmadd_ps(qi, _mm256_loadu_ps(k2 + i), a2);
+        a3 = _mm256_fmadd_ps(qi, _mm256_loadu_ps(k3 + i), a3);
+    }
+    out[0] = hsum8(a0); out[1] = hsum8(a1); out[2] = hsum8(a2); out[3] = hsum8(a3);
+}
+#endif
+
 /* The K (or V) row PREFETCH_AHEAD positions after position p, fetched ahead: a decode
    token reads its whole context's K/V once, from memory (not the caches) on a long one,
    and the dot products' dependent multiply-adds leave the core too few loads in flight to
@@ -431,97 +450,169 @@ static inline void prefetch_ahead(const float *base, const int32_t *table, int p
 #endif
 }
 
-/* Attention of one token row for the query heads that share one K/V head (GQA), over its
-   sequence's positions 0..pos. Each K and V vector is read from the pool once for all of
-   them (a job per query head read it once per query head: on the default model at 2,024
-   positions, 3 x 93 MB a token); each head's arithmetic is as it was, its dot products,
-   softmax and weighted sum in position order. */
+/* Attention of a group of token rows (one row, or a prompt's consecutive positions, which
+   read the same K/V) for the query heads that share one K/V head (GQA), each row over its
+   positions 0..pos. Each K and V vector is read from the pool once for all of them (a job
+   per row and query head read it once each: on the default model at 2,024 positions,
+   3 x 93 MB a decode token, and 8 rows of a prompt 8 times over). Each (row, head)'s
+   arithmetic is the same whatever its group: its dot products, softmax and weighted sum
+   of V in position order, so a row's output does not depend on the rows beside it. */
 static void attention_task(step_t *s, int job, int tid) {
     const int hd = s->head_dim, kvh = s->kv_heads, rep = s->heads / kvh, bs = s->block_size;
-    const int qkv_n = (s->heads + 2 * kvh) * hd, stride = kvh * hd;
-    int t = job / kvh, kv = job % kvh;
-    float *scores = s->scores + (size_t)tid * rep * s->max_pos; /* [rep][max_pos] */
-    float *acc = s->acc + (size_t)tid * rep * hd;              /* [rep][hd] */
-    const float *q = s->qkv + (size_t)t * qkv_n + (size_t)kv * rep * hd; /* heads kv * rep + r */
-    const int32_t *table = s->tables + (size_t)t * s->table_width;
-    const int ctx = (int)s->pos[t] + 1;
+    const int qkv_n = (s->heads + 2 * kvh) * hd, stride = kvh * hd, mp = s->max_pos;
+    const int grp = job / kvh, kv = job % kvh, t0 = s->group_start[grp], g = s->group_len[grp];
+    const int n = g * rep; /* (row i, head r) pairs, i * rep + r */
+    float *scores = s->scores + (size_t)tid * s->pairs * mp; /* [n][max_pos] */
+    float *acc = s->acc + (size_t)tid * s->pairs * hd;      /* [n][hd] */
+    const int32_t *table = s->tables + (size_t)t0 * s->table_width;
+    const int first = (int)s->pos[t0], ctx = first + g; /* row i sees positions 0..first + i */
     const float *kbase = s->cur->k_pool + kv * hd, *vbase = s->cur->v_pool + kv * hd;
-    float best[rep], total[rep];
-    for (int r = 0; r < rep; r++) best[r] = -INFINITY;
+    float best[n], total[n];
+    for (int x = 0; x < n; x++) best[x] = -INFINITY;
     for (int p0 = 0, blk = 0; p0 < ctx; p0 += bs, blk++) {
         const float *k = kbase + (size_t)table[blk] * bs * stride;
-        int end = ctx - p0 < bs ? ctx - p0 : bs;
-        for (int j = 0; j < end; j++, k += stride) {
+        int end = ctx - p0 < bs ? ctx - p0 : bs, j = 0;
+#if STEP_SIMD
+        /* four positions at a time where every row of the group sees all four: four dot
+           products in flight, each summed as dot() sums it */
+        if (hd % 8 == 0)
+            for (; j + 4 <= end && p0 + j + 3 <= first; j += 4) {
+                for (int u = 0; u < 4; u++) prefetch_ahead(kbase, table, p0 + j + u, ctx, bs, stride, hd);
+                const float *k0 = k + (size_t)j * stride;
+                for (int x = 0; x < n; x++) {
+                    const float *q = s->qkv + (size_t)(t0 + x / rep) * qkv_n + (size_t)(kv * rep + x % rep) * hd;
+                    float v[4];
+                    dot4(q, k0, stride, hd, v);
+                    float *sc = scores + (size_t)x * mp + p0 + j;
+                    for (int u = 0; u < 4; u++) {
+                        sc[u] = v[u] * s->scaling;
+                        best[x] = sc[u] > best[x] ? sc[u] : best[x];
+                    }
+                }
+            }
+#endif
+        for (k += (size_t)j * stride; j < end; j++, k += stride) {
             prefetch_ahead(kbase, table, p0 + j, ctx, bs, stride, hd);
-            for (int r = 0; r < rep; r++) {
-                float v = dot(q + (size_t)r * hd, k, hd) * s->scaling;
-                scores[(size_t)r * s->max_pos + p0 + j] = v;
-                best[r] = v > best[r] ? v : best[r];
+            for (int i = p0 + j > first ? p0 + j - first : 0; i < g; i++) {
+                const float *q = s->qkv + (size_t)(t0 + i) * qkv_n + (size_t)kv * rep * hd;
+                for (int r = 0; r < rep; r++) {
+                    float v = dot(q + (size_t)r * hd, k, hd) * s->scaling;
+                    int x = i * rep + r;
+                    scores[(size_t)x * mp + p0 + j] = v;
+                    best[x] = v > best[x] ? v : best[x];
+                }
             }
         }
     }
-    for (int r = 0; r < rep; r++) {
-        float *sc = scores + (size_t)r * s->max_pos;
-        total[r] = 0.0f;
+    for (int x = 0; x < n; x++) {
+        float *sc = scores + (size_t)x * mp;
+        const int len = first + x / rep + 1;
+        total[x] = 0.0f;
         int p = 0;
 #if STEP_SIMD
         __m256 tot = _mm256_setzero_ps();
-        for (; p + 8 <= ctx; p += 8) {
-            __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sc + p), _mm256_set1_ps(best[r])));
+        for (; p + 8 <= len; p += 8) {
+            __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sc + p), _mm256_set1_ps(best[x])));
             _mm256_storeu_ps(sc + p, e);
             tot = _mm256_add_ps(tot, e);
         }
-        total[r] = hsum8(tot);
+        total[x] = hsum8(tot);
 #endif
-        for (; p < ctx; p++) { sc[p] = expf(sc[p] - best[r]); total[r] += sc[p]; }
+        for (; p < len; p++) { sc[p] = expf(sc[p] - best[x]); total[x] += sc[p]; }
     }
-    memset(acc, 0, sizeof(float) * rep * hd);
+    memset(acc, 0, sizeof(float) * n * hd);
     for (int p0 = 0, blk = 0; p0 < ctx; p0 += bs, blk++) {
         const float *v = vbase + (size_t)table[blk] * bs * stride;
-        int end = ctx - p0 < bs ? ctx - p0 : bs;
+        for (int x = 0; x < n; x++) {
+            const int len = first + x / rep + 1;
+            const int end = len - p0 < bs ? len - p0 : bs;
+            if (end <= 0) continue;
+            const float *sc = scores + (size_t)x * mp + p0;
+            float *a = acc + (size_t)x * hd;
+            int i = 0;
 #if STEP_SIMD
-        if (hd % 32 == 0) {
-            /* a block's positions against 32 of a head's sums held in registers: the same
-               multiply-adds, in the same order, as the loop below */
-            for (int r = 0; r < rep; r++) {
-                const float *sc = scores + (size_t)r * s->max_pos + p0;
-                for (int i = 0; i < hd; i += 32) {
-                    float *a = acc + (size_t)r * hd + i;
-                    __m256 a0 = _mm256_loadu_ps(a), a1 = _mm256_loadu_ps(a + 8),
-                           a2 = _mm256_loadu_ps(a + 16), a3 = _mm256_loadu_ps(a + 24);
-                    const float *vj = v + i;
-                    for (int j = 0; j < end; j++, vj += stride) {
-                        if (r == 0 && i == 0) prefetch_ahead(vbase, table, p0 + j, ctx, bs, stride, hd);
-                        __m256 w8 = _mm256_set1_ps(sc[j]);
-                        a0 = _mm256_fmadd_ps(w8, _mm256_loadu_ps(vj), a0);
-                        a1 = _mm256_fmadd_ps(w8, _mm256_loadu_ps(vj + 8), a1);
-                        a2 = _mm256_fmadd_ps(w8, _mm256_loadu_ps(vj + 16), a2);
-                        a3 = _mm256_fmadd_ps(w8, _mm256_loadu_ps(vj + 24), a3);
-                    }
-                    _mm256_storeu_ps(a, a0); _mm256_storeu_ps(a + 8, a1);
-                    _mm256_storeu_ps(a + 16, a2); _mm256_storeu_ps(a + 24, a3);
+            /* a block's positions against 64 (then 32, then 8) of the pair's sums held in
+               registers: eight multiply-add chains in flight */
+            for (; i + 64 <= hd; i += 64) {
+                __m256 a0 = _mm256_loadu_ps(a + i), a1 = _mm256_loadu_ps(a + i + 8),
+                       a2 = _mm256_loadu_ps(a + i + 16), a3 = _mm256_loadu_ps(a + i + 24),
+                       a4 = _mm256_loadu_ps(a + i + 32), a5 = _mm256_loadu_ps(a + i + 40),
+                       a6 = _mm256_loadu_ps(a + i + 48), a7 = _mm256_loadu_ps(a + i + 56);
+                const float *vj = v + i;
+                for (int j = 0; j < end; j++, vj += stride) {
+                    if (x == 0 && i == 0) prefetch_ahead(vbase, table, p0 + j, ctx, bs, stride, hd);
+                    __m256 w8 = _mm256_set1_ps(sc[j]);
+                    a0 = _mm256_fmadd_ps(w8, _mm256_loadu_ps(vj), a0);
+                    a1 = _mm256_fmadd_ps(w8, _mm256_loadu_ps(vj + 8), a1);
+                    a2 = _mm256_fmadd_ps(w8, _mm256_loadu_ps(vj + 16), a2);
+                    a3 = _mm256_fmadd_ps(w8, _mm256_loadu_ps(vj + 24), a3);
+                    a4 = _mm256_fmadd_ps(w8, _mm256_loadu_ps(vj + 32), a4);
+                    a5 = _mm256_fmadd_ps(w8, _mm256_loadu_ps(vj + 40), a5);
+                    a6 = _mm256_fmadd_ps(w8, _mm256_loadu_ps(vj + 48), a6);
+                    a7 = _mm256_fmadd_ps(w8, _mm256_loadu_ps(vj + 56), a7);
                 }
+                _mm256_storeu_ps(a + i, a0); _mm256_storeu_ps(a + i + 8, a1);
+                _mm256_storeu_ps(a + i + 16, a2); _mm256_storeu_ps(a + i + 24, a3);
+                _mm256_storeu_ps(a + i + 32, a4); _mm256_storeu_ps(a + i + 40, a5);
+                _mm256_storeu_ps(a + i + 48, a6); _mm256_storeu_ps(a + i + 56, a7);
             }
-            continue;
+            for (; i + 32 <= hd; i += 32) {
+                __m256 a0 = _mm256_loadu_ps(a + i), a1 = _mm256_loadu_ps(a + i + 8),
+                       a2 = _mm256_loadu_ps(a + i + 16), a3 = _mm256_loadu_ps(a + i + 24);
+                const float *vj = v + i;
+                for (int j = 0; j < end; j++, vj += stride) {
+                    if (x == 0 && i == 0) prefetch_ahead(vbase, table, p0 + j, ctx, bs, stride, hd);
+                    __m256 w8 = _mm256_set1_ps(sc[j]);
+                    a0 = _mm256_fmadd_ps(w8, _mm256_loadu_ps(vj), a0);
+                    a1 = _mm256_fmadd_ps(w8, _mm256_loadu_ps(vj + 8), a1);
+                    a2 = _mm256_fmadd_ps(w8, _mm256_loadu_ps(vj + 16), a2);
+                    a3 = _mm256_fmadd_ps(w8, _mm256_loadu_ps(vj + 24), a3);
+                }
+                _mm256_storeu_ps(a + i, a0); _mm256_storeu_ps(a + i + 8, a1);
+                _mm256_storeu_ps(a + i + 16, a2); _mm256_storeu_ps(a + i + 24, a3);
+            }
+            for (; i + 8 <= hd; i += 8) {
+                __m256 a0 = _mm256_loadu_ps(a + i);
+                const float *vj = v + i;
+                for (int j = 0; j < end; j++, vj += stride)
+                    a0 = _mm256_fmadd_ps(_mm256_set1_ps(sc[j]), _mm256_loadu_ps(vj), a0);
+                _mm256_storeu_ps(a + i, a0);
+            }
+#endif
+            for (; i < hd; i++) {
+                const float *vj = v + i;
+                for (int j = 0; j < end; j++, vj += stride) a[i] += sc[j] * *vj;
+            }
         }
-#endif
-        for (int j = 0; j < end; j++, v += stride)
-            for (int r = 0; r < rep; r++) {
-                float wgt = scores[(size_t)r * s->max_pos + p0 + j], *a = acc + (size_t)r * hd;
-                int i = 0;
-#if STEP_SIMD
-                __m256 w8 = _mm256_set1_ps(wgt);
-                for (; i + 8 <= hd; i += 8)
-                    _mm256_storeu_ps(a + i, _mm256_fmadd_ps(w8, _mm256_loadu_ps(v + i), _mm256_loadu_ps(a + i)));
-#endif
-                for (; i < hd; i++) a[i] += wgt * v[i];
+    }
+    for (int x = 0; x < n; x++) {
+        float *o = s->att + (size_t)(t0 + x / rep) * s->heads * hd + (size_t)(kv * rep + x % rep) * hd;
+        float inv = 1.0f / total[x];
+        for (int i = 0; i < hd; i++) o[i] = acc[(size_t)x * hd + i] * inv;
+    }
+}
+
+/* Rows that can share attention jobs: consecutive rows at consecutive positions whose
+   block tables agree on every block the later row reads (a prompt's rows, in order), at
+   most group_max of them (so that there are jobs enough for the threads, and the scratch
+   holds a group's scores). */
+static int group_rows(step_t *s, int b) {
+    int ng = 0;
+    for (int t = 0; t < b; t++) {
+        if (ng > 0) {
+            int t0 = s->group_start[ng - 1], g = s->group_len[ng - 1];
+            if (t == t0 + g && g < s->group_max && s->pos[t] == s->pos[t0] + g &&
+                memcmp(s->tables + (size_t)t * s->table_width, s->tables + (size_t)t0 * s->table_width,
+                       sizeof(int32_t) * (size_t)(s->pos[t] / s->block_size + 1)) == 0) {
+                s->group_len[ng - 1]++;
+                continue;
             }
+        }
+        s->group_start[ng] = t;
+        s->group_len[ng] = 1;
+        ng++;
     }
-    for (int r = 0; r < rep; r++) {
-        float *o = s->att + (size_t)t * s->heads * hd + (size_t)(kv * rep + r) * hd;
-        float inv = 1.0f / total[r];
-        for (int i = 0; i < hd; i++) o[i] = acc[(size_t)r * hd + i] * inv;
-    }
+    return ng;
 }
 
 /* Rotary embedding in place on `heads` vectors of head_dim at x (rotate-half form). */
@@ -588,7 +679,7 @@ void *gnosis_step_create(const int64_t *dims, const float *fdims, const int64_t 
     s->max_batch = dims[8];
     int nt = dims[9] < 1 ? 1 : dims[9] > MAX_THREADS ? MAX_THREADS : dims[9];
     if (dims[1] > MAX_GROUPS * G || dims[5] > MAX_GROUPS * G || dims[2] * dims[4] > MAX_GROUPS * G ||
-        dims[4] > MAX_HEAD_DIM || dims[3] < 1 || dims[2] % dims[3]) {
+        dims[4] > MAX_HEAD_DIM || dims[3] < 1 || dims[2] % dims[3] || dims[8] < 1 || dims[8] > MAX_ROWS) {
         free(s);
         return NULL;
     }
@@ -617,8 +708,16 @@ void *gnosis_step_create(const int64_t *dims, const float *fdims, const int64_t 
     s->qkv = malloc(sizeof(float) * B * qkv_n);
     s->att = malloc(sizeof(float) * B * att_n);
     s->act = malloc(sizeof(float) * B * s->inter);
-    s->scores = malloc(sizeof(float) * (size_t)nt * (s->heads / s->kv_heads) * s->max_pos);
-    s->acc = malloc(sizeof(float) * (size_t)nt * att_n);
+    /* A group of a prompt's rows reads each K/V row once for all of them; up to 32 (row,
+       head) pairs a group (one row of a model whose K/V heads serve more query heads), and
+       few enough rows a group that each thread has about two jobs of attention. */
+    int rep = s->heads / s->kv_heads, jobs_per_group = (2 * nt + s->kv_heads - 1) / s->kv_heads;
+    s->pairs = rep > 32 ? rep : B * rep < 32 ? B * rep : 32;
+    s->group_max = B / jobs_per_group;
+    if (s->group_max > s->pairs / rep) s->group_max = s->pairs / rep;
+    if (s->group_max < 1) s->group_max = 1;
+    s->scores = malloc(sizeof(float) * (size_t)nt * s->pairs * s->max_pos);
+    s->acc = malloc(sizeof(float) * (size_t)nt * s->pairs * hd);
     s->xq = malloc(sizeof(int16_t) * B * widest);
     s->xd = malloc(sizeof(float) * B * (widest / G + 1));
     s->xs = malloc(sizeof(float) * B * (widest / G + 1));
@@ -669,6 +768,7 @@ int gnosis_step_run(void *handle, int b, const int64_t *tokens, const int64_t *p
     }
     const int H = s->hidden, hd = s->head_dim, kvh = s->kv_heads, qkv_n = (s->heads + 2 * kvh) * hd;
     s->b = b; s->pos = pos; s->tables = tables; s->table_width = width;
+    const int groups = group_rows(s, b);
     for (int t = 0; t < b; t++) memcpy(s->h + (size_t)t * H, s->embed + (size_t)tokens[t] * H, sizeof(float) * H);
     for (int l = 0; l < s->layers; l++) {
         layer_t *L = &s->layer[l];
@@ -683,7 +783,7 @@ int gnosis_step_run(void *handle, int b, const int64_t *tokens, const int64_t *p
             memcpy(L->k_pool + (size_t)slots[t] * kvh * hd, k, sizeof(float) * kvh * hd);
             memcpy(L->v_pool + (size_t)slots[t] * kvh * hd, v, sizeof(float) * kvh * hd);
         }
-        parallel(s, attention_task, b * kvh);
+        parallel(s, attention_task, groups * kvh);
         matmul(s, &L->o, s->att, 1, s->h);
         for (int t = 0; t < b; t++) rms_norm(s->h + (size_t)t * H, L->norm2, s->x + (size_t)t * H, H, s->eps);
         matmul(s, &L->gate_up, s->x, 2, s->act);

@@ -183,8 +183,8 @@ class ModelRunner:
         # station.runtime.lean_decoder: the same layers' arithmetic without transformers'
         # per-call wrappers (Llama family); None: the model's own forward.
         self._lean = LeanDecoder.for_model(model, _registered_attention) if lean else None
-        # station.runtime.cpu_step: decode rows in one C call (4-bit Llama-family on a CPU),
-        # where the runner applies the head itself.
+        # station.runtime.cpu_step: every row of a step, decode or prompt, through C calls
+        # of up to 8 rows (4-bit Llama-family on a CPU), where the runner applies the head.
         self._step = (step.bind(kv_cache, max_positions) if step is not None and self._head is not None
                       and max_positions > 0 else None)
         self._torch_threads = torch.get_num_threads()
@@ -193,10 +193,6 @@ class ModelRunner:
         if self._lean is not None:
             return self._lean(ids, pos_ids)
         return self.model.base_model(input_ids=ids, position_ids=pos_ids, use_cache=False).last_hidden_state
-
-    def _decode_step(self, decodes: list[Sequence]) -> torch.Tensor:
-        with torch.inference_mode():
-            return self._step(*_decode_step_args(decodes, self.block_size))
 
     def _stepped_head(self, stepped: torch.Tensor) -> torch.Tensor:
         """The C step's rows' logits, computed alike whatever else is in the step: the Q8_0
@@ -216,6 +212,41 @@ class ModelRunner:
         if torch.get_num_threads() != want:
             torch.set_num_threads(want)
 
+    def _run_stepped(self, batch: SchedulerOutput) -> tuple[torch.Tensor | None, list[Sequence]]:
+        """``run`` where the C step takes every row, the prompts' too: each token's K/V is
+        then one arithmetic's, whether its row was a decode or a prompt's, so a prefix hit
+        on a previous answer is the same to the bit as computing it again."""
+        bs = self.block_size
+        tokens, positions, slots, tables = _decode_step_args(batch.decodes, bs)
+        sampled = list(batch.decodes)
+        keep = list(range(len(tokens)))
+        extra: list[tuple[Sequence, int, int, int]] = []
+        for seq, n in batch.prefills:
+            start, row = seq.num_computed_tokens, len(tokens)
+            end = start + n
+            table = [b.block_id for b in seq.blocks[:-(-end // bs)]]
+            tokens.extend(seq.token_ids[start:end])
+            positions.extend(range(start, end))
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            tables.extend([table] * n)
+            if end == seq.num_tokens:
+                keep.append(row + n - 1)
+                sampled.append(seq)
+            if seq.prompt_logprobs is not None and not seq.prefill_reported:
+                upto = min(end, seq.num_prompt_tokens - 1)  # the rows that predict prompt tokens
+                if upto > start:
+                    extra.append((seq, start, row, upto - start))
+        self.prompt_rows = []
+        for seq, start, row, n in extra:
+            self.prompt_rows.append((seq, start, len(keep), n))
+            keep.extend(range(row, row + n))
+        self._quiet_torch(getattr(self._head, "kernel", None) is not None)
+        with torch.inference_mode():
+            hidden = self._step(tokens, positions, slots, tables)
+        if not keep:  # a mid-prompt chunk only: no logits, no head
+            return None, []
+        return self._stepped_head(hidden[keep]), sampled
+
     def run(self, batch: SchedulerOutput) -> tuple[torch.Tensor | None, list[Sequence]]:
         """One forward for the step -> (logits [K, V] float32, the K sequences to sample);
         rows past K: the prompt rows of ``prompt_logprobs`` sequences (``self.prompt_rows``)."""
@@ -226,13 +257,11 @@ class ModelRunner:
         sampled: list[Sequence] = []
         keep: list[int] = []
 
+        if self._step is not None and (batch.decodes or batch.prefills) and self._step.fits(
+                [seq.num_computed_tokens for seq in batch.decodes]
+                + [seq.num_computed_tokens + n - 1 for seq, n in batch.prefills]):
+            return self._run_stepped(batch)
         decodes = batch.decodes
-        stepped = None  # [B, hidden]: the decode rows' final hidden states, from the C step
-        if decodes and self._step is not None and self._step.fits(
-                [seq.num_computed_tokens for seq in decodes]):
-            stepped = self._decode_step(decodes)
-            sampled.extend(decodes)
-            decodes = []
         num_decodes = len(decodes)
         decode_tables = decode_mask = decode_first = None
         decode_ctx_len = 0
@@ -292,14 +321,10 @@ class ModelRunner:
             q_start += n
         # (seq, first position, first row in the returned logits, rows) per prompt_logprobs chunk
         self.prompt_rows = []
-        first_row = 0 if stepped is None else stepped.shape[0]  # the stepped rows come first
         for seq, start, q, n in extra:
-            self.prompt_rows.append((seq, start, first_row + len(keep), n))
+            self.prompt_rows.append((seq, start, len(keep), n))
             keep.extend(range(q, q + n))
 
-        if stepped is not None and not keep and not batch.prefills:
-            self._quiet_torch(getattr(self._head, "kernel", None) is not None)
-            return self._stepped_head(stepped), sampled
         self._quiet_torch(False)
         dev = self.device
         ctx = StepContext(
@@ -318,15 +343,12 @@ class ModelRunner:
         _local.context = ctx
         try:
             with torch.inference_mode():
-                if not keep and stepped is None:  # a mid-prompt chunk only: no logits, no head
+                if not keep:  # a mid-prompt chunk only: no logits, no head
                     self._decoder(ids, pos_ids)
                     return None, []
                 rows = torch.tensor(keep, device=dev, dtype=torch.long)
                 if self._head is not None:
-                    logits = self._head(self._decoder(ids, pos_ids)[0, rows]).float()
-                    if stepped is not None:  # the decode rows' head as in a C-only step
-                        logits = torch.cat([self._stepped_head(stepped), logits])
-                    return logits, sampled
+                    return self._head(self._decoder(ids, pos_ids)[0, rows]).float(), sampled
                 out = self.model(input_ids=ids, position_ids=pos_ids, use_cache=False, logits_to_keep=rows)
         finally:
             _local.context = None

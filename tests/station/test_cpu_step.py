@@ -14,11 +14,12 @@ import pytest
 import torch
 
 from gnosis_daemon.settings import Settings
+from station.core.requests import GenerationRequest, SamplingParams
 from station.runtime.cpu_kernels import _build_and_open, compiler
 from station.runtime.cpu_step import STEP_ROWS, StepWeights
 from station.runtime.kv_cache import KVCache, KVCacheShape
 from station.runtime.model_loader import load_model
-from tests.station.test_paged_engine import BS, engine_for, prompt_of, submit
+from tests.station.test_paged_engine import BS, Collector, engine_for, prompt_of, submit
 from tests.support.tiny_models import build_tiny_model
 
 pytestmark = pytest.mark.skipif(compiler() is None, reason="no C compiler here (cc, gcc or $CC)")
@@ -106,6 +107,66 @@ def test_a_row_gives_the_same_bits_alone_and_in_a_batch(tiny, tmp_path):
             alone = step([prompts[i][-1]], [last[i]], [slots[i]], [tables[i]])
             assert torch.equal(alone[0], batch[i]), i
     assert step.calls == sum(len(p) - 1 for p in prompts) + 2 * rows
+
+
+def test_a_prompts_rows_in_one_call_equal_the_same_rows_one_by_one(tiny, tmp_path):
+    """Consecutive rows of one sequence share their attention jobs (each K/V row read once
+    for all of them); a row's output and K/V are still the bits it has alone."""
+    loaded = _load(tiny["llama"], tmp_path)
+    ids = prompt_of(9, 45)
+    table = list(range(-(-45 // BS)))[::-1]  # the blocks out of order; the last one is the other's
+    alone_step = loaded.weights.step.bind(_pool(loaded.model, len(table) + 1), max_positions=64, threads=2)
+    grouped_step = loaded.weights.step.bind(_pool(loaded.model, len(table) + 1), max_positions=64, threads=2)
+    spare = len(table)
+    with torch.inference_mode():
+        alone = _run_alone(alone_step, ids, table)
+        # calls of 8 rows (the last one 5), the prompt's positions in order, plus a row of
+        # another sequence in the middle of one call (it splits that call's group)
+        other = prompt_of(10, 3)
+        _run_alone(grouped_step, other[:-1], [spare])
+        grouped = []
+        for start in range(0, len(ids), 8):
+            rows = list(range(start, min(start + 8, len(ids))))
+            tokens, pos = [ids[p] for p in rows], rows
+            slots = [table[p // BS] * BS + p % BS for p in rows]
+            tables = [table] * len(rows)
+            if start == 16:
+                tokens.insert(4, other[-1]), pos.insert(4, 2), slots.insert(4, spare * BS + 2)
+                tables.insert(4, [spare])
+            out = grouped_step(tokens, pos, slots, tables)
+            grouped.append(torch.cat([out[:4], out[5:]]) if start == 16 else out)
+    assert torch.equal(torch.cat(grouped), alone)
+    used = torch.tensor([table[p // BS] * BS + p % BS for p in range(len(ids))])
+    assert torch.equal(grouped_step.kv.flatten(2, 3)[:, :, used], alone_step.kv.flatten(2, 3)[:, :, used])
+
+
+def test_a_prefix_hit_on_a_previous_answer_equals_computing_it_again(tiny, tmp_path):
+    """Prompts go through the step too: the K/V of a turn's answer (decode rows) and of the
+    same tokens in the next turn's prompt (prompt rows) are the same bits, so the next turn
+    gives the same logprobs, to the bit, with the answer's K/V from the prefix cache or
+    computed again in a fresh pool."""
+    first = prompt_of(60, 20)
+    with engine_for(_load(tiny["llama"], tmp_path), prefill_chunk_tokens=16) as engine:
+        answer = submit(engine, "t1", first, 14).wait().tokens
+        second = first + answer + prompt_of(61, 7)
+        hit = _with_logprobs(engine, "t2", second, 10).wait()
+    with engine_for(_load(tiny["llama"], tmp_path), prefill_chunk_tokens=16) as engine:
+        miss = _with_logprobs(engine, "t2", second, 10).wait()
+        rows = engine.runner._step.calls
+    cached = hit.events[0].cached_tokens
+    assert cached > len(first) and miss.events[0].cached_tokens == 0  # the hit took answer K/V
+    assert hit.tokens == miss.tokens
+    logprobs = [[(e.logprobs.logprob, e.logprobs.top) for e in c.events if hasattr(e, "logprobs")]
+                for c in (hit, miss)]
+    assert len(logprobs[0]) == 10 and logprobs[0] == logprobs[1]
+    assert rows == len(second) + 9  # every prompt row went through the step, then 9 decodes
+
+
+def _with_logprobs(engine, rid: str, prompt: list[int], n: int) -> Collector:
+    collector = Collector()
+    engine.add_request(GenerationRequest(rid, list(prompt), SamplingParams(max_tokens=n, temperature=0.0),
+                                         logprobs=1), collector)
+    return collector
 
 
 def test_the_head_on_the_steps_threads_equals_the_q8_kernel(tiny, tmp_path):
