@@ -99,7 +99,7 @@ def step_figures(report: Report, quant, dense, ids: list[int], text: list[int], 
     agree = float((want == got).float().mean())
     report.add("top-1 agreement over 512 teacher-forced tokens, C decode step / float", agree, ">=", 0.99,
                f"{int((want == got).sum())} of {len(text)} positions, every position through the step "
-               f"(the station decodes there; its prefill is torch's)")
+               f"(the station runs its prompts and decodes through it)")
     same, partings = _partings(dense.model, prompts, float_answers, _engine_greedy(quant, prompts, 64))
     notes = [f"prompt {i + 1} parts at token {at + 1} (float top-two margin {margin:.3f})"
              for i, at, margin in partings]

@@ -1,12 +1,13 @@
-/* A whole decode step of a Llama-family model on 4-bit weights, in one call
-   (station/runtime/cpu_step.py says when the station uses it and why).
+/* The forward of up to max_batch token rows of a Llama-family model on 4-bit weights, in
+   one call (station/runtime/cpu_step.py says when the station uses it and why).
 
    A decode token of a small model is 30 layers x (2 norms, 4 matrix products, rotary,
    attention, SiLU): a few hundred torch calls, each a Python round trip and an OpenMP
-   fork/join, more time than the arithmetic. Here the step is one C call: B tokens (one per
-   sequence) in, the final norm's output out, K/V written into the paged pool and read
-   back through each sequence's block table, the work split over a pool of threads that
-   live as long as the step does.
+   fork/join, more time than the arithmetic. Here the step is one C call: B token rows in
+   (decode tokens, one per sequence, or a prompt's tokens in position order), the final
+   norm's output out, K/V written into the paged pool and read back through each
+   sequence's block table, the work split over a pool of threads that live as long as the
+   step does.
 
    Weights: per output row, the row's 4-bit values as GGUF keeps them (32-value groups,
    byte j of a group holds values j and j + 16) and per group a float16 step and minimum,
@@ -15,7 +16,8 @@
    term uses the group's float32 sum: the only rounding added is the activations' to 15
    bits (torch's int4 kernels round them to bfloat16, 8 bits). Every output of a row is
    computed from that row's values alone, in the same order whatever B is: a sequence
-   decodes alike alone or in a batch. */
+   decodes alike alone or in a batch, and a token's K/V is the same bits from a prompt's
+   row as from a decode row. */
 
 #include <math.h>
 #include <pthread.h>

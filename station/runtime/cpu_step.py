@@ -1,14 +1,16 @@
-"""A decode step in one C call: Llama-family models on 4-bit weights, on a CPU.
+"""A step's token rows in C calls: Llama-family models on 4-bit weights, on a CPU.
 
 On a small model a decode token is mostly Python: 30 layers of norms, four matrix
 products, rotary, attention and SiLU are a few hundred torch calls, each with its own
 dispatch and OpenMP fork/join, and ``make profile`` put that overhead at 8.5 ms of a 19 ms
-token on 2 cores. ``cpu_step.c`` computes the whole step (embedding to final norm) for up
-to ``STEP_ROWS`` decode tokens in one call: the weights are the GGUF file's 4-bit groups
-(``Int4Groups.step_layout``, read once per step for every row), K/V go straight into the
+token on 2 cores. ``cpu_step.c`` computes the whole forward (embedding to final norm) for
+up to ``STEP_ROWS`` token rows in one call: the weights are the GGUF file's 4-bit groups
+(``Int4Groups.step_layout``, read once per call for every row), K/V go straight into the
 paged pool and are read back through each sequence's block table, and the work is split
-over threads that outlive the call. The vocabulary head stays where it was (``VocabHead``,
-the Q8_0 kernel or oneDNN), as does every prefill: the step serves decode rows only.
+over threads that outlive the call. The engine sends it every row of a step, decode tokens
+and prompt tokens alike (``ModelRunner._run_stepped``; a prompt's rows in position order),
+so every token's K/V comes from one arithmetic. The vocabulary head stays where it was
+(``VocabHead``, the Q8_0 kernel on the step's threads, or oneDNN).
 
 Numerics: activations are rounded to 15 bits per 32-value group for the integer products
 (torch's int4 kernels round them to 8, bfloat16), the rest is float32. The step is not the
@@ -16,7 +18,8 @@ torch path's arithmetic, so a decode token's logits differ from ``model.generate
 same weights in the last bits (the fingerprint names the step, so KV of one is never served
 to the other). What holds is what the engine promises: a row is computed from its own
 values alone in the same order whatever else is in the step, so a sequence decodes alike
-alone, in a batch, after a prefix hit or after a restart.
+alone, in a batch, after a prefix hit or after a restart, and a token's K/V is the same
+whether its row was a decode or a prompt's.
 
 Used where ``StepWeights.for_model`` finds the shape it computes, the library builds, a
 check against the model's own forward agrees, and a step measures faster than the torch
@@ -38,7 +41,7 @@ log = get_logger(__name__)
 
 MAX_WIDTH = 32768  # inputs of a layer (cpu_step.c's MAX_GROUPS groups of 32)
 MAX_HEAD_DIM = 512  # cpu_step.c's MAX_HEAD_DIM
-STEP_ROWS = 8  # decode rows per call; more rows are more calls, each row computed alike
+STEP_ROWS = 8  # token rows per call; more rows are more calls, each row computed alike
 _PROJECTIONS = (("self_attn", ("q_proj", "k_proj", "v_proj")), ("self_attn", ("o_proj",)),
                 ("mlp", ("gate_proj", "up_proj")), ("mlp", ("down_proj",)))
 
@@ -133,7 +136,8 @@ class CpuStep:
 
     def __call__(self, tokens: list[int], positions: list[int], slots: list[int],
                  tables: list[list[int]]) -> torch.Tensor:
-        """One token per sequence -> the final norm's output, [B, hidden] float32."""
+        """Token rows (decode tokens, or a prompt's in position order) -> the final norm's
+        output, [B, hidden] float32; calls of ``STEP_ROWS`` rows, in order."""
         out = torch.empty(len(tokens), self.weights.hidden)
         width = max(len(t) for t in tables)
         for start in range(0, len(tokens), STEP_ROWS):

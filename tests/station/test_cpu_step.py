@@ -162,10 +162,26 @@ def test_a_prefix_hit_on_a_previous_answer_equals_computing_it_again(tiny, tmp_p
     assert rows == len(second) + 9  # every prompt row went through the step, then 9 decodes
 
 
-def _with_logprobs(engine, rid: str, prompt: list[int], n: int) -> Collector:
+def test_prompt_logprobs_of_an_answer_equal_its_logprobs_when_it_was_generated(tiny, tmp_path):
+    """A prompt's rows (``prompt_logprobs``: every prompt row's logits) and decode rows are
+    one arithmetic: the logprob of each token of an answer, read back as part of a prompt,
+    is the one it had when it was sampled, to the bit."""
+    first = prompt_of(70, 11)
+    with engine_for(_load(tiny["llama"], tmp_path), prefill_chunk_tokens=8) as engine:
+        turn = _with_logprobs(engine, "t1", first, 9).wait()
+        sampled = [(e.token_id, e.logprobs.logprob) for e in turn.events if hasattr(e, "logprobs")]
+        again = _with_logprobs(engine, "t2", first + [t for t, _ in sampled], 1, prompt_logprobs=1).wait()
+    prompt = [e for e in again.events if getattr(e, "prompt_logprobs", None) is not None][0].prompt_logprobs
+    assert len(prompt) == len(first) + 9 and prompt[0].logprob is None
+    read_back = [(lp.token_id, lp.logprob) for lp in prompt[len(first):]]
+    assert read_back == sampled
+
+
+def _with_logprobs(engine, rid: str, prompt: list[int], n: int, **asked) -> Collector:
+    asked.setdefault("logprobs", 1)
     collector = Collector()
     engine.add_request(GenerationRequest(rid, list(prompt), SamplingParams(max_tokens=n, temperature=0.0),
-                                         logprobs=1), collector)
+                                         **asked), collector)
     return collector
 
 
