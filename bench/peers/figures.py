@@ -9,6 +9,7 @@ import statistics
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from datetime import datetime, timezone
 from pathlib import Path
 
 from bench.common import Pairs, Report, free_port, start_station, stop_station
@@ -81,7 +82,9 @@ def peer_figures(settings, args, tmp: Path, out: Path) -> PeerResult:
     # SIGTERM (and SIGINT, which a shell's background job ignores) unwinds through the
     # finally below, so no paused llama.cpp child or station outlives the bench
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    result.facts += [f"peer: llama-cpp-python {llama_cpp_version()}, n_threads {threads}, "
+    # its own date: `--peer-only` rewrites this section alone, under the main table's date
+    result.facts += [f"measured: {datetime.now(timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}",
+                     f"peer: llama-cpp-python {llama_cpp_version()}, n_threads {threads}, "
                      f"`use_extra_bufts=False`, on {model.name}",
                      f"decode tokens {args.decode_tokens}, long prompt ~{args.prompt_tokens} "
                      f"tokens, {args.streams} streams, {args.rounds} rounds a row, "
