@@ -23,7 +23,7 @@ run: $(STAMP)
 	$(VENV)/bin/gnosis-daemon run $(ARGS)
 
 # Two pytest workers (pytest-xdist), a test module each at a time (its module-scoped stations
-# are started once): about 10 minutes on two cores against 15 on one. TEST_JOBS=0 runs the
+# are started once): about 9 minutes on two cores against 15 on one. TEST_JOBS=0 runs the
 # suite in this one process.
 TEST_JOBS ?= 2
 test: $(STAMP)
