@@ -452,6 +452,31 @@ static inline void prefetch_ahead(const float *base, const int32_t *table, int p
 #endif
 }
 
+#if STEP_SIMD
+/* Where prefetch_ahead looks: a K/V head's rows, a sequence's table, from position p0. */
+typedef struct {
+    const float *base;
+    const int32_t *table;
+    int p0, ctx, bs, stride, hd;
+} ahead_t;
+
+/* a[0 .. 8 * nv) += sc[j] * (v + j * stride)[0 .. 8 * nv) for j < end, position by
+   position, the sums held in nv registers (nv a constant: the loops unroll); with `pf`,
+   each position's row PREFETCH_AHEAD on is fetched as it goes. */
+static inline __attribute__((always_inline)) void weighted_v(float *a, const float *v, const float *sc,
+                                                             int end, int stride, const int nv,
+                                                             const ahead_t *pf) {
+    __m256 r[8];
+    for (int u = 0; u < nv; u++) r[u] = _mm256_loadu_ps(a + 8 * u);
+    for (int j = 0; j < end; j++, v += stride) {
+        if (pf) prefetch_ahead(pf->base, pf->table, pf->p0 + j, pf->ctx, pf->bs, pf->stride, pf->hd);
+        __m256 w8 = _mm256_set1_ps(sc[j]);
+        for (int u = 0; u < nv; u++) r[u] = _mm256_fmadd_ps(w8, _mm256_loadu_ps(v + 8 * u), r[u]);
+    }
+    for (int u = 0; u < nv; u++) _mm256_storeu_ps(a + 8 * u, r[u]);
+}
+#endif
+
 /* Attention of a group of token rows (one row, or a prompt's consecutive positions, which
    read the same K/V) for the query heads that share one K/V head (GQA), each row over its
    positions 0..pos. Each K and V vector is read from the pool once for all of them (a job
@@ -533,53 +558,12 @@ static void attention_task(step_t *s, int job, int tid) {
             float *a = acc + (size_t)x * hd;
             int i = 0;
 #if STEP_SIMD
-            /* a block's positions against 64 (then 32, then 8) of the pair's sums held in
-               registers: eight multiply-add chains in flight */
-            for (; i + 64 <= hd; i += 64) {
-                __m256 a0 = _mm256_loadu_ps(a + i), a1 = _mm256_loadu_ps(a + i + 8),
-                       a2 = _mm256_loadu_ps(a + i + 16), a3 = _mm256_loadu_ps(a + i + 24),
-                       a4 = _mm256_loadu_ps(a + i + 32), a5 = _mm256_loadu_ps(a + i + 40),
-                       a6 = _mm256_loadu_ps(a + i + 48), a7 = _mm256_loadu_ps(a + i + 56);
-                const float *vj = v + i;
-                for (int j = 0; j < end; j++, vj += stride) {
-                    if (x == 0 && i == 0) prefetch_ahead(vbase, table, p0 + j, ctx, bs, stride, hd);
-                    __m256 w8 = _mm256_set1_ps(sc[j]);
-                    a0 = _mm256_fmadd_ps(w8, _mm256_loadu_ps(vj), a0);
-                    a1 = _mm256_fmadd_ps(w8, _mm256_loadu_ps(vj + 8), a1);
-                    a2 = _mm256_fmadd_ps(w8, _mm256_loadu_ps(vj + 16), a2);
-                    a3 = _mm256_fmadd_ps(w8, _mm256_loadu_ps(vj + 24), a3);
-                    a4 = _mm256_fmadd_ps(w8, _mm256_loadu_ps(vj + 32), a4);
-                    a5 = _mm256_fmadd_ps(w8, _mm256_loadu_ps(vj + 40), a5);
-                    a6 = _mm256_fmadd_ps(w8, _mm256_loadu_ps(vj + 48), a6);
-                    a7 = _mm256_fmadd_ps(w8, _mm256_loadu_ps(vj + 56), a7);
-                }
-                _mm256_storeu_ps(a + i, a0); _mm256_storeu_ps(a + i + 8, a1);
-                _mm256_storeu_ps(a + i + 16, a2); _mm256_storeu_ps(a + i + 24, a3);
-                _mm256_storeu_ps(a + i + 32, a4); _mm256_storeu_ps(a + i + 40, a5);
-                _mm256_storeu_ps(a + i + 48, a6); _mm256_storeu_ps(a + i + 56, a7);
-            }
-            for (; i + 32 <= hd; i += 32) {
-                __m256 a0 = _mm256_loadu_ps(a + i), a1 = _mm256_loadu_ps(a + i + 8),
-                       a2 = _mm256_loadu_ps(a + i + 16), a3 = _mm256_loadu_ps(a + i + 24);
-                const float *vj = v + i;
-                for (int j = 0; j < end; j++, vj += stride) {
-                    if (x == 0 && i == 0) prefetch_ahead(vbase, table, p0 + j, ctx, bs, stride, hd);
-                    __m256 w8 = _mm256_set1_ps(sc[j]);
-                    a0 = _mm256_fmadd_ps(w8, _mm256_loadu_ps(vj), a0);
-                    a1 = _mm256_fmadd_ps(w8, _mm256_loadu_ps(vj + 8), a1);
-                    a2 = _mm256_fmadd_ps(w8, _mm256_loadu_ps(vj + 16), a2);
-                    a3 = _mm256_fmadd_ps(w8, _mm256_loadu_ps(vj + 24), a3);
-                }
-                _mm256_storeu_ps(a + i, a0); _mm256_storeu_ps(a + i + 8, a1);
-                _mm256_storeu_ps(a + i + 16, a2); _mm256_storeu_ps(a + i + 24, a3);
-            }
-            for (; i + 8 <= hd; i += 8) {
-                __m256 a0 = _mm256_loadu_ps(a + i);
-                const float *vj = v + i;
-                for (int j = 0; j < end; j++, vj += stride)
-                    a0 = _mm256_fmadd_ps(_mm256_set1_ps(sc[j]), _mm256_loadu_ps(vj), a0);
-                _mm256_storeu_ps(a + i, a0);
-            }
+            /* 64 lanes at a time, then 32, then 8: eight multiply-add chains in flight; the
+               first pass over a block fetches the rows ahead */
+            const ahead_t pf = {vbase, table, p0, ctx, bs, stride, hd}, *first_pf = x == 0 ? &pf : NULL;
+            for (; i + 64 <= hd; i += 64) weighted_v(a + i, v + i, sc, end, stride, 8, i == 0 ? first_pf : NULL);
+            for (; i + 32 <= hd; i += 32) weighted_v(a + i, v + i, sc, end, stride, 4, i == 0 ? first_pf : NULL);
+            for (; i + 8 <= hd; i += 8) weighted_v(a + i, v + i, sc, end, stride, 1, NULL);
 #endif
             for (; i < hd; i++) {
                 const float *vj = v + i;
