@@ -85,7 +85,7 @@ def step_figures(report: Report, quant, dense, ids: list[int], text: list[int], 
                  prompts: list[list[int]], float_answers: list[list[int]]) -> None:
     """The C decode step (``cpu_step``), which decodes in the station where it is used: its
     top-1 agreement with the float model with every position through the step, and the
-    engine's greedy output (torch prefill, step decode) against the float model's
+    engine's greedy output (prompts and decodes through the step) against the float model's
     (``float_answers``, to ``prompts``)."""
     tokens = ids + text
     pool = _pool(quant.model, len(tokens))

@@ -144,6 +144,15 @@ def _decode_step_args(decodes: list[Sequence], bs: int) -> tuple[list[int], ...]
     return tokens, positions, slots, tables
 
 
+def _prompt_rows(seq: Sequence, start: int, end: int, row: int) -> list[tuple[Sequence, int, int, int]]:
+    """Issue 13: a ``prompt_logprobs`` sequence's chunk of positions start..end (its first at
+    ``row`` of the step) -> the rows that predict prompt tokens, as (seq, start, row, count)."""
+    if seq.prompt_logprobs is None or seq.prefill_reported:
+        return []
+    upto = min(end, seq.num_prompt_tokens - 1)
+    return [(seq, start, row, upto - start)] if upto > start else []
+
+
 def _first_if_consecutive(block_ids: list[int]) -> int | None:
     """The first id when the ids run first, first + 1, ... (then K/V are a view of the pool)."""
     first = block_ids[0]
@@ -212,6 +221,15 @@ class ModelRunner:
         if torch.get_num_threads() != want:
             torch.set_num_threads(want)
 
+    def _keep_prompt_rows(self, extra: list[tuple[Sequence, int, int, int]], keep: list[int]) -> None:
+        """``extra`` (``_prompt_rows``' entries) kept after the sampled rows in ``keep``;
+        ``self.prompt_rows``: (seq, first position, first row in the returned logits, rows)
+        per ``prompt_logprobs`` chunk."""
+        self.prompt_rows = []
+        for seq, start, row, n in extra:
+            self.prompt_rows.append((seq, start, len(keep), n))
+            keep.extend(range(row, row + n))
+
     def _run_stepped(self, batch: SchedulerOutput) -> tuple[torch.Tensor | None, list[Sequence]]:
         """``run`` where the C step takes every row, the prompts' too: each token's K/V is
         then one arithmetic's, whether its row was a decode or a prompt's, so a prefix hit
@@ -232,14 +250,8 @@ class ModelRunner:
             if end == seq.num_tokens:
                 keep.append(row + n - 1)
                 sampled.append(seq)
-            if seq.prompt_logprobs is not None and not seq.prefill_reported:
-                upto = min(end, seq.num_prompt_tokens - 1)  # the rows that predict prompt tokens
-                if upto > start:
-                    extra.append((seq, start, row, upto - start))
-        self.prompt_rows = []
-        for seq, start, row, n in extra:
-            self.prompt_rows.append((seq, start, len(keep), n))
-            keep.extend(range(row, row + n))
+            extra += _prompt_rows(seq, start, end, row)
+        self._keep_prompt_rows(extra, keep)
         self._quiet_torch(getattr(self._head, "kernel", None) is not None)
         with torch.inference_mode():
             hidden = self._step(tokens, positions, slots, tables)
@@ -313,17 +325,9 @@ class ModelRunner:
             if ctx_len == seq.num_tokens:
                 keep.append(q_start + n - 1)
                 sampled.append(seq)
-            if seq.prompt_logprobs is not None and not seq.prefill_reported:
-                # Issue 13: the rows that predict prompt tokens, kept after the sampled ones.
-                upto = min(ctx_len, seq.num_prompt_tokens - 1)
-                if upto > start:
-                    extra.append((seq, start, q_start, upto - start))
+            extra += _prompt_rows(seq, start, ctx_len, q_start)
             q_start += n
-        # (seq, first position, first row in the returned logits, rows) per prompt_logprobs chunk
-        self.prompt_rows = []
-        for seq, start, q, n in extra:
-            self.prompt_rows.append((seq, start, len(keep), n))
-            keep.extend(range(q, q + n))
+        self._keep_prompt_rows(extra, keep)
 
         self._quiet_torch(False)
         dev = self.device
