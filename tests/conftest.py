@@ -12,11 +12,6 @@ from pathlib import Path
 
 import pytest
 
-if os.environ.get("PYTEST_XDIST_WORKER"):
-    # `make test` runs two workers on two cores: one torch thread each (set before torch is
-    # imported), or each worker's idle OpenMP threads spin on the core the other is using.
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-
 
 def pytest_collection_modifyitems(config, items):
     """Tests marked ``gpu`` run only where CUDA is; elsewhere they skip, saying so."""
