@@ -85,6 +85,11 @@ class Settings:
     # cpu_step.c). auto: where it checks out and measures no slower than torch's layers
     # (kept per machine); on: wherever it checks out; off: decode through torch.
     cpu_decode_step: str = "auto"
+    # Pure-decode steps replayed as CUDA graphs, one per (batch, context) bucket (station/
+    # runtime/decode_graphs.py). auto: on a GPU; on: a CPU runs the same static step eagerly
+    # (the CPU tests' way to check it); off: eager steps everywhere.
+    decode_graphs: str = "auto"
+    decode_graph_max_context: int = 8192  # longer contexts decode eagerly
     # The decoder's linear weights in memory: auto keeps a GGUF file's 4-bit groups (Q4_0,
     # Q4_1, Q4_K) and int8 (Q8_0) and a float checkpoint's floats; int4 / int8 quantize the rest
     # at load; float dequantizes everything (docs/engine.md, "Weights that stay quantized").
@@ -164,6 +169,8 @@ class Settings:
                "one of auto, float, int8, int4")
         _check(self.cpu_decode_step, self.cpu_decode_step in {"auto", "on", "off"}, "cpu_decode_step",
                "one of auto, on, off")
+        _check(self.decode_graphs, self.decode_graphs in {"auto", "on", "off"}, "decode_graphs",
+               "one of auto, on, off")
         _check(self.tool_parser, self.tool_parser in {"auto", "hermes", "mistral", "llama3", "none"},
                "tool_parser", "one of auto, hermes, mistral, llama3, none")
         for name in ("max_model_len", "max_tokens_default", "max_frame_bytes", "kv_cache_bytes",
@@ -171,7 +178,7 @@ class Settings:
                      "kv_session_budget", "health_failures_before_kill", "max_fast_failures",
                      "listen_backlog", "max_request_bytes", "max_inflight_requests",
                      "max_waiting_requests", "kv_disk_bytes", "kv_events_queue",
-                     "kv_events_buffer_steps"):
+                     "kv_events_buffer_steps", "decode_graph_max_context"):
             value = getattr(self, name)
             _check(value, value > 0, name, "a positive integer")
         _check(self.kv_io_nice, 0 <= self.kv_io_nice <= 19, "kv_io_nice", "an integer from 0 to 19")

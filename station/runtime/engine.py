@@ -41,6 +41,7 @@ from gnosis_daemon.logs import get_logger
 from gnosis_daemon.protocol import ErrorCode, OpError
 from station.core.requests import (CallDone, EngineCallHandler, EngineEvent, EventCallback, Failed,
                                    Finished, GenerationRequest, Prefill, SequenceLimits, Token)
+from station.runtime.decode_graphs import graph_limits
 from station.runtime.engine_calls import EngineCalls, RequestState, answer, session_fields
 from station.runtime.kv_cache import KVCache, KVCacheShape, num_blocks_for
 from station.runtime.kv_tier import DiskTier
@@ -68,8 +69,9 @@ class PagedEngine:
         shape = KVCacheShape.from_config(loaded.model.config, self.block_size, loaded.dtype)
         if num_blocks is None:
             num_blocks = num_blocks_for(shape, settings, device)
-        # In shared memory for the disk tier's I/O process (a CPU pool that does not stage).
-        self.kv_cache = KVCache(shape, num_blocks, device,
+        graphs = graph_limits(settings, device)  # the decode graphs' (rows, context), or None
+        # Shared for the disk tier's I/O process (a CPU pool that does not stage); scratch for graphs.
+        self.kv_cache = KVCache(shape, num_blocks, device, scratch_blocks=int(graphs is not None),
                                 shared=settings.kv_persistence and not settings.kv_host_bytes)
         self.limits = SequenceLimits(loaded.max_model_len, loaded.vocab_size, self.block_size, num_blocks)
         self.kv = KVCacheManager(num_blocks, self.block_size, settings.kv_session_budget,
@@ -82,7 +84,7 @@ class PagedEngine:
                                   pack_linears=settings.cpu_packed_linears, lean=settings.lean_decoder,
                                   head_kernel=getattr(loaded.weights, "head", None),
                                   step=getattr(loaded.weights, "step", None),
-                                  max_positions=loaded.max_model_len)
+                                  max_positions=loaded.max_model_len, graphs=graphs)
         self.device = device
         self._cond = threading.Condition()
         self._inbox: collections.deque[Sequence] = collections.deque()
@@ -235,7 +237,7 @@ class PagedEngine:
             "host_sequences": len(self.calls.seqs),
             "embed_calls": len(self.calls.embeds),
             "embed_inputs": self.calls.embed_inputs_done,
-            **(self.tier.stats() if self.tier is not None else {}),
+            **(self.tier.stats() if self.tier is not None else {}), **self.runner.graph_stats(),
         }
 
     def capabilities(self) -> dict[str, bool]:

@@ -93,20 +93,24 @@ class SharedBlocks:
 
 class KVCache:
     def __init__(self, shape: KVCacheShape, num_blocks: int, device: torch.device,
-                 shared: bool = False) -> None:
+                 shared: bool = False, scratch_blocks: int = 0) -> None:
         self.shape = shape
-        self.num_blocks = num_blocks
+        self.num_blocks = num_blocks  # the blocks the allocator hands out
         self.block_size = shape.block_size
         self.device = device
+        # ``scratch_blocks``: blocks past ``num_blocks`` that no sequence ever owns; the padded
+        # rows of a decode graph write there (``station.runtime.decode_graphs``).
+        self.scratch_block = num_blocks if scratch_blocks else None
+        total = num_blocks + scratch_blocks
         # ``shared`` (a CPU pool only): the blocks in shared memory, for the tier's I/O process.
-        self.shared = SharedBlocks(shape, num_blocks) if shared and device.type == "cpu" else None
+        self.shared = SharedBlocks(shape, total) if shared and device.type == "cpu" else None
         # Zeros, not empty: padded gathers read unused slots under a -inf mask, and
         # 0 * NaN garbage would still poison the weighted sum.
         self.kv = (self.shared.tensor if self.shared is not None else
-                   torch.zeros(shape.num_layers, 2, num_blocks, shape.block_size, shape.num_kv_heads,
+                   torch.zeros(shape.num_layers, 2, total, shape.block_size, shape.num_kv_heads,
                                shape.head_dim, dtype=shape.dtype, device=device))
-        # [L, 2, num_blocks * block_size, H, D]: slot-addressed views for writes.
-        self.flat = self.kv.view(shape.num_layers, 2, num_blocks * shape.block_size,
+        # [L, 2, blocks * block_size, H, D]: slot-addressed views for writes.
+        self.flat = self.kv.view(shape.num_layers, 2, total * shape.block_size,
                                  shape.num_kv_heads, shape.head_dim)
         # Per layer (K slots, V slots, K blocks, V blocks): the views attention takes every
         # step, made once (each is a few torch calls a layer a token otherwise).

@@ -21,16 +21,21 @@ no policy decisions: it runs exactly what the scheduler handed it.
 from __future__ import annotations
 
 import threading
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+from gnosis_daemon.logs import get_logger
+from station.runtime.decode_graphs import DecodeGraphs, StaticDecode
 from station.runtime.kv_cache import KVCache
 from station.runtime.lean_decoder import LeanDecoder
 from station.runtime.linear_kernels import VocabHead, pack_decoder_linears
 from station.core.scheduler import SchedulerOutput
 from station.core.sequence import Sequence
+
+log = get_logger(__name__)
 
 ATTN_IMPLEMENTATION = "gnosis_paged"
 
@@ -69,6 +74,8 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, **kwargs)
+    if type(ctx) is StaticDecode:  # a decode graph's step (station.runtime.decode_graphs)
+        return ctx.attend(module, query, key, value, scaling), None
     # query: [1, H, T, D]; key/value: [1, Hkv, T, D] (rotary already applied)
     _, num_heads, num_tokens, head_dim = query.shape
     num_kv_heads = key.shape[1]
@@ -118,6 +125,15 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
                                                enable_gqa=n_rep > 1)
         out[0, p.q_start:end] = o[0].transpose(0, 1)  # o: [1, H, n, D]
     return out, None
+
+
+@contextmanager
+def _step_context(ctx: StepContext | StaticDecode):
+    _local.context = ctx
+    try:
+        yield
+    finally:
+        _local.context = None
 
 
 def _decode_kv(ctx: StepContext, k_pool: torch.Tensor, v_pool: torch.Tensor, b: int,
@@ -176,7 +192,7 @@ def register_attention() -> None:
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, kv_cache: KVCache, device: torch.device,
                  pack_linears: bool = True, lean: bool = True, head_kernel=None, step=None,
-                 max_positions: int = 0) -> None:
+                 max_positions: int = 0, graphs: tuple[int, int] | None = None) -> None:
         register_attention()
         model.set_attn_implementation(ATTN_IMPLEMENTATION)
         self.model = model.eval()
@@ -197,6 +213,25 @@ class ModelRunner:
         self._step = (step.bind(kv_cache, max_positions) if step is not None and self._head is not None
                       and max_positions > 0 else None)
         self._torch_threads = torch.get_num_threads()
+        # station.runtime.decode_graphs: pure-decode steps replayed as CUDA graphs (captured on
+        # a GPU; on a CPU the same static step, eagerly, where the setting asks for it).
+        # ``graphs``: (the most rows, the longest context) to capture; None: eager steps.
+        self._graphs = (self._decode_graphs(graphs[0], min(graphs[1], max_positions))
+                        if graphs is not None else None)
+
+    def _decode_graphs(self, max_batch: int, max_context: int) -> DecodeGraphs | None:
+        reason = ("the model's forward is not the lean decoder's" if self._lean is None
+                  else "the model's logits are post-processed" if self._head is None
+                  else "the KV pool has no scratch block" if self.kv_cache.scratch_block is None
+                  else "no context to capture" if max_context < 1 else None)
+        if reason is not None:
+            log.info("decode_graphs_not_used", reason=reason)
+            return None
+        return DecodeGraphs(self.kv_cache, self.device, self._lean, self._head, _step_context,
+                            max_batch, max_context, capture=self.device.type == "cuda")
+
+    def graph_stats(self) -> dict[str, int]:
+        return self._graphs.stats() if self._graphs is not None else {}
 
     def _decoder(self, ids: torch.Tensor, pos_ids: torch.Tensor) -> torch.Tensor:
         if self._lean is not None:
@@ -273,6 +308,12 @@ class ModelRunner:
                 [seq.num_computed_tokens for seq in batch.decodes]
                 + [seq.num_computed_tokens + n - 1 for seq, n in batch.prefills]):
             return self._run_stepped(batch)
+        if self._graphs is not None and batch.decodes and not batch.prefills:
+            with torch.inference_mode():
+                logits = self._graphs.run(batch.decodes)
+            if logits is not None:
+                self.prompt_rows = []
+                return logits, list(batch.decodes)
         decodes = batch.decodes
         num_decodes = len(decodes)
         decode_tables = decode_mask = decode_first = None
@@ -344,16 +385,12 @@ class ModelRunner:
         )
         ids = torch.cat(ids_parts).to(dev)[None]
         pos_ids = torch.cat(pos_parts).to(dev)[None]
-        _local.context = ctx
-        try:
-            with torch.inference_mode():
-                if not keep:  # a mid-prompt chunk only: no logits, no head
-                    self._decoder(ids, pos_ids)
-                    return None, []
-                rows = torch.tensor(keep, device=dev, dtype=torch.long)
-                if self._head is not None:
-                    return self._head(self._decoder(ids, pos_ids)[0, rows]).float(), sampled
-                out = self.model(input_ids=ids, position_ids=pos_ids, use_cache=False, logits_to_keep=rows)
-        finally:
-            _local.context = None
+        with _step_context(ctx), torch.inference_mode():
+            if not keep:  # a mid-prompt chunk only: no logits, no head
+                self._decoder(ids, pos_ids)
+                return None, []
+            rows = torch.tensor(keep, device=dev, dtype=torch.long)
+            if self._head is not None:
+                return self._head(self._decoder(ids, pos_ids)[0, rows]).float(), sampled
+            out = self.model(input_ids=ids, position_ids=pos_ids, use_cache=False, logits_to_keep=rows)
         return out.logits[0].float(), sampled  # [K, V]

