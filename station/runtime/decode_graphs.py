@@ -132,6 +132,7 @@ class DecodeGraphs:
         self._forward, self._head, self._use_context = forward, head, use_context
         self._static: dict[tuple[int, int], StaticDecode | None] = {}  # None: capture failed, eager
         self._pool = torch.cuda.graph_pool_handle() if capture else None
+        self._stream = None  # the side stream of every warm-up and capture
         self.replays = 0
         self.failed: list[tuple[int, int]] = []
 
@@ -207,16 +208,21 @@ class DecodeGraphs:
         return static
 
     def _capture(self, static: StaticDecode) -> None:
-        main = torch.cuda.current_stream(self.device)
-        side = torch.cuda.Stream(self.device)
+        """Two warm-up runs, then the capture, all on one side stream kept for every bucket:
+        per-stream state (cuBLAS workspaces) is made before a capture, not in it, and the
+        shared memory pool is reused as torch asks (the same stream for each capture)."""
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(self.device)
+        main, side = torch.cuda.current_stream(self.device), self._stream
         side.wait_stream(main)
-        with torch.cuda.stream(side):  # warm-up off the capture: lazy inits, allocator caches
+        with torch.cuda.stream(side):
             for _ in range(2):
                 self._step(static)
-        main.wait_stream(side)
+        side.synchronize()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
+        with torch.cuda.graph(graph, pool=self._pool, stream=side):
             static.logits = self._step(static)
+        main.wait_stream(side)
         static.graph = graph
 
     def stats(self) -> dict[str, int]:
