@@ -101,9 +101,16 @@ def _decoding(engine: PagedEngine, lengths: list[int]) -> list[Sequence]:
     return seqs
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-def test_a_static_step_equals_the_eager_step_and_padding_writes_only_the_scratch_block(tiny, family):
-    _, loaded = tiny(family)
+@pytest.mark.parametrize(("family", "load"), [
+    *((family, {}) for family in FAMILIES),
+    # the GPU's usual form: a bfloat16 model whose linears are int4 (torch's path, no C step)
+    ("llama", {"dtype": "bfloat16", "weights": "int4", "cpu_decode_step": "off"}),
+])
+def test_a_static_step_equals_the_eager_step_and_padding_writes_only_the_scratch_block(tiny, tmp_path,
+                                                                                      family, load):
+    path, loaded = tiny(family)
+    if load:
+        loaded = load_model(Settings(model=str(path), model_cache_dir=str(tmp_path), **load))
     engine = PagedEngine(loaded, Settings(runtime_dir="/tmp/unused-rt", kv_block_size=BS,
                                           decode_graphs="on"), num_blocks=64)
     runner, kv = engine.runner, engine.kv_cache.kv
