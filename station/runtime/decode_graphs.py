@@ -63,6 +63,19 @@ def context_buckets(block_size: int, max_context: int) -> list[int]:
     return sizes + [top]
 
 
+def decode_rows(decodes: list[Sequence], bs: int) -> tuple[list[int], ...]:
+    """Each decoding sequence's next row: (tokens, positions, KV slots, block tables up to
+    the block of its position); the runner's steps and the graphs' read the same rows."""
+    tokens, positions, slots, tables = [], [], [], []
+    for seq in decodes:
+        pos = seq.num_computed_tokens
+        tokens.append(seq.token_ids[pos])
+        positions.append(pos)
+        slots.append(seq.blocks[pos // bs].block_id * bs + pos % bs)
+        tables.append([b.block_id for b in seq.blocks[:pos // bs + 1]])
+    return tokens, positions, slots, tables
+
+
 def graph_limits(settings, device: torch.device) -> tuple[int, int] | None:
     """Setting ``decode_graphs`` on ``device`` -> (the most rows, the longest context) to
     capture, or None: every step eager."""
@@ -160,17 +173,11 @@ class DecodeGraphs:
         rows, blocks = key
         scratch = self.kv_cache.scratch_block
         pad = rows - len(decodes)
-        tokens, positions, slots, lens, tables = [], [], [], [], []
-        for seq in decodes:
-            pos = seq.num_computed_tokens
-            tokens.append(seq.token_ids[pos])
-            positions.append(pos)
-            slots.append(seq.blocks[pos // bs].block_id * bs + pos % bs)
-            lens.append(pos + 1)
-            ids = [b.block_id for b in seq.blocks[:pos // bs + 1]]
-            tables += ids + [scratch] * (blocks - len(ids))
+        tokens, positions, slots, tables = decode_rows(decodes, bs)
+        lens = [pos + 1 for pos in positions]
+        flat = [block for table in tables for block in table + [scratch] * (blocks - len(table))]
         host = torch.tensor(tokens + [0] * pad + positions + [0] * pad + slots + [scratch * bs] * pad
-                            + lens + [1] * pad + tables + [scratch] * (pad * blocks), dtype=torch.long)
+                            + lens + [1] * pad + flat + [scratch] * (pad * blocks), dtype=torch.long)
         static.packed.copy_(host)
         if static.graph is not None:
             static.graph.replay()

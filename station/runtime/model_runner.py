@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from gnosis_daemon.logs import get_logger
-from station.runtime.decode_graphs import DecodeGraphs, StaticDecode
+from station.runtime.decode_graphs import DecodeGraphs, StaticDecode, decode_rows
 from station.runtime.kv_cache import KVCache
 from station.runtime.lean_decoder import LeanDecoder
 from station.runtime.linear_kernels import VocabHead, pack_decoder_linears
@@ -149,17 +149,6 @@ def _decode_kv(ctx: StepContext, k_pool: torch.Tensor, v_pool: torch.Tensor, b: 
             v_pool.index_select(0, ctx.decode_block_tables).view(b, -1, num_kv_heads, head_dim))
 
 
-def _decode_step_args(decodes: list[Sequence], bs: int) -> tuple[list[int], ...]:
-    tokens, positions, slots, tables = [], [], [], []
-    for seq in decodes:
-        pos = seq.num_computed_tokens
-        tokens.append(seq.token_ids[pos])
-        positions.append(pos)
-        slots.append(seq.blocks[pos // bs].block_id * bs + pos % bs)
-        tables.append([b.block_id for b in seq.blocks[:pos // bs + 1]])
-    return tokens, positions, slots, tables
-
-
 def _prompt_rows(seq: Sequence, start: int, end: int, row: int) -> list[tuple[Sequence, int, int, int]]:
     """Issue 13: a ``prompt_logprobs`` sequence's chunk of positions start..end (its first at
     ``row`` of the step) -> the rows that predict prompt tokens, as (seq, start, row, count)."""
@@ -270,7 +259,7 @@ class ModelRunner:
         then one arithmetic's, whether its row was a decode or a prompt's, so a prefix hit
         on a previous answer is the same to the bit as computing it again."""
         bs = self.block_size
-        tokens, positions, slots, tables = _decode_step_args(batch.decodes, bs)
+        tokens, positions, slots, tables = decode_rows(batch.decodes, bs)
         sampled = list(batch.decodes)
         keep = list(range(len(tokens)))
         extra: list[tuple[Sequence, int, int, int]] = []
@@ -319,21 +308,15 @@ class ModelRunner:
         decode_tables = decode_mask = decode_first = None
         decode_ctx_len = 0
         if decodes:
-            ctx_lens = []
-            for seq in decodes:
-                pos = seq.num_computed_tokens
-                input_ids.append(seq.token_ids[pos])
-                positions.append(pos)
-                slots.append(seq.blocks[pos // bs].block_id * bs + pos % bs)
-                ctx_lens.append(pos + 1)
-            max_blocks = -(-max(ctx_lens) // bs)
+            input_ids, positions, slots, tables = decode_rows(decodes, bs)
+            ctx_lens = [pos + 1 for pos in positions]
+            max_blocks = max(len(table) for table in tables)
             # Pad with block 0: padded slots are masked out (or sliced off when B == 1).
-            decode_tables = torch.tensor(
-                [[b.block_id for b in seq.blocks[:max_blocks]] + [0] * (max_blocks - len(seq.blocks[:max_blocks]))
-                 for seq in decodes], dtype=torch.long).flatten()
+            decode_tables = torch.tensor([table + [0] * (max_blocks - len(table)) for table in tables],
+                                         dtype=torch.long).flatten()
             if num_decodes == 1:
                 decode_ctx_len = ctx_lens[0]
-                decode_first = _first_if_consecutive([b.block_id for b in decodes[0].blocks[:max_blocks]])
+                decode_first = _first_if_consecutive(tables[0])
             else:
                 lens = torch.tensor(ctx_lens, dtype=torch.long)
                 decode_mask = (torch.arange(max_blocks * bs)[None, :] < lens[:, None]).view(

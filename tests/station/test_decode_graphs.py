@@ -15,23 +15,13 @@ from station.core.sequence import Sequence
 from station.runtime.decode_graphs import batch_buckets, context_buckets
 from station.runtime.engine import PagedEngine
 from station.runtime.model_loader import load_model
+from tests.station import test_paged_engine
 from tests.station.test_paged_engine import BS, engine_for, prompt_of, reference, submit
-from tests.support.tiny_models import FAMILIES, build_tiny_model
+from tests.support.tiny_models import FAMILIES
 
 pytestmark = pytest.mark.usefixtures("few_threads")
 
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    cache: dict[str, tuple] = {}
-
-    def get(family: str):
-        if family not in cache:
-            path = build_tiny_model(tmp_path_factory.mktemp(family), family)
-            cache[family] = (path, load_model(Settings(model=str(path))))
-        return cache[family]
-
-    return get
+tiny = test_paged_engine.tiny  # family -> (model dir, LoadedModel), built once per module
 
 
 def test_buckets_cover_every_batch_and_context_up_to_the_limits():
