@@ -209,9 +209,10 @@ class DecodeGraphs:
                 self.failed.append((rows, blocks))
                 self._static[(rows, blocks)] = None
                 return None
+        self._static[(rows, blocks)] = static
+        if self.capture:
             log.info("decode_graph_captured", rows=rows, context=blocks * self.block_size,
                      graphs=self.captured)
-        self._static[(rows, blocks)] = static
         return static
 
     def _capture(self, static: StaticDecode) -> None:
