@@ -14,8 +14,11 @@ rotary before attention) and no cache object or mask; per layer our attention fu
 
 Every per-step index tensor is built once per step (``StepContext``), not per layer. Only
 the rows whose logits are needed reach ``lm_head`` (``VocabHead``, or the model's own
-forward with ``logits_to_keep`` when its logits are post-processed). The runner makes
-no policy decisions: it runs exactly what the scheduler handed it.
+forward with ``logits_to_keep`` when its logits are post-processed). Two other ways run
+the same step: the C step on a CPU (``station.runtime.cpu_step``, every row) and, for steps
+whose rows all decode, a bucket's static step replayed as a CUDA graph
+(``station.runtime.decode_graphs``). The runner makes no policy decisions: it runs exactly
+what the scheduler handed it.
 """
 
 from __future__ import annotations
