@@ -162,7 +162,6 @@ class DecodeGraphs:
 
     def run(self, decodes: list[Sequence]) -> torch.Tensor | None:
         """Logits [B, V] float32 of one pure-decode step, or None: this step runs eagerly."""
-        bs = self.block_size
         context = max(seq.num_computed_tokens for seq in decodes) + 1
         key = self.bucket(len(decodes), context)
         if key is None:
@@ -170,15 +169,7 @@ class DecodeGraphs:
         static = self._static[key] if key in self._static else self._build(*key)
         if static is None:
             return None
-        rows, blocks = key
-        scratch = self.kv_cache.scratch_block
-        pad = rows - len(decodes)
-        tokens, positions, slots, tables = decode_rows(decodes, bs)
-        lens = [pos + 1 for pos in positions]
-        flat = [block for table in tables for block in table + [scratch] * (blocks - len(table))]
-        host = torch.tensor(tokens + [0] * pad + positions + [0] * pad + slots + [scratch * bs] * pad
-                            + lens + [1] * pad + flat + [scratch] * (pad * blocks), dtype=torch.long)
-        static.packed.copy_(host)
+        static.packed.copy_(self._packed(*key, decodes))
         if static.graph is not None:
             static.graph.replay()
             logits = static.logits
@@ -186,6 +177,19 @@ class DecodeGraphs:
             logits = self._step(static)
         self.replays += 1
         return logits[:len(decodes)].to(torch.float32, copy=True)
+
+    def _packed(self, rows: int, blocks: int, decodes: list[Sequence]) -> torch.Tensor:
+        """A bucket's inputs on the host, ``StaticDecode.packed``'s layout: ``decodes``' rows,
+        then padding rows (token 0 at position 0, its K/V to the scratch block's first slot,
+        attending to that one position); table entries past a row's blocks name the scratch
+        block. No decodes: every row padding, as a bucket starts."""
+        bs, scratch = self.block_size, self.kv_cache.scratch_block
+        pad = rows - len(decodes)
+        tokens, positions, slots, tables = decode_rows(decodes, bs)
+        lens = [pos + 1 for pos in positions]
+        flat = [block for table in tables for block in table + [scratch] * (blocks - len(table))]
+        return torch.tensor(tokens + [0] * pad + positions + [0] * pad + slots + [scratch * bs] * pad
+                            + lens + [1] * pad + flat + [scratch] * (pad * blocks), dtype=torch.long)
 
     def _step(self, static: StaticDecode) -> torch.Tensor:
         positions = torch.arange(static.blocks * self.block_size, device=self.device)
@@ -197,10 +201,7 @@ class DecodeGraphs:
     def _build(self, rows: int, blocks: int) -> StaticDecode | None:
         """The bucket's static step; captured as a graph when ``capture``. Its buffers start as
         padding (every write to the scratch block), so warm-up and capture touch no real K/V."""
-        scratch = self.kv_cache.scratch_block
-        host = torch.tensor([0] * rows + [0] * rows + [scratch * self.block_size] * rows + [1] * rows
-                            + [scratch] * (rows * blocks), dtype=torch.long)
-        static = StaticDecode(self.kv_cache, rows, blocks, host.to(self.device))
+        static = StaticDecode(self.kv_cache, rows, blocks, self._packed(rows, blocks, []).to(self.device))
         if self.capture:
             try:
                 self._capture(static)

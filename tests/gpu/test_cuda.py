@@ -196,7 +196,7 @@ def test_a_decode_graph_is_captured_once_and_replays_the_eager_step(tiny_dir, tm
     on its first use and replayed after; its logits equal the eager step's, and its padded
     row writes only the pool's scratch block."""
     from station.core.scheduler import SchedulerOutput
-    from tests.station.test_decode_graphs import _decoding
+    from tests.station.test_decode_graphs import _decoding, changed_slots
     from tests.station.test_paged_engine import BS
 
     settings = Settings(model=str(tiny_dir), runtime_dir=str(tmp_path), dtype="float32", kv_block_size=BS)
@@ -222,6 +222,5 @@ def test_a_decode_graph_is_captured_once_and_replays_the_eager_step(tiny_dir, tm
     torch.testing.assert_close(first, eager, rtol=1e-4, atol=1e-4)
     assert first.argmax(-1).tolist() == eager.argmax(-1).tolist()
     real = 64 * BS
-    flat_now, flat_before = kv.flatten(2, 3), before.flatten(2, 3)
-    changed = (flat_now != flat_before).flatten(3).any(-1).any(0).any(0).nonzero().flatten().tolist()
+    changed = changed_slots(kv, before)
     assert [s for s in changed if s < real] == slots and changed[-1] == real

@@ -75,6 +75,13 @@ def test_greedy_output_through_the_static_step_equals_generate(tiny, family):
         assert engine.stats()["decode_graph_replays"] == replays + len(again.tokens) - 1
 
 
+def changed_slots(kv: torch.Tensor, before: torch.Tensor) -> list[int]:
+    """The slots of a pool ([L, 2, blocks, bs, H, D]) whose K or V differ from ``before``'s
+    in any layer, in order."""
+    differ = kv.flatten(2, 3) != before.flatten(2, 3)  # [L, 2, slots, H, D]
+    return differ.flatten(3).any(-1).any(0).any(0).nonzero().flatten().tolist()
+
+
 def _decoding(engine: PagedEngine, lengths: list[int]) -> list[Sequence]:
     """Sequences whose prompts are in the pool (an eager prefill step) and whose next token
     has its slot: ready for one decode step."""
@@ -117,9 +124,9 @@ def test_a_static_step_equals_the_eager_step_and_padding_writes_only_the_scratch
     assert static.dtype == torch.float32 and static.shape == eager.shape
     torch.testing.assert_close(static, eager, rtol=1e-5, atol=1e-5)
     assert static.argmax(-1).tolist() == eager.argmax(-1).tolist()
-    flat = lambda t: t.flatten(2, 3)  # [L, 2, slots, H, D]
     real = 64 * BS
-    changed = (flat(kv) != flat(before)).flatten(3).any(-1).any(0).any(0).nonzero().flatten().tolist()
+    changed = changed_slots(kv, before)
     assert [s for s in changed if s < real] == slots  # the 3 rows' slots and nothing else
     assert changed[-1] == real  # the padded row: the scratch block's first slot
-    torch.testing.assert_close(flat(kv)[:, :, :real], flat(after_eager)[:, :, :real], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(kv.flatten(2, 3)[:, :, :real], after_eager.flatten(2, 3)[:, :, :real],
+                               rtol=1e-5, atol=1e-5)
