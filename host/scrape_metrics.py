@@ -46,6 +46,7 @@ _TIER_METRICS = (
     ("kv_tier_write_behind_lag_ms_p99", "gauge", {"disk": "write_behind_lag_ms_p99"}),
     ("kv_tier_write_behind_queued", "gauge", {"disk": "write_behind_queued"}),
     ("kv_tier_quarantined_total", "counter", {"disk": "disk_quarantined_total"}),
+    ("kv_tier_io_cpu_seconds_total", "counter", {"disk": "kv_io_cpu_s"}),
     ("kv_tier_offloaded_total", "counter", {"pool": "kv_sessions_offloaded"}),
     ("kv_tier_lost_total", "counter", {"pool": "kv_sessions_lost"}),
 )

@@ -281,7 +281,7 @@ class PagedEngine:
             if self._resync_wanted():  # the router's view was cut short: all of it again
                 self.kv_events.resync(self.kv.pool.cached_ext_blocks())
             if self.tier is not None:
-                self.tier.before_step()
+                self.tier.before_step(stepping=self.scheduler.has_runnable())
             if self.scheduler.has_runnable():
                 self.step()
             if self.calls.embeds:

@@ -4,6 +4,10 @@
 ``open`` hands it the tier's directory and layout and the memfd of KV blocks it works on,
 and returns the index its files give (``SessionRecord``s, nothing read but manifests).
 
+On a CPU host at ``kv_io_nice = 19`` the writer also yields to decode: the engine thread
+stamps a word of shared memory (``DecodeBeat``) at each step, and the process writes no
+block while the stamp is fresh, for at most ``yield_s`` a job (``kv_io_worker``).
+
 Why a process and not a thread: a writer thread in the station competes with decode for
 the GIL (the engine thread waits for it between torch ops) as well as for the cores; in its
 own process it competes for the cores only, at the priority ``kv_io_nice`` gives it
@@ -12,6 +16,7 @@ own process it competes for the cores only, at the priority ``kv_io_nice`` gives
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import sys
@@ -21,13 +26,14 @@ from typing import Any
 
 from gnosis_daemon.logs import get_logger
 from gnosis_daemon.protocol import FrameDecoder, encode
-from station.runtime.kv_io_worker import MAX_FRAME_BYTES
+from station.runtime.kv_io_worker import MAX_FRAME_BYTES, DecodeBeat
 from station.runtime.kv_store_format import SessionRecord
 
 log = get_logger(__name__)
 
 OPEN_TIMEOUT_S = 120.0  # torch's import, then a listing of the tier's directories
 CLOSE_TIMEOUT_S = 120.0  # a clean stop's last writes
+_CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
 class IOProcessGone(RuntimeError):
@@ -49,6 +55,7 @@ class KVIOProcess:
         self._decoder = FrameDecoder(MAX_FRAME_BYTES)
         self._received: list[dict[str, Any]] = []
         self._send_lock = threading.Lock()
+        self.beat: DecodeBeat | None = None  # open's, when the writer yields to decode
         log.info("kv_io_process_started", pid=self.proc.pid)
 
     def send(self, message: dict[str, Any], fds: tuple[int, ...] = ()) -> None:
@@ -77,19 +84,21 @@ class KVIOProcess:
 
     def open(self, root: Path, fingerprint: str, block_size: int, block_shape: tuple[int, ...],
              dtype: Any, budget: int, area: Any, busy_wait_s: float,
-             shared_scan_s: float | None = None) -> tuple[list[SessionRecord], dict[str, Any]]:
+             shared_scan_s: float | None = None,
+             yield_s: float | None = None) -> tuple[list[SessionRecord], dict[str, Any]]:
         """Open the store at ``root`` in the process, on ``area`` (``kv_cache.SharedBlocks``).
         ``busy_wait_s``: how long to wait for another process's lock on the store (a station
         that just died may leave its I/O process finishing a job). ``shared_scan_s``: the
         root is a fleet's shared tier, rescanned for the other replicas' sessions that often
-        (``discovered`` messages follow).
+        (``discovered`` messages follow). ``yield_s``: the writer yields to decode steps
+        (``stamp``), for at most that long a job.
         -> (its sessions, least recently used first; its stats). Raises ``TierOpenFailed``."""
         self.send({"op": "open", "root": str(root), "fingerprint": fingerprint,
                    "block_size": block_size, "block_shape": list(block_shape), "dtype": str(dtype),
                    "dtype_bytes": dtype.itemsize,
                    "budget": budget, "busy_wait_s": busy_wait_s, "area_blocks": area.num_blocks,
-                   "area_bytes": area.nbytes, "shared_scan_s": shared_scan_s},
-                  fds=(area.fd,))
+                   "area_bytes": area.nbytes, "shared_scan_s": shared_scan_s, "yield_s": yield_s},
+                  fds=(area.fd,) if yield_s is None else (area.fd, self._new_beat().fd))
         records: list[SessionRecord] = []
         while True:
             message = self.receive(OPEN_TIMEOUT_S)
@@ -101,6 +110,24 @@ class KVIOProcess:
                 if message["error"]:
                     raise TierOpenFailed(message["error"])
                 return records, message["stats"]
+
+    def _new_beat(self) -> DecodeBeat:
+        self.beat = DecodeBeat()
+        return self.beat
+
+    def stamp(self) -> None:
+        """A decode step is starting (the engine thread): the writer waits while they go on."""
+        if self.beat is not None:
+            self.beat.stamp()
+
+    def cpu_s(self) -> float | None:
+        """The process's CPU seconds so far, every thread's, user and system (Linux's
+        ``/proc``; None elsewhere or once it is gone): what the tier's work has cost."""
+        try:
+            fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            return None
+        return round((int(fields[11]) + int(fields[12])) / _CLOCK_TICKS, 3)  # utime, stime
 
     def abandon(self) -> None:
         """Close our end without a job: the process sees EOF and exits."""

@@ -11,7 +11,10 @@ the memfd). Jobs, in order:
 
 * ``open`` -> ``sessions`` (chunks of the index the files give) then ``opened``;
 * ``write`` parts: the blocks of the named slots the store lacks, and with the ``final``
-  part the session's manifest, then the disk budget -> ``written`` (``evicted`` sessions);
+  part the session's manifest, then the disk budget -> ``written`` (``evicted`` sessions).
+  With ``open``'s ``yield_s`` (and a second memfd, the engine's ``DecodeBeat``), no block
+  is written while decode steps go on, until ``yield_s`` after the session was saved
+  (``age_s``: the part's age when it was sent);
 * ``delete``, ``touch`` (a use, for the disk LRU) -> ``written``;
 * ``load``: the named blocks, each verified, into the named slots -> ``loaded``;
 * ``close`` (``flush``: after every write sent before it) -> ``closed``, and the process exits.
@@ -34,6 +37,7 @@ import mmap
 import os
 import signal
 import socket
+import struct
 import sys
 import threading
 import time
@@ -51,6 +55,29 @@ log = get_logger(__name__)
 
 MAX_FRAME_BYTES = 256 * 1024 * 1024  # a part names block slots and tokens, never KV bytes
 SESSIONS_PER_FRAME = 256
+BEAT_FRESH_S = 0.05  # a decode step stamped this recently: the engine is decoding
+YIELD_POLL_S = 0.005  # how often a yielding writer looks at the stamp again
+
+
+class DecodeBeat:
+    """Eight bytes of shared memory (a memfd the I/O process maps): the CLOCK_MONOTONIC
+    time of the engine's last step, stamped by the engine thread, read by the writer."""
+
+    FORMAT = "d"
+
+    def __init__(self) -> None:
+        self.fd = os.memfd_create("gnosis-decode-beat", os.MFD_CLOEXEC)
+        os.ftruncate(self.fd, struct.calcsize(self.FORMAT))
+        self._map = mmap.mmap(self.fd, struct.calcsize(self.FORMAT))
+
+    def stamp(self, at: float | None = None) -> None:
+        """A step now (or ``at``, a CLOCK_MONOTONIC time)."""
+        struct.pack_into(self.FORMAT, self._map, 0, time.monotonic() if at is None else at)
+
+    @classmethod
+    def age_s(cls, mapped: mmap.mmap) -> float:
+        """Seconds since the last stamp (the I/O process's side; huge before the first)."""
+        return time.monotonic() - struct.unpack_from(cls.FORMAT, mapped, 0)[0]
 
 
 class Worker:
@@ -67,6 +94,9 @@ class Worker:
         self._eof = False
         self.scan_s: float | None = None  # a shared tier's rescan period
         self._scanned = 0.0
+        self.beat: mmap.mmap | None = None  # the engine's DecodeBeat, when the writer yields
+        self.yield_s = 0.0  # for at most this long a job
+        self.yielded_s = 0.0  # the writer's time spent waiting for decode to pause, in all
 
     def send(self, message: dict[str, Any]) -> None:
         data = encode(message)
@@ -77,7 +107,9 @@ class Worker:
                 pass
 
     def stats(self) -> dict[str, Any]:
-        return self.store.stats() if self.store is not None else {}
+        if self.store is None:
+            return {}
+        return {**self.store.stats(), "write_yield_s": round(self.yielded_s, 3)}
 
     # -- the socket (main thread)
     def run(self) -> None:
@@ -102,6 +134,7 @@ class Worker:
                         self._loads.append(message)
                         self._cond.notify_all()
                 else:
+                    message["saved_at"] = time.monotonic() - message.get("age_s", 0.0)
                     with self._cond:
                         self._jobs.append(message)
                         self._cond.notify_all()
@@ -120,6 +153,11 @@ class Worker:
             fd = self._fds.pop(0)
             mapped = mmap.mmap(fd, message["area_bytes"])
             os.close(fd)
+            if message.get("yield_s") is not None:
+                fd = self._fds.pop(0)
+                self.beat = mmap.mmap(fd, struct.calcsize(DecodeBeat.FORMAT))
+                os.close(fd)
+                self.yield_s = message["yield_s"]
             layers = self.block_shape[0]
             self.area = numpy.frombuffer(mapped, dtype=numpy.uint8).reshape(
                 layers, 2, message["area_blocks"], -1)
@@ -209,6 +247,7 @@ class Worker:
                 tokens = job["tokens"]
                 for i, (slot, block_hash) in enumerate(zip(job["slots"], job["hashes"])):
                     if not store.has_block(BlockHash(block_hash)):
+                        self._yield_to_decode(job["saved_at"])
                         store.write_block(BlockHash(block_hash), tokens[i * bs:(i + 1) * bs],
                                           self._block(slot))
                 session = job.get("session")
@@ -226,6 +265,18 @@ class Worker:
             reply["error"] = f"{type(exc).__name__}: {exc}"
         reply["stats"] = self.stats()
         return reply
+
+    def _yield_to_decode(self, saved_at: float) -> None:
+        """Wait while the engine is decoding (its beat is fresh), until ``yield_s`` after the
+        session was saved: on a CPU host every core is decode's, and a block written beside a
+        step costs the step more than the block's own CPU time (docs/engine.md, "Why a
+        process"). A writer that is behind (its job older than that) waits for nothing."""
+        if self.beat is None:
+            return
+        start = time.monotonic()
+        while DecodeBeat.age_s(self.beat) < BEAT_FRESH_S and time.monotonic() - saved_at < self.yield_s:
+            time.sleep(YIELD_POLL_S)
+        self.yielded_s += time.monotonic() - start
 
     def _block(self, slot: int) -> numpy.ndarray:
         """The block's bytes as the pool holds them (per layer, its K then its V), flat."""

@@ -72,8 +72,7 @@ class DiskTier:
     def __init__(self, io: KVIOProcess, store_stats: dict[str, Any], kv: KVCacheManager,
                  slots: PoolSlots | StagingSlots, wake: Callable[[], None],
                  on_load_done: Callable[[LoadPlan, SessionOutcome | None], None], write_behind_s: float = 1.0) -> None:
-        self.io, self.kv, self.slots = io, kv, slots
-        self.write_behind_s = write_behind_s
+        self.io, self.kv, self.slots, self.write_behind_s = io, kv, slots, write_behind_s
         self._wake = wake  # tells the engine thread an answer is waiting
         self._on_load_done = on_load_done  # the scheduler's: admit the load's waiters
         self.figures = TierFigures()
@@ -91,8 +90,10 @@ class DiskTier:
         self._reader.start()
 
     # -- engine thread
-    def before_step(self) -> None:
+    def before_step(self, stepping: bool = False) -> None:
         """Apply the process's answers, queue what was saved and used since, hand jobs over."""
+        if stepping:  # a step follows: a writer that yields to decode waits (kv_io_worker)
+            self.io.stamp()
         while True:
             with self._lock:
                 if not self._answers:
@@ -109,7 +110,7 @@ class DiskTier:
     def stats(self) -> dict[str, Any]:
         """The tier's figures for ``stats`` (another thread may read them)."""
         return {**self.figures.as_dict(), "kv_io_down": self.down, **self.slots.stats(),
-                **{f"disk_{k}": v for k, v in self.store_stats.items()}}
+                "kv_io_cpu_s": self.io.cpu_s(), **{f"disk_{k}": v for k, v in self.store_stats.items()}}
 
     def has_work(self) -> bool:  # answers to apply, or sessions saved or used to hand over
         return bool(self._answers or self.kv.to_write or self.kv.to_touch)  # len() is atomic
@@ -213,7 +214,8 @@ class DiskTier:
 
     def _send_part(self, job: _Job) -> None:
         self._next_id += 1
-        message: dict[str, Any] = {"op": job.op, "job": self._next_id, "session_id": job.session_id}
+        message: dict[str, Any] = {"op": job.op, "job": self._next_id, "session_id": job.session_id,
+                                   "age_s": time.perf_counter() - job.queued_at}  # since the save
         job.slots = []
         if job.op == "touch":
             message["last_used"] = job.last_used
@@ -233,8 +235,7 @@ class DiskTier:
         self._send(message)
 
     def _send_load_part(self, load: _Load) -> None:
-        on_disk, bs = load.plan.session, self.kv.block_size
-        blocks = load.plan.blocks
+        on_disk, bs, blocks = load.plan.session, self.kv.block_size, load.plan.blocks
         n = min(len(blocks) - load.sent, self.slots.part_blocks, self.slots.room())
         first, load.sent = load.sent, load.sent + n
         load.block_ids = [b.block_id for b in blocks[first:load.sent]]
@@ -390,8 +391,7 @@ class DiskTier:
             if message is not None:
                 if isinstance(message.get("stats"), dict) and message["stats"]:
                     self.store_stats = message["stats"]
-                if message["kind"] == "closed":
-                    message = None
+                message = None if message["kind"] == "closed" else message
             with self._lock:
                 self._answers.append(message)
                 self._lock.notify_all()

@@ -57,7 +57,8 @@ def open_tier(engine: Any, settings: Any, io: KVIOProcess | None = None) -> dict
         area, slots = tier_slots(engine, settings)
         records, stats = io.open(root, engine.loaded.fingerprint, shape.block_size, block_shape,
                                  shape.dtype, settings.kv_disk_bytes, area, _BUSY_WAIT_S,
-                                 shared_scan_s=settings.kv_shared_scan_s if shared else None)
+                                 shared_scan_s=settings.kv_shared_scan_s if shared else None,
+                                 yield_s=yield_to_decode_s(settings, engine.kv_cache.device))
     except Exception as exc:  # an unusable directory, or no process: serve without the tier
         log.exception("kv_tier_open_failed", path=str(root))
         report["error"] = str(exc) if isinstance(exc, TierOpenFailed) else f"{type(exc).__name__}: {exc}"
@@ -70,6 +71,16 @@ def open_tier(engine: Any, settings: Any, io: KVIOProcess | None = None) -> dict
                   start_quarantined=stats["quarantined_total"],
                   start_incomplete=stats["incomplete_sessions"])
     return report
+
+
+def yield_to_decode_s(settings: Any, device: Any) -> float | None:
+    """How long the writer waits for decode steps to pause before it writes a block beside
+    them: where decode runs on the CPU (its threads take every core) at ``kv_io_nice = 19``,
+    half the write-behind bound, so that a save of typical size still lands within it; None
+    (no waiting) on a GPU, whose decode leaves the cores idle, or at a higher priority."""
+    if settings.kv_io_nice != 19 or getattr(device, "type", "cpu") != "cpu":
+        return None
+    return settings.kv_write_behind_s / 2
 
 
 def disk_session(kv: Any, record: Any) -> DiskSession | None:

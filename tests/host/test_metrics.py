@@ -93,7 +93,7 @@ def test_a_request_without_a_completion_touches_no_histogram():
 
 def test_station_figures_come_from_stats_and_are_absent_without_it():
     stats = {"running": 2, "waiting": 5, "blocks_total": 200, "blocks_free": 150,
-             "kv_sessions": 3, "kv_disk_sessions": 4, "read_back_done": 6}
+             "kv_sessions": 3, "kv_disk_sessions": 4, "read_back_done": 6, "kv_io_cpu_s": 1.25}
     s = scrape(Metrics(64).render(ScrapeCollector({"station_up": 1.0}, stats, "m")).decode())
     assert (value(s, "gnosis_requests_running"), value(s, "gnosis_requests_waiting")) == (2, 5)
     assert (value(s, "vllm:num_requests_running", model_name="m"),
@@ -103,6 +103,7 @@ def test_station_figures_come_from_stats_and_are_absent_without_it():
     assert value(s, "gnosis_kv_tier_sessions", tier="pool") == 3
     assert value(s, "gnosis_kv_tier_sessions", tier="disk") == 4
     assert value(s, "gnosis_kv_tier_loads_total", tier="disk") == 6
+    assert value(s, "gnosis_kv_tier_io_cpu_seconds_total", tier="disk") == 1.25
     assert value(s, "gnosis_station_up") == 1
     # A stats answer without a figure leaves that figure out; no answer leaves them all out.
     s = scrape(Metrics(64).render(ScrapeCollector({}, {"running": 1}, "m")).decode())

@@ -11,11 +11,14 @@ import threading
 import time
 
 import pytest
+import torch
 
+from gnosis_daemon.settings import Settings
 from station.core.requests import Finished, Prefill
 from station.runtime.engine_calls import EngineCalls
 from station.runtime.kv_cache import KVCacheShape
 from station.runtime.kv_store_format import session_name
+from station.runtime.kv_tier_start import yield_to_decode_s
 from tests.station.test_disk_tier import TierEngine, tier_model
 from tests.station.test_paged_engine import prompt_of, reference
 from tests.support.kv_tier import tier_dir
@@ -107,6 +110,7 @@ def test_a_dead_io_process_leaves_the_station_serving(tiny, tmp_path):
         t.generate(kept, 3, save_session="alice.kept")
     with TierEngine(loaded, tmp_path / "state", 64) as t:
         assert len(t.engine.kv.disk) == 1  # alice.kept: on disk only
+        assert t.engine.stats()["kv_io_cpu_s"] > 0  # its imports and the store's listing, at least
         t.engine.tier.io.proc.kill()
         t.engine.tier.io.proc.wait()
         wait_for(lambda: t.engine.stats()["kv_io_down"] is not None, "the tier to be down")
@@ -124,6 +128,7 @@ def test_a_dead_io_process_leaves_the_station_serving(tiny, tmp_path):
         assert t.engine.kv.get_session("alice.new").durable is False
         stats = t.engine.stats()
         assert stats["kv_disk_sessions"] == 0 and stats["kv_io_down"] == "the KV I/O process exited"
+        assert stats["kv_io_cpu_s"] is None  # reaped: no process left to measure
 
 
 def call(engine, handler, owner="c1", **kwargs):
@@ -165,6 +170,42 @@ def test_the_io_process_runs_at_kv_io_nice(tiny, tmp_path):
     ours = os.getpriority(os.PRIO_PROCESS, 0)
     with TierEngine(loaded, tmp_path / "state", 16, kv_io_nice=7) as t:
         assert os.getpriority(os.PRIO_PROCESS, t.engine.tier.io.proc.pid) == max(7, ours)
+        assert t.engine.tier.io.beat is None  # above the lowest priority the writer never waits
+
+
+def test_only_a_cpu_decode_at_the_lowest_priority_makes_the_writer_wait():
+    assert yield_to_decode_s(Settings(kv_write_behind_s=1.0), torch.device("cpu")) == 0.5
+    assert yield_to_decode_s(Settings(kv_write_behind_s=1.0, kv_io_nice=18), torch.device("cpu")) is None
+    assert yield_to_decode_s(Settings(kv_write_behind_s=1.0), torch.device("cuda")) is None
+
+
+def test_the_writer_waits_while_decode_steps_go_on(tiny, tmp_path):
+    """At kv_io_nice 19 on the CPU no block is written while the engine's steps go on (the
+    beat they stamp is fresh), until half of kv_write_behind_s after the save: then the
+    writer writes beside them, so a save still lands."""
+    _, loaded = tiny
+    prompt = prompt_of(1700, 23)  # 5 full blocks
+    with TierEngine(loaded, tmp_path / "state", 64, kv_write_behind_s=60.0) as t:  # waits <= 30 s
+        beat = t.engine.tier.io.beat
+        t.generate(prompt, 3)  # into the prefix cache, no save
+        beat.stamp(time.monotonic() + 3600)  # steps going on, as far as the writer can tell
+        assert call(t.engine, EngineCalls.kv_save, session_id="alice.wait", prefix_len=20,
+                    tokens=list(prompt), tenant="alice")["num_tokens"] == 20
+        time.sleep(1.5)
+        assert t.engine.tier.figures.writes == 0 and t.engine.stats()["write_behind_queued"] == 1
+        beat.stamp(0.0)  # the steps paused
+        t.expected_writes = 1
+        t.settle()
+        assert t.engine.stats()["disk_write_yield_s"] >= 1.0  # it waited while they went on
+    with TierEngine(loaded, tmp_path / "state2", 64) as t:  # kv_write_behind_s 1.0: waits <= 0.5 s
+        t.generate(prompt, 3)
+        t.engine.tier.io.beat.stamp(time.monotonic() + 3600)  # steps that never pause
+        call(t.engine, EngineCalls.kv_save, session_id="alice.bound", prefix_len=20, tokens=list(prompt),
+             tenant="alice")
+        t.expected_writes = 1
+        t.settle()  # landed all the same
+        # its first block waited until 0.5 s after the save (the save was a few ms before it)
+        assert t.engine.stats()["disk_write_yield_s"] >= 0.3
 
 
 def test_a_session_evicted_before_its_write_landed_is_kept_on_disk(tiny, tmp_path):
