@@ -99,6 +99,8 @@ class KVIOProcess:
                    "budget": budget, "busy_wait_s": busy_wait_s, "area_blocks": area.num_blocks,
                    "area_bytes": area.nbytes, "shared_scan_s": shared_scan_s, "yield_s": yield_s},
                   fds=(area.fd,) if yield_s is None else (area.fd, self._new_beat().fd))
+        if self.beat is not None:  # the process has its own descriptor now; the mapping stays
+            os.close(self.beat.fd)
         records: list[SessionRecord] = []
         while True:
             message = self.receive(OPEN_TIMEOUT_S)
