@@ -314,6 +314,10 @@ def main(argv: list[str]) -> int:
         signal.signal(sig, signal.SIG_IGN)
     try:  # before any thread starts: they inherit it (never above the station's own)
         os.setpriority(os.PRIO_PROCESS, 0, max(nice, os.getpriority(os.PRIO_PROCESS, 0)))
+        if nice == 19 and hasattr(os, "SCHED_IDLE"):
+            # The lowest: besides its smaller share, a SCHED_IDLE thread is preempted as soon
+            # as a decode thread wakes, where a nice-19 one may finish its slice first.
+            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
     except OSError:  # not allowed here: run at the station's priority
         pass
     configure_logging("kv-io", level, fmt)

@@ -171,6 +171,10 @@ def test_the_io_process_runs_at_kv_io_nice(tiny, tmp_path):
     with TierEngine(loaded, tmp_path / "state", 16, kv_io_nice=7) as t:
         assert os.getpriority(os.PRIO_PROCESS, t.engine.tier.io.proc.pid) == max(7, ours)
         assert t.engine.tier.io.beat is None  # above the lowest priority the writer never waits
+        assert os.sched_getscheduler(t.engine.tier.io.proc.pid) == os.SCHED_OTHER
+    with TierEngine(loaded, tmp_path / "state", 16) as t:  # kv_io_nice 19, the default
+        assert os.getpriority(os.PRIO_PROCESS, t.engine.tier.io.proc.pid) == 19
+        assert os.sched_getscheduler(t.engine.tier.io.proc.pid) == os.SCHED_IDLE
 
 
 def test_only_a_cpu_decode_at_the_lowest_priority_makes_the_writer_wait():
