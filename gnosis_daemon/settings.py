@@ -115,10 +115,11 @@ class Settings:
     # area of pinned host RAM between the GPU pool and the disk (0: 1 GiB). CPU: 0 shares
     # the pool itself (no copy); > 0 stages through an area of that size, as CUDA does.
     kv_host_bytes: int = 0
-    # The I/O process's CPU priority (nice, 0-19). 19: it takes the cores decode leaves idle
-    # (a CPU host whose decode keeps every core busy then writes behind later than
-    # kv_write_behind_s under a sustained stream of saves; each late write is counted). 0:
-    # the bound holds under that load, and decode pays for the cores the writes take.
+    # The I/O process's CPU priority (nice, 0-19). 19 (and SCHED_IDLE): it takes the cores
+    # decode leaves idle, and on a CPU host its writer waits for decode steps to pause until
+    # kv_write_behind_s / 2 after a save (a CPU host whose decode keeps every core busy then
+    # writes behind later than kv_write_behind_s under a sustained stream of saves; each late
+    # write is counted). 0: the bound holds under that load, and decode pays for the cores.
     kv_io_nice: int = 19
     # A disk tier shared by a fleet (a read-write-many volume every replica mounts): the
     # tier lives at <kv_shared_dir>/<model> instead of <state_dir>/kv-tier/<model>, each
