@@ -6,7 +6,8 @@ and returns the index its files give (``SessionRecord``s, nothing read but manif
 
 On a CPU host at ``kv_io_nice = 19`` the writer also yields to decode: the engine thread
 stamps a word of shared memory (``DecodeBeat``) at each step, and the process writes no
-block while the stamp is fresh, for at most ``yield_s`` a job (``kv_io_worker``).
+block while the stamp is fresh, until ``yield_s`` after the session was saved
+(``kv_io_worker``).
 
 Why a process and not a thread: a writer thread in the station competes with decode for
 the GIL (the engine thread waits for it between torch ops) as well as for the cores; in its
@@ -90,8 +91,8 @@ class KVIOProcess:
         ``busy_wait_s``: how long to wait for another process's lock on the store (a station
         that just died may leave its I/O process finishing a job). ``shared_scan_s``: the
         root is a fleet's shared tier, rescanned for the other replicas' sessions that often
-        (``discovered`` messages follow). ``yield_s``: the writer yields to decode steps
-        (``stamp``), for at most that long a job.
+        (``discovered`` messages follow). ``yield_s``: the writer yields to the engine's
+        steps (``stamp``), until that long after each save.
         -> (its sessions, least recently used first; its stats). Raises ``TierOpenFailed``."""
         self.send({"op": "open", "root": str(root), "fingerprint": fingerprint,
                    "block_size": block_size, "block_shape": list(block_shape), "dtype": str(dtype),
@@ -118,7 +119,7 @@ class KVIOProcess:
         return self.beat
 
     def stamp(self) -> None:
-        """A decode step is starting (the engine thread): the writer waits while they go on."""
+        """A step is starting (the engine thread): the writer waits while they go on."""
         if self.beat is not None:
             self.beat.stamp()
 

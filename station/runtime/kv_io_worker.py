@@ -95,7 +95,7 @@ class Worker:
         self.scan_s: float | None = None  # a shared tier's rescan period
         self._scanned = 0.0
         self.beat: mmap.mmap | None = None  # the engine's DecodeBeat, when the writer yields
-        self.yield_s = 0.0  # for at most this long a job
+        self.yield_s = 0.0  # ... until this long after the session was saved
         self.yielded_s = 0.0  # the writer's time spent waiting for decode to pause, in all
 
     def send(self, message: dict[str, Any]) -> None:
