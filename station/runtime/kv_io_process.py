@@ -94,12 +94,16 @@ class KVIOProcess:
         (``discovered`` messages follow). ``yield_s``: the writer yields to the engine's
         steps (``stamp``), until that long after each save.
         -> (its sessions, least recently used first; its stats). Raises ``TierOpenFailed``."""
+        fds = (area.fd,)
+        if yield_s is not None:
+            self.beat = DecodeBeat()
+            fds += (self.beat.fd,)
         self.send({"op": "open", "root": str(root), "fingerprint": fingerprint,
                    "block_size": block_size, "block_shape": list(block_shape), "dtype": str(dtype),
                    "dtype_bytes": dtype.itemsize,
                    "budget": budget, "busy_wait_s": busy_wait_s, "area_blocks": area.num_blocks,
                    "area_bytes": area.nbytes, "shared_scan_s": shared_scan_s, "yield_s": yield_s},
-                  fds=(area.fd,) if yield_s is None else (area.fd, self._new_beat().fd))
+                  fds=fds)
         if self.beat is not None:  # the process has its own descriptor now; the mapping stays
             os.close(self.beat.fd)
         records: list[SessionRecord] = []
@@ -113,10 +117,6 @@ class KVIOProcess:
                 if message["error"]:
                     raise TierOpenFailed(message["error"])
                 return records, message["stats"]
-
-    def _new_beat(self) -> DecodeBeat:
-        self.beat = DecodeBeat()
-        return self.beat
 
     def stamp(self) -> None:
         """A step is starting (the engine thread): the writer waits while they go on."""

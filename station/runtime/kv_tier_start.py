@@ -78,7 +78,7 @@ def yield_to_decode_s(settings: Any, device: Any) -> float | None:
     them: where decode runs on the CPU (its threads take every core) at ``kv_io_nice = 19``,
     half the write-behind bound, so that a save of typical size still lands within it; None
     (no waiting) on a GPU, whose decode leaves the cores idle, or at a higher priority."""
-    if settings.kv_io_nice != 19 or getattr(device, "type", "cpu") != "cpu":
+    if settings.kv_io_nice != 19 or device.type != "cpu":
         return None
     return settings.kv_write_behind_s / 2
 
