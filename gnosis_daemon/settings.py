@@ -228,6 +228,12 @@ class Settings:
         return Path(self.runtime_dir) / "status.json"
 
     @property
+    def station_refusal_file(self) -> Path:
+        """Written by a station that refuses its model (``ModelRefused``), removed by one that
+        starts: what the supervisor, ``status`` and the host's ``/health`` report as the reason."""
+        return Path(self.runtime_dir) / "station-refused.json"
+
+    @property
     def effective_state_dir(self) -> Path:
         return Path(self.state_dir) if self.state_dir else Path(self.runtime_dir) / "state"
 

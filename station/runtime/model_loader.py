@@ -45,6 +45,25 @@ class ModelLoadError(RuntimeError):
     """The model could not be found, converted or loaded; the message says which and why."""
 
 
+class ModelRefused(ModelLoadError):
+    """The model loaded, but the engine cannot compute it exactly: an attention kind it does
+    not implement, or a start check whose paged logits disagree with the model's own
+    forward. Permanent for this model and build: restarting the station changes nothing,
+    so the station exits with ``REFUSED_EXIT`` and the supervisor does not restart it."""
+
+    def __init__(self, model_type: str, kind: str, reason: str) -> None:
+        super().__init__(f"model type {model_type!r} refused: {reason}")
+        self.model_type, self.kind, self.reason = model_type, kind, reason
+
+    def as_dict(self) -> dict[str, str]:
+        return {"model_type": self.model_type, "kind": self.kind, "reason": self.reason,
+                "message": str(self)}
+
+
+# sysexits' EX_CONFIG: a station that refuses its model exits with it; never restarted.
+REFUSED_EXIT = 78
+
+
 @dataclass(slots=True)
 class LoadedModel:
     model: Any  # transformers PreTrainedModel, eval mode
