@@ -189,6 +189,11 @@ def _unsupported(model: nn.Module) -> str | None:
     reason = lean_unsupported(config, base)
     if reason is not None:
         return reason
+    # cpu_step.c attends to the whole context on every layer (the runner checks the kinds
+    # read from the model too: AttentionKinds.all_full)
+    if any(getattr(layer.self_attn, "sliding_window", None) for layer in base.layers) or (
+            getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True)):
+        return "sliding-window attention"
     if getattr(config, "hidden_act", None) != "silu":
         return f"activation {getattr(config, 'hidden_act', None)}"
     if base.embed_tokens.weight.dtype != torch.float32 or base.embed_tokens.weight.device.type != "cpu":

@@ -12,9 +12,10 @@ smallest captured bucket of Bp >= B rows and Cp >= C positions:
 - **Padded rows.** Rows past B, and table entries past a row's blocks, point at the pool's
   scratch block (``KVCache(scratch_blocks=1)``, a block the allocator never hands out). A
   padded row writes its K/V there and attends to one position of it. Its logits are dropped.
-- **Attention.** Each row's blocks are gathered into [Bp, Cp, Hkv, D], and one SDPA runs
-  under a length mask: the same operations as the runner's eager batched decode, in shapes
-  that do not change from step to step.
+- **Attention.** Each row's blocks are gathered into [Bp, Cp, Hkv, D], and one attention
+  runs under a length mask (and a layer's sliding window, made from the same lengths):
+  ``paged_attention.decode_attention``, the runner's eager batched decode, in shapes that
+  do not change from step to step.
 
 Graphs are captured lazily, on a bucket's first step, in one memory pool shared by all of
 them. A capture that fails (out of memory, most likely) leaves that bucket to the eager path:
@@ -33,11 +34,12 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 
 from gnosis_daemon.logs import get_logger
 from station.core.sequence import Sequence
+from station.runtime.attention_kinds import LayerAttention
 from station.runtime.kv_cache import KVCache
+from station.runtime.paged_attention import decode_attention, window_mask
 
 log = get_logger(__name__)
 
@@ -101,9 +103,10 @@ class StaticDecode:
     slots: torch.Tensor = field(init=False)
     lens: torch.Tensor = field(init=False)
     tables: torch.Tensor = field(init=False)  # [rows * blocks], row-major
-    mask: torch.Tensor | None = None  # [rows, 1, 1, blocks * block_size] bool, made in the step
+    masks: dict = field(default_factory=dict)  # window (None: full) -> [rows, 1, 1, blocks * bs] bool
     logits: torch.Tensor | None = None  # the captured step's output
     graph: object | None = None  # torch.cuda.CUDAGraph once captured
+    static = True  # paged_attention_forward hands this context's layers to ``attend``
 
     def __post_init__(self) -> None:
         r = self.rows
@@ -111,7 +114,7 @@ class StaticDecode:
         self.tables = self.packed[4 * r:]
 
     def attend(self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
-               value: torch.Tensor, scaling: float | None) -> torch.Tensor:
+               value: torch.Tensor, kind: LayerAttention) -> torch.Tensor:
         """query [1, H, rows, D], key/value [1, Hkv, rows, D] -> [1, rows, H, D]."""
         _, num_heads, rows, head_dim = query.shape
         num_kv_heads = key.shape[1]
@@ -121,8 +124,9 @@ class StaticDecode:
         q = query[0].transpose(0, 1).reshape(rows, num_kv_heads, num_heads // num_kv_heads, head_dim)
         k = k_pool.index_select(0, self.tables).view(rows, -1, num_kv_heads, head_dim)
         v = v_pool.index_select(0, self.tables).view(rows, -1, num_kv_heads, head_dim)
-        o = F.scaled_dot_product_attention(q, k.transpose(1, 2), v.transpose(1, 2), attn_mask=self.mask,
-                                           scale=scaling)
+        if kind.window not in self.masks:  # a window's mask, made once per step
+            self.masks[kind.window] = window_mask(self.lens, k.shape[1], kind.window)
+        o = decode_attention(q, k, v, kind, self.masks[kind.window])
         return o.reshape(1, rows, num_heads, head_dim)
 
 
@@ -192,8 +196,7 @@ class DecodeGraphs:
                             + lens + [1] * pad + flat + [scratch] * (pad * blocks), dtype=torch.long)
 
     def _step(self, static: StaticDecode) -> torch.Tensor:
-        positions = torch.arange(static.blocks * self.block_size, device=self.device)
-        static.mask = (positions[None, :] < static.lens[:, None]).view(static.rows, 1, 1, -1)
+        static.masks = {}  # each layer's window mask, made from ``lens`` within the step
         with self._use_context(static):
             hidden = self._forward(static.tokens[None], static.positions[None])
         return self._head(hidden[0])

@@ -41,6 +41,7 @@ from gnosis_daemon.logs import get_logger
 from gnosis_daemon.protocol import ErrorCode, OpError
 from station.core.requests import (CallDone, EngineCallHandler, EngineEvent, EventCallback, Failed,
                                    Finished, GenerationRequest, Prefill, SequenceLimits, Token)
+from station.runtime.attention_kinds import read_attention_kinds
 from station.runtime.decode_graphs import graph_limits
 from station.runtime.engine_calls import EngineCalls, RequestState, answer, session_fields
 from station.runtime.kv_cache import KVCache, KVCacheShape, num_blocks_for
@@ -80,7 +81,8 @@ class PagedEngine:
                                  tenant_salt=settings.tenant_salt)
         self.scheduler = Scheduler(self.kv, settings.max_batch_size, settings.prefill_chunk_tokens)
         self.calls = EngineCalls(self)
-        self.runner = ModelRunner(loaded.model, self.kv_cache, device,
+        kinds = loaded.attention or read_attention_kinds(loaded.model, shape.num_kv_heads, shape.head_dim)
+        self.runner = ModelRunner(loaded.model, self.kv_cache, device, kinds,
                                   pack_linears=settings.cpu_packed_linears, lean=settings.lean_decoder,
                                   head_kernel=getattr(loaded.weights, "head", None),
                                   step=getattr(loaded.weights, "step", None),

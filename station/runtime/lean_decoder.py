@@ -9,9 +9,11 @@ submodules (so quantized, packed or stock linears alike), the model's own rotary
 and ``apply_rotary_pos_emb``, and the same operations in the same order as the Llama-family
 decoder layer, so its output is bit for bit the model's (a test compares them).
 
-It applies to the Llama-family layer shape (Llama, Mistral without a sliding window,
-Qwen2 without one, SmolLM): pre-norm RMSNorm, q/k/v/o projections, gated SiLU MLP. Any
-other model, or one whose modules differ from that shape, keeps transformers' forward.
+It applies to the Llama-family layer shape (Llama, Mistral, Qwen2, SmolLM): pre-norm
+RMSNorm, q/k/v/o projections, gated SiLU MLP. A layer's sliding window needs nothing here:
+the paged attention reads it from the layer's module (``station.runtime.paged_attention``),
+whoever calls it. Any other model, or one whose modules differ from that shape, keeps
+transformers' forward.
 """
 
 from __future__ import annotations
@@ -172,8 +174,6 @@ def _unsupported(config: Any, base: nn.Module) -> str | None:
     """Why the lean loop would not compute this model's forward exactly (None: it would)."""
     if getattr(config, "model_type", None) not in FAMILIES:
         return "not a Llama-family model"
-    if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
-        return "sliding-window attention"
     if not all(hasattr(base, part) for part in ("embed_tokens", "layers", "norm", "rotary_emb")):
         return "unexpected model layout"
     for layer in base.layers:
@@ -184,8 +184,6 @@ def _unsupported(config: Any, base: nn.Module) -> str | None:
             return "unexpected decoder layer parts"
         if not all(hasattr(layer.self_attn, p) for p in _ATTN_PARTS + ("head_dim", "scaling")):
             return "unexpected attention parts"
-        if getattr(layer.self_attn, "sliding_window", None):
-            return "sliding-window attention"
         if not all(hasattr(layer.mlp, p) for p in _MLP_PARTS):
             return "unexpected MLP parts"
         for norm in (layer.input_layernorm, layer.post_attention_layernorm):

@@ -1,16 +1,12 @@
 """Turns one scheduled step into one packed forward over the paged KV pool, and logits back.
 
 Any decoder-only transformers model whose attention goes through ``AttentionInterface``
-(Llama, Mistral, Qwen2, SmolLM, ...) reads and writes the pool: we register the attention
-function ``gnosis_paged`` and switch the model to it. The model is called with every
-scheduled token packed into one row (batch 1), absolute ``position_ids`` (the model applies
-rotary before attention) and no cache object or mask; per layer our attention function
-
-1. writes the new K/V into their pool slots (``slot_mapping``), then
-2. decode rows: gathers each sequence's blocks into a padded batch and runs ONE SDPA call
-   for all of them (GQA packed as [B, kv_heads, n_rep, D], so K/V are never repeated);
-3. prefill chunks: SDPA per chunk against the sequence's gathered K/V with an offset
-   causal mask (or plain ``is_causal`` when the chunk starts the sequence).
+(Llama, Mistral, Qwen2/3, Gemma 2/3, Phi-3, SmolLM, ...) reads and writes the pool: the
+runner registers the attention function ``gnosis_paged``
+(``station.runtime.paged_attention``), gives each attention module its layer's kind
+(window, soft-cap, sinks: ``station.runtime.attention_kinds``) and switches the model to
+it. The model is called with every scheduled token packed into one row (batch 1), absolute
+``position_ids`` (the model applies rotary before attention) and no cache object or mask.
 
 Every per-step index tensor is built once per step (``StepContext``), not per layer. Only
 the rows whose logits are needed reach ``lm_head`` (``VocabHead``, or the model's own
@@ -23,134 +19,20 @@ what the scheduler handed it.
 
 from __future__ import annotations
 
-import threading
-from contextlib import contextmanager
-from dataclasses import dataclass
-
 import torch
-import torch.nn.functional as F
 
 from gnosis_daemon.logs import get_logger
-from station.runtime.decode_graphs import DecodeGraphs, StaticDecode, decode_rows
+from station.runtime.attention_kinds import AttentionKinds
+from station.runtime.decode_graphs import DecodeGraphs, decode_rows
 from station.runtime.kv_cache import KVCache
 from station.runtime.lean_decoder import LeanDecoder
 from station.runtime.linear_kernels import VocabHead, pack_decoder_linears
+from station.runtime.paged_attention import (ATTN_IMPLEMENTATION, PrefillMeta, StepContext, install_kinds,
+                                             register_attention, registered_attention, step_context)
 from station.core.scheduler import SchedulerOutput
 from station.core.sequence import Sequence
 
 log = get_logger(__name__)
-
-ATTN_IMPLEMENTATION = "gnosis_paged"
-
-# One engine thread per engine: a thread-local context lets several engines share a process.
-_local = threading.local()
-
-
-@dataclass(slots=True)
-class PrefillMeta:
-    q_start: int
-    q_len: int
-    ctx_len: int  # tokens of K/V this chunk attends to (cached + earlier chunks + itself)
-    block_table: torch.Tensor | None  # [num_blocks] long; None when the chunk starts at 0
-    mask: torch.Tensor | None  # [q_len, ctx_len] bool, offset-causal
-    first_block: int | None = None  # the blocks are first_block.. in order: a view, no gather
-
-
-@dataclass(slots=True)
-class StepContext:
-    kv_cache: KVCache
-    slot_mapping: torch.Tensor  # [T] long
-    num_decodes: int
-    decode_block_tables: torch.Tensor | None  # [B * max_blocks] long, row-major
-    decode_mask: torch.Tensor | None  # [B, 1, 1, max_blocks * block_size] bool; None if B == 1
-    decode_ctx_len: int  # B == 1: slice instead of masking
-    prefills: list[PrefillMeta]
-    decode_first_block: int | None = None  # B == 1 and its blocks are consecutive: a view
-    decode_slot: int = -1  # B == 1: the new token's slot (a plain copy, not index_copy_)
-
-
-def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
-                            value: torch.Tensor, attention_mask: torch.Tensor | None,
-                            dropout: float = 0.0, scaling: float | None = None, **kwargs):
-    ctx: StepContext | None = getattr(_local, "context", None)
-    if ctx is None:  # the model used outside the engine: behave like stock SDPA
-        from transformers.integrations.sdpa_attention import sdpa_attention_forward
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
-                                      scaling=scaling, **kwargs)
-    if type(ctx) is StaticDecode:  # a decode graph's step (station.runtime.decode_graphs)
-        return ctx.attend(module, query, key, value, scaling), None
-    # query: [1, H, T, D]; key/value: [1, Hkv, T, D] (rotary already applied)
-    _, num_heads, num_tokens, head_dim = query.shape
-    num_kv_heads = key.shape[1]
-    n_rep = num_heads // num_kv_heads
-    # [slots, Hkv, D] twice, [num_blocks, bs, Hkv, D] twice
-    k_slots, v_slots, k_pool, v_pool = ctx.kv_cache.layer_views[module.layer_idx]
-    b = ctx.num_decodes
-    if b == 1 and num_tokens == 1:
-        # One sequence decoding alone (a single stream's every step): no output buffer, no
-        # copy into it; the same operations on the same values as the general path below.
-        k_slots[ctx.decode_slot] = key.reshape(num_kv_heads, head_dim)
-        v_slots[ctx.decode_slot] = value.reshape(num_kv_heads, head_dim)
-        k, v = _decode_kv(ctx, k_pool, v_pool, 1, num_kv_heads, head_dim)
-        o = F.scaled_dot_product_attention(query.reshape(1, num_kv_heads, n_rep, head_dim),
-                                           k[:, :ctx.decode_ctx_len].transpose(1, 2),
-                                           v[:, :ctx.decode_ctx_len].transpose(1, 2), scale=scaling)
-        return o.view(1, 1, num_heads, head_dim), None
-    k_slots.index_copy_(0, ctx.slot_mapping, key[0].transpose(0, 1))
-    v_slots.index_copy_(0, ctx.slot_mapping, value[0].transpose(0, 1))
-
-    out = query.new_empty(1, num_tokens, num_heads, head_dim)
-    if b:
-        # q: [B, Hkv, n_rep, D] -- one query token per sequence, its heads grouped per kv head
-        q = query[0, :, :b].transpose(0, 1).reshape(b, num_kv_heads, n_rep, head_dim)
-        k, v = _decode_kv(ctx, k_pool, v_pool, b, num_kv_heads, head_dim)
-        # k, v: [B, max_blocks * bs, Hkv, D]
-        if ctx.decode_mask is None:
-            k, v = k[:, :ctx.decode_ctx_len], v[:, :ctx.decode_ctx_len]
-        o = F.scaled_dot_product_attention(q, k.transpose(1, 2), v.transpose(1, 2),
-                                           attn_mask=ctx.decode_mask, scale=scaling)
-        out[0, :b] = o.reshape(b, num_heads, head_dim)  # o: [B, Hkv, n_rep, D]
-    for p in ctx.prefills:
-        end = p.q_start + p.q_len
-        q = query[:, :, p.q_start:end]  # [1, H, n, D]
-        if p.block_table is None:
-            o = F.scaled_dot_product_attention(q, key[:, :, p.q_start:end], value[:, :, p.q_start:end],
-                                               is_causal=True, scale=scaling, enable_gqa=n_rep > 1)
-        else:
-            if p.first_block is not None:  # consecutive blocks: a view of the pool, no copy
-                end_block = p.first_block + p.block_table.numel()
-                k, v = k_pool[p.first_block:end_block], v_pool[p.first_block:end_block]
-            else:
-                k, v = k_pool.index_select(0, p.block_table), v_pool.index_select(0, p.block_table)
-            k = k.flatten(0, 1)[:p.ctx_len].transpose(0, 1)[None]
-            v = v.flatten(0, 1)[:p.ctx_len].transpose(0, 1)[None]
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=p.mask, scale=scaling,
-                                               enable_gqa=n_rep > 1)
-        out[0, p.q_start:end] = o[0].transpose(0, 1)  # o: [1, H, n, D]
-    return out, None
-
-
-@contextmanager
-def _step_context(ctx: StepContext | StaticDecode):
-    _local.context = ctx
-    try:
-        yield
-    finally:
-        _local.context = None
-
-
-def _decode_kv(ctx: StepContext, k_pool: torch.Tensor, v_pool: torch.Tensor, b: int,
-               num_kv_heads: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The decode rows' K and V, [B, max_blocks * bs, Hkv, D] each (padded with block 0)."""
-    first = ctx.decode_first_block
-    if first is not None:  # consecutive blocks (common): read the pool in place
-        n_blocks = ctx.decode_block_tables.numel()
-        return (k_pool[first:first + n_blocks].view(1, -1, num_kv_heads, head_dim),
-                v_pool[first:first + n_blocks].view(1, -1, num_kv_heads, head_dim))
-    # index_select on a flat 1-D table is much cheaper than 2-D advanced indexing
-    return (k_pool.index_select(0, ctx.decode_block_tables).view(b, -1, num_kv_heads, head_dim),
-            v_pool.index_select(0, ctx.decode_block_tables).view(b, -1, num_kv_heads, head_dim))
-
 
 def _prompt_rows(seq: Sequence, start: int, end: int, row: int) -> list[tuple[Sequence, int, int, int]]:
     """Issue 13: a ``prompt_logprobs`` sequence's chunk of positions start..end (its first at
@@ -169,24 +51,15 @@ def _first_if_consecutive(block_ids: list[int]) -> int | None:
     return first if block_ids == list(range(first, first + len(block_ids))) else None
 
 
-def _registered_attention():
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
-    return ALL_ATTENTION_FUNCTIONS[ATTN_IMPLEMENTATION]
-
-
-def register_attention() -> None:
-    from transformers import AttentionInterface
-
-    AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention_forward)
-
-
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, kv_cache: KVCache, device: torch.device,
-                 pack_linears: bool = True, lean: bool = True, head_kernel=None, step=None,
-                 max_positions: int = 0, graphs: tuple[int, int] | None = None) -> None:
+                 kinds: AttentionKinds, pack_linears: bool = True, lean: bool = True,
+                 head_kernel=None, step=None, max_positions: int = 0,
+                 graphs: tuple[int, int] | None = None) -> None:
         register_attention()
+        install_kinds(kinds)  # each layer's window, soft-cap, sinks (station.runtime.attention_kinds)
         model.set_attn_implementation(ATTN_IMPLEMENTATION)
+        self.kinds = kinds
         self.model = model.eval()
         self.kv_cache = kv_cache
         self.block_size = kv_cache.block_size
@@ -199,9 +72,14 @@ class ModelRunner:
         self._head = VocabHead.for_model(model, pack=pack_linears, kernel=head_kernel)
         # station.runtime.lean_decoder: the same layers' arithmetic without transformers'
         # per-call wrappers (Llama family); None: the model's own forward.
-        self._lean = LeanDecoder.for_model(model, _registered_attention) if lean else None
+        self._lean = LeanDecoder.for_model(model, registered_attention) if lean else None
         # station.runtime.cpu_step: every row of a step, decode or prompt, through C calls
         # of up to 8 rows (4-bit Llama-family on a CPU), where the runner applies the head.
+        # The step computes plain causal attention over the whole context: never a model whose
+        # layers have windows, soft-capping or sinks.
+        if step is not None and not kinds.all_full:
+            log.warning("cpu_step_not_used", reason="the model's attention is not full causal on every layer")
+            step = None
         self._step = (step.bind(kv_cache, max_positions) if step is not None and self._head is not None
                       and max_positions > 0 else None)
         self._torch_threads = torch.get_num_threads()
@@ -219,7 +97,7 @@ class ModelRunner:
         if reason is not None:
             log.info("decode_graphs_not_used", reason=reason)
             return None
-        return DecodeGraphs(self.kv_cache, self.device, self._lean, self._head, _step_context,
+        return DecodeGraphs(self.kv_cache, self.device, self._lean, self._head, step_context,
                             max_batch, max_context, capture=self.device.type == "cuda")
 
     def graph_stats(self) -> dict[str, int]:
@@ -308,7 +186,7 @@ class ModelRunner:
                 return logits, list(batch.decodes)
         decodes = batch.decodes
         num_decodes = len(decodes)
-        decode_tables = decode_mask = decode_first = None
+        decode_tables = decode_mask = decode_first = decode_lens = None
         decode_ctx_len = 0
         if decodes:
             input_ids, positions, slots, tables = decode_rows(decodes, bs)
@@ -321,8 +199,8 @@ class ModelRunner:
                 decode_ctx_len = ctx_lens[0]
                 decode_first = _first_if_consecutive(tables[0])
             else:
-                lens = torch.tensor(ctx_lens, dtype=torch.long)
-                decode_mask = (torch.arange(max_blocks * bs)[None, :] < lens[:, None]).view(
+                decode_lens = torch.tensor(ctx_lens, dtype=torch.long)
+                decode_mask = (torch.arange(max_blocks * bs)[None, :] < decode_lens[:, None]).view(
                     num_decodes, 1, 1, max_blocks * bs)
             keep.extend(range(num_decodes))
             sampled.extend(decodes)
@@ -368,10 +246,11 @@ class ModelRunner:
             prefills=prefills,
             decode_first_block=decode_first,
             decode_slot=slots[0] if num_decodes == 1 else -1,
+            decode_lens=None if decode_lens is None else decode_lens.to(dev),
         )
         ids = torch.cat(ids_parts).to(dev)[None]
         pos_ids = torch.cat(pos_parts).to(dev)[None]
-        with _step_context(ctx), torch.inference_mode():
+        with step_context(ctx), torch.inference_mode():
             if not keep:  # a mid-prompt chunk only: no logits, no head
                 self._decoder(ids, pos_ids)
                 return None, []
