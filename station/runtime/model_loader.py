@@ -85,6 +85,7 @@ class LoadedModel:
     codec: Any = None  # station.runtime.tokenizing.Codec over ``tokenizer``
     grammars: Any = None  # station.runtime.grammar.Grammars, made at first use
     weights: Any = None  # station.runtime.weights.WeightsReport: which linears stay quantized
+    attention: Any = None  # station.runtime.attention_kinds.AttentionKinds: each layer's kind
 
 
 def default_model_path() -> Path:
@@ -155,9 +156,15 @@ def load_model(settings: Settings) -> LoadedModel:
     model.to(device)
     model.eval()
     model.requires_grad_(False)
+    from station.runtime.attention_kinds import read_attention_kinds  # it imports this module
+    from station.runtime.kv_cache import KVCacheShape
+
+    shape = KVCacheShape.from_config(model.config, settings.kv_block_size, dtype)
+    # Each layer's attention as the model computes it; ModelRefused for what the engine cannot
+    attention = read_attention_kinds(model, shape.num_kv_heads, shape.head_dim)
     weights = apply_weights(model, settings.weights, device, dtype,
                             gguf=path if path.suffix == ".gguf" else None, choices_dir=cache_base(settings),
-                            decode_step=settings.cpu_decode_step)
+                            decode_step=settings.cpu_decode_step if attention.all_full else "off")
     config = model.config
     max_len = getattr(config, "max_position_embeddings", None) or settings.max_model_len
     return LoadedModel(
@@ -168,7 +175,7 @@ def load_model(settings: Settings) -> LoadedModel:
         path=str(path), loaded_from=str(source), model_type=str(config.model_type),
         vocab_size=int(getattr(config, "vocab_size", None) or len(tokenizer)),
         converted=converted, max_token_chars=max_token_chars(tokenizer), codec=Codec(tokenizer),
-        weights=weights,
+        weights=weights, attention=attention,
     )
 
 
