@@ -2,6 +2,12 @@
 
 ``serve`` is the entry point of ``gnosis-daemon station``; ``StationServer``
 (``station.serving.server``) serves the socket once the model, the engine and the disk tier are up.
+
+A model the engine refuses (``ModelRefused``: an attention kind it does not implement, a
+start check that disagrees with the model's own forward) is permanent, not a crash: the
+station logs ``model_refused``, writes ``settings.station_refusal_file`` and exits with
+``REFUSED_EXIT`` (78), which the supervisor does not restart (``gnosis_daemon.refusal``).
+Any other load error exits 1 and is restarted with backoff.
 """
 
 from __future__ import annotations
@@ -16,11 +22,20 @@ from typing import Any
 import trio
 
 from gnosis_daemon.logs import configure_logging, get_logger
+from gnosis_daemon.refusal import clear_refusal, write_refusal
 from gnosis_daemon.settings import Settings
-from station.runtime.model_loader import LoadedModel, ModelLoadError, load_model
+from station.runtime.model_loader import (
+    REFUSED_EXIT,
+    LoadedModel,
+    ModelLoadError,
+    ModelRefused,
+    default_model_path,
+    load_model,
+)
 from station.runtime.engine import PagedEngine
 from station.runtime.kv_io_process import KVIOProcess
 from station.runtime.kv_tier_start import open_tier
+from station.runtime.start_check import check_engine
 from station.serving.kv_events import KVEventPublisher, start_publisher
 from station.serving.server import StationServer
 
@@ -52,6 +67,8 @@ class _TorchThread:
         # Set before the boot result is handed over; read by the main thread after it.
         self.tier_report: dict[str, Any] = {}
         self.kv_events: KVEventPublisher | None = None
+        self.start_check: dict[str, Any] = {}  # station.runtime.start_check, once it passed
+        self.model_path: str | None = None  # where the model was loaded from, once it was
         self._booted: queue.Queue[tuple[LoadedModel, PagedEngine] | BaseException] = queue.Queue()
         self.thread = threading.Thread(target=self._main, name="station-torch", daemon=True)
 
@@ -71,10 +88,14 @@ class _TorchThread:
             # Bound before the load, so routers reconnect while the model loads.
             self.kv_events = start_publisher(self.settings)
             loaded = load_model(self.settings)
+            self.model_path = str(loaded.path)
             log.info("model_loaded", model=loaded.served_id, path=loaded.path,
                      loaded_from=loaded.loaded_from, device=str(loaded.device),
                      dtype=str(loaded.dtype), fingerprint=loaded.fingerprint[:16])
             engine = PagedEngine(loaded, self.settings)
+            # The paged path against the model's own forward, past its longest window:
+            # ModelRefused when they disagree (before any router or tier sees the pool).
+            self.start_check = check_engine(engine).as_dict()
             if self.kv_events is not None:
                 self.kv_events.attach(engine)  # AllBlocksCleared: a new pool
             # Never raises for what is on disk: bad files are quarantined and counted. The
@@ -94,8 +115,13 @@ def serve(settings: Settings) -> int:
     # A stop request while the model loads (minutes for a 7B model) is a clean exit too;
     # trio's signal receiver takes over once the socket is up.
     previous = {sig: signal.signal(sig, _exit_cleanly) for sig in (signal.SIGTERM, signal.SIGINT)}
+    # Whatever an earlier station refused, this one has not (yet): a stale file must not
+    # describe a station that is loading, or one that fails for another reason.
+    _clear_stale_refusal(settings)
     try:
         loaded, engine = torch_thread.boot()
+    except ModelRefused as exc:
+        return _refused(settings, exc, torch_thread.model_path)
     except ModelLoadError as exc:
         log.error("model_load_failed", error=str(exc))
         return 1
@@ -114,6 +140,7 @@ def serve(settings: Settings) -> int:
     try:
         server = StationServer(settings, loaded, engine)
         server.kv_tier = torch_thread.tier_report
+        server.start_check = torch_thread.start_check
         trio.run(server.serve)
     finally:
         # Ends the engine loop (the torch thread returns) and flushes the write-behind:
@@ -126,3 +153,33 @@ def serve(settings: Settings) -> int:
             torch_thread.kv_events.close()
     log.info("station_stopped")
     return 0
+
+
+def _clear_stale_refusal(settings: Settings) -> None:
+    try:
+        if clear_refusal(settings.station_refusal_file):
+            log.info("stale_refusal_removed", path=str(settings.station_refusal_file))
+    except OSError as exc:  # not ours to remove (another user's dir): the write will say
+        log.warning("stale_refusal_not_removed", path=str(settings.station_refusal_file),
+                    error=str(exc))
+
+
+def _default_model() -> str:
+    try:
+        return str(default_model_path())
+    except ModelLoadError:
+        return "(the default model)"
+
+
+def _refused(settings: Settings, exc: ModelRefused, model_path: str | None) -> int:
+    """A permanent refusal: log it, publish it in the refusal file, exit ``REFUSED_EXIT``."""
+    model = model_path or settings.model or _default_model()
+    log.error("model_refused", model_type=exc.model_type, kind=exc.kind, reason=exc.reason,
+              model=model, exit_code=REFUSED_EXIT, path=str(settings.station_refusal_file))
+    try:
+        write_refusal(settings.station_refusal_file, exc.as_dict(), model=model)
+    except OSError as exc_write:
+        # Still a refusal: the exit status alone keeps the supervisor from restarting it.
+        log.error("refusal_write_failed", path=str(settings.station_refusal_file),
+                  error=str(exc_write))
+    return REFUSED_EXIT

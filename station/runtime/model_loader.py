@@ -27,6 +27,7 @@ from typing import Any, Iterator
 
 import torch
 
+from gnosis_daemon import refusal
 from gnosis_daemon.logs import get_logger
 from gnosis_daemon.settings import Settings
 from station.runtime.tokenizing import Codec
@@ -61,7 +62,8 @@ class ModelRefused(ModelLoadError):
 
 
 # sysexits' EX_CONFIG: a station that refuses its model exits with it; never restarted.
-REFUSED_EXIT = 78
+# Defined torch-free (the supervisor and the host read it too), re-exported here.
+REFUSED_EXIT = refusal.REFUSED_EXIT
 
 
 @dataclass(slots=True)
