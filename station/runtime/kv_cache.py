@@ -40,7 +40,16 @@ class KVCacheShape:
     @classmethod
     def from_config(cls, config, block_size: int, dtype: torch.dtype) -> KVCacheShape:
         config = config.get_text_config() if hasattr(config, "get_text_config") else config
-        num_heads = config.num_attention_heads
+        num_heads = getattr(config, "num_attention_heads", None)
+        if not num_heads:
+            # A state-space or recurrent model (Mamba, RWKV...): nothing for a KV pool to
+            # hold. A refusal, not a crash, so the station is not restarted in a loop.
+            from station.runtime.model_loader import ModelRefused
+
+            raise ModelRefused(str(getattr(config, "model_type", "?")), "non-attention layers",
+                               "its config names no attention heads: its layers compute no "
+                               "softmax attention (state-space, linear-attention or recurrent "
+                               "layers), which the paged engine does not implement")
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
         num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
         return cls(config.num_hidden_layers, num_kv_heads, head_dim, block_size, dtype)
