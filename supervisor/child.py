@@ -12,7 +12,9 @@ the process: leaving it (cancelled or not) leaves no child behind.
 Error handling: probe failures are expected while a child starts and are retried until its
 start timeout; a child that fails its health check ``failures_before_kill`` times in a row is
 SIGKILLed and then handled like any other exit. A failure to spawn at all counts as a failed
-start. Nothing here swallows ``trio.Cancelled``.
+start. Nothing here swallows ``trio.Cancelled``. A child whose exit status is one of its
+machine's ``permanent_exits`` is REFUSED: ``run`` parks, with no process, until an operator's
+``request_restart`` (which starts it again) or ``stop``.
 """
 
 from __future__ import annotations
@@ -110,6 +112,8 @@ class ChildSpec:
     health_timeout_s: float
     failures_before_kill: int
     stop_timeout_s: float  # after SIGTERM, before SIGKILL
+    # Called right before every spawn (the station: remove a stale refusal file).
+    before_spawn: Callable[[], None] | None = None
 
 
 class Child:
@@ -140,10 +144,16 @@ class Child:
 
     # -- lifecycle
     async def run(self) -> None:
-        """Start the child and keep it running until ``stop()`` or FATAL."""
+        """Start the child and keep it running until ``stop()`` or FATAL; a REFUSED child
+        waits here for an operator's restart or the stop."""
         self.started = True
         try:
             while not self._stopping:
+                if self.machine.state is ChildState.REFUSED:
+                    with trio.CancelScope() as self._wake:
+                        await trio.sleep_forever()  # request_restart or stop cancels it
+                    if self._stopping:
+                        break
                 self._spawn()
                 if self.proc is None:
                     delay = self.machine.exited(None, reason="spawn failed")
@@ -153,6 +163,8 @@ class Child:
                 self._kill_reason = None
                 if self.machine.state is ChildState.FATAL:
                     return
+                if self.machine.state is ChildState.REFUSED:
+                    continue  # parked at the top of the loop
                 if self.machine.state is ChildState.STOPPED:
                     if self._restart and not self._stopping:
                         self._restart = False
@@ -163,6 +175,8 @@ class Child:
                         await trio.sleep(delay)
                 if self._stopping and self.machine.state in (ChildState.BACKOFF, ChildState.EXITED):
                     self.machine.stop_requested("shutdown")
+            if self.machine.state is ChildState.REFUSED:  # stopped while parked
+                self.machine.stop_requested("shutdown")
         finally:
             if self.proc is not None and self.proc.returncode is None:
                 self.proc.kill_now()  # cancelled from outside: never leave an orphan
@@ -172,6 +186,8 @@ class Child:
         self.ready_info = {}
         self.health_info = {}
         self.health_failures = 0
+        if self.spec.before_spawn is not None:
+            self.spec.before_spawn()
         try:
             self.proc = ChildProcess.spawn(self.spec.argv, self.spec.env)
         except (OSError, subprocess.SubprocessError) as exc:
@@ -256,11 +272,11 @@ class Child:
 
     async def request_restart(self, timeout_s: float) -> None:
         """Operator restart: stop (SIGTERM, grace, SIGKILL) and start again with a clean
-        failure count; a child waiting in backoff starts at once."""
+        failure count; a child waiting in backoff, or REFUSED, starts at once."""
         if self._stopping or self.done.is_set():
             return
         self.machine.reset_failures()
-        if self.machine.state is ChildState.BACKOFF:
+        if self.machine.state in (ChildState.BACKOFF, ChildState.REFUSED):
             self._wake.cancel()
             return
         self._restart = True

@@ -10,6 +10,14 @@ Shutdown (SIGTERM or SIGINT): ``STOPPING=1``; the host gets SIGTERM first and up
 and ``stop_timeout_s`` to persist its sessions; SIGKILL for whatever remains; exit 0. A second
 signal kills both at once. A child that goes FATAL stops the other and the supervisor exits 1,
 so systemd's ``Restart=on-failure`` takes over.
+
+A station that refuses its model (exit ``REFUSED_EXIT``, 78) is REFUSED: never restarted,
+and not FATAL either. The supervisor stays up, starts (or keeps) the host so that HTTP
+answers (``/health`` and every ``/v1`` route say why, with a 503), sends ``READY=1`` and
+keeps the watchdog fed (a restart of the unit would refuse again), and publishes the
+refusal file's reason: state ``refused``, ``supervisor.refused`` in the status file,
+``gnosis-daemon status`` and the ``STATUS=`` line. Only an operator's ``gnosis-daemon
+restart station`` (or a restart of the unit) starts the station again.
 """
 
 from __future__ import annotations
@@ -26,6 +34,7 @@ import trio
 
 from gnosis_daemon.api_keys import KeyFileError
 from gnosis_daemon.logs import configure_logging, get_logger
+from gnosis_daemon.refusal import REFUSED_EXIT, clear_refusal, describe, read_refusal
 from gnosis_daemon.settings import Settings
 from gnosis_daemon.unix_sockets import prepare_runtime_dir
 from supervisor.child import Child, ChildSpec
@@ -67,6 +76,7 @@ class Supervisor:
         self._shutdown = trio.Event()
         self._stopped = False
         self._fatal: str | None = None
+        self._refusal: dict[str, Any] | None = None  # the station's, while it is REFUSED
         self._changed = trio.Event()
         self._last_flags: Any = None
         self._last_summary = ""
@@ -84,7 +94,8 @@ class Supervisor:
             ready_probe=functools.partial(station_hello, sock, frame),
             health_probe=functools.partial(station_health, sock, frame),
             start_timeout_s=settings.station_start_timeout_s,
-            stop_timeout_s=settings.stop_timeout_s, **common), policy)
+            stop_timeout_s=settings.stop_timeout_s, before_spawn=self._clear_refusal_file,
+            **common), policy, permanent_exits=frozenset({REFUSED_EXIT}))
         self.host = self._child(ChildSpec(
             "host", child_argv("host"), env,
             ready_probe=self._host_probe, health_probe=self._host_probe,
@@ -92,9 +103,31 @@ class Supervisor:
             stop_timeout_s=settings.drain_grace_s + DRAIN_MARGIN_S, **common), policy)
         self.children = (self.station, self.host)
 
-    def _child(self, spec: ChildSpec, policy: RestartPolicy) -> Child:
-        machine = ChildMachine(spec.name, policy, listener=self._on_state, logger=self.log)
+    def _child(self, spec: ChildSpec, policy: RestartPolicy,
+               permanent_exits: frozenset[int] = frozenset()) -> Child:
+        machine = ChildMachine(spec.name, policy, listener=self._on_state, logger=self.log,
+                               permanent_exits=permanent_exits)
         return Child(spec, machine, self.log, on_info=self._on_info)
+
+    def _clear_refusal_file(self) -> None:
+        """Before every station spawn: an earlier station's refusal must not describe this
+        one while it loads (the host reads the file when it cannot reach the station)."""
+        path = self.settings.station_refusal_file
+        try:
+            if clear_refusal(path):
+                self.log.info("stale_refusal_removed", path=str(path))
+        except OSError as exc:
+            self.log.warning("stale_refusal_not_removed", path=str(path), error=str(exc))
+
+    def _load_refusal(self) -> dict[str, Any]:
+        path = self.settings.station_refusal_file
+        refusal = read_refusal(path)
+        if refusal is None:  # the exit status is the contract; the file only says why
+            reason = (f"the station exited with status {REFUSED_EXIT} (it refuses its model) "
+                      f"but left no readable refusal file at {path}")
+            refusal = {"model_type": None, "kind": None, "reason": reason, "message": reason,
+                       "model": self.settings.model or None, "pid": None, "at": None}
+        return refusal
 
     async def _host_probe(self) -> dict[str, Any]:
         status, body = await host_health(self.settings.host, self.settings.port,
@@ -110,6 +143,8 @@ class Supervisor:
             return "stopped"
         if self._shutdown.is_set():
             return "stopping"
+        if self.station.state is ChildState.REFUSED:
+            return "refused"
         if not self.ready:
             return "starting"
         ok = all(c.state is ChildState.RUNNING for c in self.children)
@@ -127,6 +162,7 @@ class Supervisor:
             health_tier = (child.health_info or {}).get("kv_tier") if running else None
             snap["kv_tier"] = health_tier or hello.get("kv_tier")
             snap["health"] = child.health_info if running else {}
+            snap["refused"] = self._refusal if child.state is ChildState.REFUSED else None
         else:
             latest = (child.health_info or child.ready_info) if running else {}
             body = latest.get("body") or {}
@@ -142,6 +178,7 @@ class Supervisor:
             "updated_at": time.time(),
             "supervisor": {"pid": os.getpid(), "state": self.state, "ready": self.ready,
                            "started_at": self.started_at, "fatal": self._fatal,
+                           "refused": self._refusal,
                            "runtime_dir": self.settings.runtime_dir},
             "children": {c.name: self._child_status(c) for c in self.children},
         }
@@ -157,6 +194,8 @@ class Supervisor:
         if "liquid_memory" in caps:
             lm = "on" if caps["liquid_memory"] else f"off ({caps.get('reason', 'no reason given')})"
             parts.append(f"liquid_memory {lm}")
+        if self._refusal is not None:
+            parts.append(f"station refused its model: {describe(self._refusal)}")
         return "; ".join(parts)
 
     def publish(self) -> None:
@@ -175,6 +214,17 @@ class Supervisor:
 
     def _on_state(self, machine: ChildMachine, old: ChildState, new: ChildState,
                   why: dict[str, Any]) -> None:
+        if machine is self.station.machine:
+            if new is ChildState.REFUSED:
+                self._refusal = self._load_refusal()
+                self.log.error("station_refused", model_type=self._refusal.get("model_type"),
+                               kind=self._refusal.get("kind"), reason=self._refusal.get("reason"),
+                               model=self._refusal.get("model"),
+                               action="not restarted: serve another model or a build that "
+                                      "implements it, then restart the unit or "
+                                      "`gnosis-daemon restart station`")
+            elif old is ChildState.REFUSED:
+                self._refusal = None
         self.publish()
         self._poke()
 
@@ -227,7 +277,10 @@ class Supervisor:
     async def _main(self, nursery: trio.Nursery) -> None:
         for child in self.children:  # in order: the host needs the station's socket
             nursery.start_soon(child.run)
-            await self._until(lambda: self._ended() or child.state is ChildState.RUNNING)
+            # A REFUSED station will not serve, but the host still starts: it answers
+            # /health and every /v1 route with the refusal's reason.
+            await self._until(lambda: self._ended() or child.state in (ChildState.RUNNING,
+                                                                       ChildState.REFUSED))
             if self._ended():
                 break
         if not self._ended():
@@ -274,7 +327,8 @@ class Supervisor:
 
     async def _watchdog(self, interval_s: float) -> None:
         # The watchdog guards the supervisor's own loop; children are its job, so a child
-        # in backoff is no reason for systemd to kill the whole unit. Only FATAL is.
+        # in backoff is no reason for systemd to kill the whole unit. Only FATAL is. A
+        # REFUSED station is not either: a unit restarted for it would only refuse again.
         while True:
             if self._fatal_child() is None:
                 self.notifier.watchdog()

@@ -9,14 +9,22 @@ tests can drive backoff and the fast-failure count exactly.
     STOPPED --spawn--> STARTING --ready--> RUNNING --exit--> EXITED --> STARTING (good run)
                           |                   |                 +----> BACKOFF  (fast failure)
                           |                   |                 +----> FATAL    (too many)
+                          |                   |                 +----> REFUSED  (permanent exit)
                           +--exit/timeout--> BACKOFF | FATAL
+                          +--permanent exit--> REFUSED
        STARTING | RUNNING --stop--> STOPPING --exit--> STOPPED
-       BACKOFF --delay over--> STARTING;   BACKOFF | EXITED --stop--> STOPPED
+       BACKOFF --delay over--> STARTING;   BACKOFF | EXITED | REFUSED --stop--> STOPPED
+       REFUSED --operator restart--> STARTING
 
 A *good start* is a child that reached RUNNING and stayed there ``min_uptime_s``: it resets the
 failure count. Any other exit (a failed start included) is a fast failure; after
 ``max_fast_failures`` in a row the child is FATAL and the supervisor gives up (exits non-zero,
 so systemd restarts the whole unit with its own, slower, policy).
+
+A *permanent exit* is an exit status the child uses to say that starting it again changes
+nothing (the station's ``REFUSED_EXIT``, 78: it refuses its model). The child is REFUSED: not
+restarted, no backoff, no failure counted, and the supervisor stays up (unlike FATAL); only an
+operator's restart (``gnosis-daemon restart station``) starts it again.
 """
 
 from __future__ import annotations
@@ -36,17 +44,20 @@ class ChildState(enum.StrEnum):
     STOPPING = "stopping"
     EXITED = "exited"
     FATAL = "fatal"
+    REFUSED = "refused"
 
 
 S = ChildState
 TRANSITIONS: dict[ChildState, frozenset[ChildState]] = {
     S.STOPPED: frozenset({S.STARTING}),
-    S.STARTING: frozenset({S.RUNNING, S.BACKOFF, S.FATAL, S.STOPPING}),
+    S.STARTING: frozenset({S.RUNNING, S.BACKOFF, S.FATAL, S.STOPPING, S.REFUSED}),
     S.RUNNING: frozenset({S.EXITED, S.STOPPING}),
-    S.EXITED: frozenset({S.STARTING, S.BACKOFF, S.FATAL, S.STOPPED}),
+    S.EXITED: frozenset({S.STARTING, S.BACKOFF, S.FATAL, S.STOPPED, S.REFUSED}),
     S.BACKOFF: frozenset({S.STARTING, S.STOPPED}),
     S.STOPPING: frozenset({S.STOPPED}),
     S.FATAL: frozenset(),  # terminal: the supervisor exits and systemd takes over
+    # Parked: the supervisor stays up; an operator's restart, or the shutdown, ends it.
+    S.REFUSED: frozenset({S.STARTING, S.STOPPED}),
 }
 
 
@@ -118,9 +129,12 @@ class ChildMachine:
     def __init__(self, name: str, policy: RestartPolicy, *,
                  clock: Callable[[], float] = time.monotonic,
                  wall_clock: Callable[[], float] = time.time,
-                 listener: Listener | None = None, logger: Any = None) -> None:
+                 listener: Listener | None = None, logger: Any = None,
+                 permanent_exits: frozenset[int] = frozenset()) -> None:
         self.name = name
         self.policy = policy
+        # Exit statuses after which a restart would change nothing: REFUSED, not restarted.
+        self.permanent_exits = permanent_exits
         self._clock = clock
         self._wall = wall_clock
         self.listener = listener
@@ -158,7 +172,7 @@ class ChildMachine:
     # -- facts reported by the driver
     def spawned(self, pid: int | None) -> None:
         """A process was started (``pid`` None: spawning itself failed; ``exited`` follows)."""
-        expected = {S.STOPPED, S.BACKOFF, S.EXITED}
+        expected = {S.STOPPED, S.BACKOFF, S.EXITED, S.REFUSED}
         self._check(S.STARTING, expected)  # before any bookkeeping changes
         if self.num_starts > 0:
             self.restarts += 1
@@ -175,11 +189,11 @@ class ChildMachine:
         self.change_state(S.RUNNING, {S.STARTING})
 
     def stop_requested(self, reason: str) -> None:
-        """Begin an orderly stop: STARTING/RUNNING -> STOPPING; with no process (BACKOFF, or
-        EXITED before its restart) -> STOPPED at once."""
-        if self.state in (S.BACKOFF, S.EXITED):
+        """Begin an orderly stop: STARTING/RUNNING -> STOPPING; with no process (BACKOFF,
+        EXITED before its restart, REFUSED) -> STOPPED at once."""
+        if self.state in (S.BACKOFF, S.EXITED, S.REFUSED):
             self.backoff_until = None
-            self.change_state(S.STOPPED, {S.BACKOFF, S.EXITED}, reason=reason)
+            self.change_state(S.STOPPED, {S.BACKOFF, S.EXITED, S.REFUSED}, reason=reason)
             return
         self.change_state(S.STOPPING, {S.STARTING, S.RUNNING}, reason=reason)
 
@@ -189,7 +203,7 @@ class ChildMachine:
 
     def exited(self, returncode: int | None, reason: str | None = None) -> float | None:
         """The process is gone. Returns the delay before the next start, or None when there
-        is none (stopped on request, or FATAL)."""
+        is none (stopped on request, FATAL, or REFUSED)."""
         now = self._clock()
         assert self.started_at is not None
         assert self.state in {S.STARTING, S.RUNNING, S.STOPPING}, self.state
@@ -199,6 +213,12 @@ class ChildMachine:
         why = {"exit": self.last_exit.describe(), "old_pid": old_pid}
         if self.state is S.STOPPING:
             self.change_state(S.STOPPED, {S.STOPPING}, **why)
+            return None
+        if returncode is not None and returncode in self.permanent_exits:
+            # Not a failure to count or back off from: the child says a restart is useless.
+            if self.state is S.RUNNING:
+                self.change_state(S.EXITED, {S.RUNNING}, fast_failures=self.fast_failures, **why)
+            self.change_state(S.REFUSED, {S.EXITED, S.STARTING}, **why)
             return None
         if self.state is S.RUNNING:
             assert self.ready_at is not None

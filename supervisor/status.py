@@ -7,12 +7,12 @@ fsync'd, then ``os.replace``, so a reader sees the old document or the new one, 
 Shape (``status --json`` prints it as is)::
 
     {"version": 1, "updated_at": <unix time>,
-     "supervisor": {"pid", "state": starting|running|degraded|stopping|stopped|fatal,
-                    "started_at", "ready"},
+     "supervisor": {"pid", "state": starting|running|degraded|refused|stopping|stopped|fatal,
+                    "started_at", "ready", "fatal", "refused": {...} | null},
      "children": {"station": {"state", "pid", "restarts", "fast_failures", "uptime_s",
                               "started_at", "backoff_remaining_s", "last_exit",
                               "capabilities": {flag: true}, "health": {...},
-                              "kv_tier": {...} | null},
+                              "kv_tier": {...} | null, "refused": {...} | null},
                   "host":    {... "capabilities": {"liquid_memory", ...}, "health": {...}}}}
 """
 
@@ -150,8 +150,24 @@ def render(document: dict[str, Any]) -> str:
     widths = [max(len(row[i]) for row in rows) for i in range(len(header) - 1)]
     for row in rows:
         lines.append("  ".join(cell.ljust(w) for cell, w in zip(row, widths)) + "  " + row[-1])
+    lines.extend(_refusal_lines(sup.get("refused")))
     lines.extend(_kv_tier_lines((children.get("station") or {}).get("kv_tier")))
     return "\n".join(lines)
+
+
+def _refusal_lines(refusal: Any) -> list[str]:
+    """A station that refuses its model, loudly: it is not restarted until someone acts."""
+    if not isinstance(refusal, dict):
+        return []
+    reason = refusal.get("message") or refusal.get("reason")
+    lines = [f"STATION REFUSED ITS MODEL (not restarted): {reason}"]
+    detail = [f"{key} {refusal[key]}" for key in ("model", "model_type", "kind", "at")
+              if refusal.get(key)]
+    if detail:
+        lines.append("  " + ", ".join(detail))
+    lines.append("  serve another model (--model) or a build that implements it, then restart "
+                 "the daemon (or `gnosis-daemon restart station`)")
+    return lines
 
 
 def _kv_tier_lines(tier: Any) -> list[str]:

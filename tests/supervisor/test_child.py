@@ -23,6 +23,8 @@ if mode == "ignore-term":
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
 if mode == "crash":
     sys.exit(3)
+if mode == "refuse" and os.path.exists(path + ".refuse"):
+    sys.exit(78)
 if mode == "pdeathsig":
     from supervisor.pdeathsig import current_pdeathsig
     open(path + ".sig", "w").write(str(current_pdeathsig()))
@@ -53,17 +55,18 @@ async def ping(path: Path) -> dict:
 
 
 def make_child(tmp_path: Path, mode: str = "serve", *, max_fast_failures: int = 3,
-               min_uptime_s: float = 0.0) -> Child:
+               min_uptime_s: float = 0.0, before_spawn=None) -> Child:
     sock = tmp_path / "ping.sock"
     spec = ChildSpec(
         "station", [sys.executable, "-c", PING_SERVER, str(sock), mode],
         dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2])),
         ready_probe=lambda: ping(sock), health_probe=lambda: ping(sock),
         start_timeout_s=10.0, health_interval_s=0.1, health_timeout_s=0.3,
-        failures_before_kill=2, stop_timeout_s=0.5)
+        failures_before_kill=2, stop_timeout_s=0.5, before_spawn=before_spawn)
     policy = RestartPolicy(backoff_initial_s=0.05, backoff_max_s=0.2,
                            min_uptime_s=min_uptime_s, max_fast_failures=max_fast_failures)
-    return Child(spec, ChildMachine("station", policy, logger=get_logger()), get_logger())
+    machine = ChildMachine("station", policy, logger=get_logger(), permanent_exits=frozenset({78}))
+    return Child(spec, machine, get_logger())
 
 
 async def wait_state(child: Child, state: ChildState, *, pid_not: int | None = None,
@@ -156,3 +159,36 @@ async def test_cancelling_run_leaves_no_process(tmp_path):
         nursery.cancel_scope.cancel()
     with pytest.raises(ProcessLookupError):
         os.kill(pid, 0)
+
+
+async def test_refused_child_is_parked_until_an_operator_restart(tmp_path):
+    marker = tmp_path / "ping.sock.refuse"
+    marker.touch()
+    spawns: list[float] = []
+    child = make_child(tmp_path, "refuse", max_fast_failures=1,
+                       before_spawn=lambda: spawns.append(trio.current_time()))
+    states: list[str] = []
+    child.machine.listener = lambda m, old, new, why: states.append(new.value)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(child.run)
+        await wait_state(child, ChildState.REFUSED)
+        await trio.sleep(1.0)  # backoff is 0.05 s and one failure would be FATAL: neither
+        assert (child.state, len(spawns), child.machine.restarts) == (ChildState.REFUSED, 1, 0)
+        assert child.machine.last_exit.code == 78 and not child.done.is_set()
+        marker.unlink()  # the operator fixed it, then asks for a restart
+        await child.request_restart(1.0)
+        await wait_state(child, ChildState.RUNNING)
+        assert len(spawns) == 2 and child.machine.restarts == 1
+        await child.stop(1.0)
+    assert states == ["starting", "refused", "starting", "running", "stopping", "stopped"]
+
+
+async def test_stop_while_refused_is_immediate(tmp_path):
+    (tmp_path / "ping.sock.refuse").touch()
+    child = make_child(tmp_path, "refuse")
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(child.run)
+        await wait_state(child, ChildState.REFUSED)
+        with trio.fail_after(2):
+            await child.stop(5.0)
+    assert child.state is ChildState.STOPPED and child.done.is_set()

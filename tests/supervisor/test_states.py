@@ -28,11 +28,15 @@ class FakeClock:
         return self.now
 
 
+REFUSED_EXIT = 78
+
+
 def machine(policy: RestartPolicy = POLICY):
     clock = FakeClock()
     events: list[tuple[str, str]] = []
     m = ChildMachine("station", policy, clock=clock, wall_clock=lambda: 5.0,
-                     listener=lambda mach, old, new, why: events.append((old.value, new.value)))
+                     listener=lambda mach, old, new, why: events.append((old.value, new.value)),
+                     permanent_exits=frozenset({REFUSED_EXIT}))
     return m, clock, events
 
 
@@ -44,6 +48,55 @@ def test_backoff_sequence_is_exponential_and_capped():
 def test_every_state_has_a_row_and_fatal_is_terminal():
     assert set(TRANSITIONS) == set(ChildState)
     assert TRANSITIONS[S.FATAL] == frozenset()
+    # REFUSED is parked, not terminal: an operator's restart or the shutdown leaves it.
+    assert TRANSITIONS[S.REFUSED] == frozenset({S.STARTING, S.STOPPED})
+
+
+def test_a_permanent_exit_during_start_is_refused_with_no_restart_and_no_failure():
+    m, clock, events = machine()
+    m.spawned(1)
+    clock.now += 4.0
+    assert m.exited(REFUSED_EXIT) is None  # no delay: nothing restarts it
+    assert m.state is S.REFUSED and m.pid is None
+    assert (m.fast_failures, m.restarts, m.backoff_until) == (0, 0, None)
+    assert m.last_exit == ExitInfo(REFUSED_EXIT, None, 5.0, 4.0, None)
+    assert events == [("stopped", "starting"), ("starting", "refused")]
+    snap = m.snapshot()
+    assert (snap["state"], snap["pid"], snap["backoff_remaining_s"]) == ("refused", None, None)
+
+
+def test_a_permanent_exit_after_running_passes_through_exited():
+    m, clock, events = machine()
+    m.spawned(1)
+    m.ready()
+    clock.now += 1.0  # a fast exit, yet not a failure: it says a restart is useless
+    assert m.exited(REFUSED_EXIT) is None
+    assert m.state is S.REFUSED and m.fast_failures == 0
+    assert events[-2:] == [("running", "exited"), ("exited", "refused")]
+
+
+def test_refused_restarts_only_when_asked_and_stops_at_once():
+    m, _, events = machine()
+    m.spawned(1)
+    m.exited(REFUSED_EXIT)
+    m.spawned(2)  # an operator's restart
+    assert (m.state, m.pid, m.restarts) == (S.STARTING, 2, 1)
+    m.exited(REFUSED_EXIT)
+    m.stop_requested("shutdown")  # no process to wait for
+    assert m.state is S.STOPPED
+    assert events[-3:] == [("refused", "starting"), ("starting", "refused"), ("refused", "stopped")]
+
+
+def test_other_exit_codes_and_a_stop_are_not_refusals():
+    m, _, _ = machine()
+    m.spawned(1)
+    assert m.exited(1) == 0.5 and m.state is S.BACKOFF  # an ordinary failed start
+    m.spawned(2)
+    m.stop_requested("shutdown")
+    assert m.exited(REFUSED_EXIT) is None and m.state is S.STOPPED  # the stop wins
+    plain = ChildMachine("host", POLICY, clock=FakeClock(), wall_clock=lambda: 5.0)
+    plain.spawned(3)
+    assert plain.exited(REFUSED_EXIT) == 0.5 and plain.state is S.BACKOFF  # not its code
 
 
 def test_start_ready_exit_after_good_uptime_restarts_at_once_with_clean_count():
