@@ -38,6 +38,7 @@ from werkzeug.exceptions import HTTPException
 from gnosis_daemon.api_keys import ANON, KeyFileError, Keyring, bearer, load_keyring
 from gnosis_daemon.client import StationError, is_unknown_op
 from gnosis_daemon.logs import configure_logging, get_logger
+from gnosis_daemon.refusal import describe
 from gnosis_daemon.settings import Settings
 from host import embeddings, errors, json_body, openai_api, sse, tokenize_api
 from host.completions import complete, json_response
@@ -49,6 +50,8 @@ from host.scrape_metrics import ScrapeCollector, supervisor_restarts
 from host.station_link import StationLink
 
 _HEALTH_STATS_S = 0.5
+# What /health's station_refused shows of the refusal file (docs/api.md).
+_REFUSAL_FIELDS = ("model_type", "kind", "reason", "message", "model", "at")
 
 
 def _session_count(stats: dict[str, Any] | None) -> int | None:
@@ -164,8 +167,10 @@ def create_app(settings: Settings, link: StationLink,
     async def health() -> Response:
         connected = link.connected
         hello = link.hello if connected else None
+        # A station that refused its model (permanent): the refusal file's reason.
+        refusal = None if connected else link.refusal
         body: dict[str, Any] = {
-            "status": "ok" if connected else "unavailable",
+            "status": "ok" if connected else ("refused" if refusal else "unavailable"),
             "host_pid": os.getpid(),
             "model": link.model_id if connected else None,
             "station_reachable": connected,
@@ -176,7 +181,10 @@ def create_app(settings: Settings, link: StationLink,
             "station_capabilities_learned": (dict(memory.negotiated.learned)
                                              if connected and memory.negotiated else {}),
             "station_restarts": link.reconnects,
-            "station_last_error": None if connected else link.last_error,
+            "station_last_error": (None if connected else
+                                   describe(refusal) if refusal else link.last_error),
+            "station_refused": (None if refusal is None else
+                                {key: refusal.get(key) for key in _REFUSAL_FIELDS}),
             # The station's KV disk tier at its start (restored, rejected, foreign).
             "station_kv_tier": hello.get("kv_tier") if hello else None,
         }
@@ -203,6 +211,7 @@ def create_app(settings: Settings, link: StationLink,
     @app.get("/metrics")
     async def metrics() -> Response:
         gauges = {"station_up": 1.0 if link.connected else 0.0,
+                  "station_refused": 1.0 if link.refusal is not None else 0.0,
                   "station_restarts": float(link.reconnects),
                   "http_requests_inflight": float(host_metrics.inflight),
                   "model_requests_inflight": float(admission.inflight),
@@ -311,7 +320,8 @@ def serve(settings: Settings) -> int:
         return 2
     _raise_file_limit()
     link = StationLink(settings.station_socket, max_frame_bytes=settings.max_frame_bytes,
-                       hello_timeout_s=settings.health_timeout_s)
+                       hello_timeout_s=settings.health_timeout_s,
+                       refusal_file=settings.station_refusal_file)
     app = create_app(settings, link, keyring)
     config = HypercornConfig()
     config.bind = [_bind(settings)]

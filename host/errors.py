@@ -18,6 +18,7 @@ from typing import Any
 from gnosis_daemon.client import StationError
 from gnosis_daemon.logs import get_logger
 from gnosis_daemon.protocol import ErrorCode
+from host.station_link import StationRefused
 
 log = get_logger("host.errors")
 
@@ -83,6 +84,18 @@ def model_not_found(model: str) -> ApiError:
                     INVALID_REQUEST, "model", "model_not_found")
 
 
+def station_refused(refusal: dict[str, Any]) -> ApiError:
+    """The station refused its model: a 503 naming the reason. Permanent until an operator
+    acts, so no ``Retry-After`` (it would invite a retry loop), and ``x-should-retry: false``,
+    which the official OpenAI clients honour instead of retrying a 503 on their own."""
+    reason = refusal.get("message") or refusal.get("reason") or "no reason given"
+    message = (f"The model station refused to serve its model: {reason}. This does not clear "
+               f"by retrying; the operator must serve another model or a build that "
+               f"implements it (see GET /health).")
+    return ApiError(503, message, SERVICE_UNAVAILABLE, None, "station_refused",
+                    {"x-should-retry": "false"})
+
+
 def station_unavailable(detail: str = "") -> ApiError:
     message = "The model station is not available right now; retry shortly."
     if detail:
@@ -94,6 +107,8 @@ def station_unavailable(detail: str = "") -> ApiError:
 def from_station(exc: StationError, prompt_param: str) -> ApiError:
     """Map a station error frame to the HTTP answer (``prompt_param``: messages or prompt)."""
     code = exc.code
+    if isinstance(exc, StationRefused):
+        return station_refused(exc.refusal)
     if code == "unavailable":
         return station_unavailable(exc.message)
     if code == ErrorCode.CONTEXT_OVERFLOW:

@@ -10,6 +10,13 @@ Resource handling: the connection (socket + reader task) lives inside ``run``; c
 
 Error handling: a refused or lost connection, and a station that does not answer ``hello``
 in time, are retried; anything else propagates (a bug, not a station outage).
+
+A station that refused its model (``gnosis_daemon.refusal``) leaves a refusal file and no
+socket: while the link is down, ``refusal`` reads that file and ``current()`` raises
+``StationRefused`` (a 503 that names the reason and invites no retry). The file is trusted
+only while no station answers, and only when it is newer than the last station this link
+reached: a station that answers ``hello`` is never described by an older refusal. The link
+keeps reconnecting meanwhile, so an operator's restart of the station is picked up.
 """
 
 from __future__ import annotations
@@ -27,10 +34,20 @@ from gnosis_daemon.client import (
     open_station_client,
 )
 from gnosis_daemon.logs import get_logger
+from gnosis_daemon.refusal import describe, read_refusal
 
 log = get_logger("host.station_link")
 
 OnConnect = Callable[[StationConnection, dict[str, Any]], Awaitable[None]]
+
+
+class StationRefused(StationUnavailable):
+    """No station, because it refused its model: permanent until an operator acts."""
+
+    def __init__(self, refusal: dict[str, Any]) -> None:
+        super().__init__(describe(refusal))
+        self.retryable = False
+        self.refusal = refusal
 
 
 async def _no_probe(conn: StationConnection, hello: dict[str, Any]) -> None:
@@ -40,7 +57,8 @@ async def _no_probe(conn: StationConnection, hello: dict[str, Any]) -> None:
 class StationLink:
     def __init__(self, socket_path: str | os.PathLike[str], *, max_frame_bytes: int,
                  hello_timeout_s: float = 5.0, backoff_initial_s: float = 0.1,
-                 backoff_max_s: float = 2.0, on_connect: OnConnect | None = None) -> None:
+                 backoff_max_s: float = 2.0, on_connect: OnConnect | None = None,
+                 refusal_file: str | os.PathLike[str] | None = None) -> None:
         assert 0 < backoff_initial_s <= backoff_max_s
         self.socket_path = os.fspath(socket_path)
         self.max_frame_bytes = max_frame_bytes
@@ -54,6 +72,9 @@ class StationLink:
         self.last_error: str | None = None
         self.connected_at: int = 0  # unix time of the last connect (/v1/models "created")
         self._conn: StationConnection | None = None
+        self.refusal_file = None if refusal_file is None else os.fspath(refusal_file)
+        self._connected_wall: float | None = None  # time.time() of the last connect
+        self._refusal_read: tuple[tuple[int, int, int], dict[str, Any] | None] | None = None
 
     # -- what request handlers use
     @property
@@ -69,9 +90,30 @@ class StationLink:
     def model_id(self) -> str | None:
         return ((self.hello or {}).get("model") or {}).get("id")
 
+    @property
+    def refusal(self) -> dict[str, Any] | None:
+        """The station's refusal of its model (the refusal file's document) while no station
+        is connected; None when one is, or when there is no file newer than the last one
+        this link reached."""
+        if self.connected or self.refusal_file is None:
+            return None
+        try:
+            info = os.stat(self.refusal_file)
+        except OSError:
+            return None
+        if self._connected_wall is not None and info.st_mtime < self._connected_wall:
+            return None  # older than the last station that answered hello: stale
+        key = (info.st_ino, info.st_mtime_ns, info.st_size)
+        if self._refusal_read is None or self._refusal_read[0] != key:
+            self._refusal_read = (key, read_refusal(self.refusal_file))
+        return self._refusal_read[1]
+
     def current(self) -> StationConnection:
         conn = self._conn
         if conn is None or conn.closed:
+            refusal = self.refusal
+            if refusal is not None:
+                raise StationRefused(refusal)
             raise StationUnavailable(self.last_error or "not connected to the station yet")
         return conn
 
@@ -108,7 +150,8 @@ class StationLink:
         await self.on_connect(conn, hello)
         self.connects += 1
         self.last_error = None
-        self.connected_at = int(time.time())
+        self._connected_wall = time.time()
+        self.connected_at = int(self._connected_wall)
         self._conn = conn
         log.info("station_connected", station_pid=hello.get("pid"), model=self.model_id,
                  capabilities=sorted(self.capabilities), reconnects=self.reconnects)
