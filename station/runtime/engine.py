@@ -7,21 +7,19 @@ finished sequence's full blocks stay cached (evictable, LRU) after its blocks ar
 
 Resource handling: requests and aborts arrive under a lock and are applied at the next step
 boundary (never mid-forward); an aborted or finished sequence frees its blocks at once.
-``shutdown`` ends every unfinished request with a ``shutting_down`` error.
-
-Error handling: a forward that raises ends the sequences of that step with an ``internal``
-error and frees their blocks; the engine keeps serving everyone else.
+``shutdown`` ends every unfinished request with a ``shutting_down`` error. A forward that
+raises ends the sequences of that step with an ``internal`` error and frees their blocks;
+the engine keeps serving everyone else.
 
 Liquid memory: the KV cache manager (``station.core.kv_manager``) pins blocks under
 session ids. A request with ``load_session`` starts from the session's blocks for the
-prefix it shares with the prompt (the manager finds them at admission, the scheduler
-records the outcome on the sequence); ``save_session`` pins the prompt's full blocks
-when its prefill ends, ``save_final_session`` pins prompt+completion when it finishes.
-Socket ops other than ``generate`` arrive through ``call`` and run on this thread at a
-step boundary (``station.runtime.engine_calls``); held sequences decode in the same batched
-forward as every generate. ``embed`` is stepped: each loop iteration embeds a bounded share
-of one call's inputs after the batched step, so it never holds up decoding for long.
-``cancel_call`` drops a call (queued, in progress, or waiting for its sequence's step).
+prefix it shares with the prompt (found at admission); ``save_session`` pins the prompt's
+full blocks when its prefill ends, ``save_final_session`` pins prompt+completion when it
+finishes. Socket ops other than ``generate`` arrive through ``call`` and run on this thread
+at a step boundary (``station.runtime.engine_calls``); held sequences decode in the same
+batched forward as every generate. ``embed`` is stepped: each loop iteration embeds a
+bounded share of one call's inputs after the batched step. ``cancel_call`` drops a call
+(queued, in progress, or waiting for its sequence's step).
 
 Backpressure: at most ``max_waiting_requests`` sequences wait for admission; a ``generate``
 or a ``forward`` that would make a new one past that is refused at once with the
@@ -41,7 +39,6 @@ from gnosis_daemon.logs import get_logger
 from gnosis_daemon.protocol import ErrorCode, OpError
 from station.core.requests import (CallDone, EngineCallHandler, EngineEvent, EventCallback, Failed,
                                    Finished, GenerationRequest, Prefill, SequenceLimits, Token)
-from station.runtime.attention_kinds import read_attention_kinds
 from station.runtime.decode_graphs import graph_limits
 from station.runtime.engine_calls import EngineCalls, RequestState, answer, session_fields
 from station.runtime.kv_cache import KVCache, KVCacheShape, num_blocks_for
@@ -60,8 +57,7 @@ class PagedEngine:
     """the engine over a paged KV pool (see the module docstring)."""
 
     def __init__(self, loaded: Any, settings: Any, num_blocks: int | None = None) -> None:
-        """``loaded``: a ``model_loader.LoadedModel`` (model, device, dtype, fingerprint,
-        eos_token_ids, max_model_len, vocab_size); ``num_blocks`` overrides the budget."""
+        """``loaded``: a ``model_loader.LoadedModel``; ``num_blocks`` overrides the budget."""
         self.loaded = loaded
         self.settings = settings
         self.block_size = settings.kv_block_size
@@ -81,8 +77,7 @@ class PagedEngine:
                                  tenant_salt=settings.tenant_salt)
         self.scheduler = Scheduler(self.kv, settings.max_batch_size, settings.prefill_chunk_tokens)
         self.calls = EngineCalls(self)
-        kinds = loaded.attention or read_attention_kinds(loaded.model, shape.num_kv_heads, shape.head_dim)
-        self.runner = ModelRunner(loaded.model, self.kv_cache, device, kinds,
+        self.runner = ModelRunner(loaded.model, self.kv_cache, device, loaded.attention,
                                   pack_linears=settings.cpu_packed_linears, lean=settings.lean_decoder,
                                   head_kernel=getattr(loaded.weights, "head", None),
                                   step=getattr(loaded.weights, "step", None),
@@ -143,9 +138,8 @@ class PagedEngine:
         with self._cond:
             leftovers = [*self._inbox, *self.scheduler.running, *self.scheduler.waiting]
             calls = list(self._call_queue)
-            self._inbox.clear()
-            self._call_queue.clear()
-            self._known.clear()
+            for pending in (self._inbox, self._call_queue, self._known):
+                pending.clear()
         for seq in leftovers:
             if seq in self.scheduler.running or seq in self.scheduler.waiting:
                 self.scheduler.finish(seq, "shutting_down")
@@ -212,9 +206,8 @@ class PagedEngine:
                          for handler, _, _, kwargs in self._call_queue))
         limit = self.settings.max_waiting_requests
         if waiting >= limit:
-            raise OpError(ErrorCode.CAPACITY,
-                                f"{waiting} requests are already waiting in the station "
-                                f"(max_waiting_requests {limit}); retry later")
+            raise OpError(ErrorCode.CAPACITY, f"{waiting} requests are already waiting in the "
+                          f"station (max_waiting_requests {limit}); retry later")
 
     def release_owner(self, owner: Any) -> None:
         with self._cond:
@@ -226,8 +219,7 @@ class PagedEngine:
         sched = self.scheduler
         with self._cond:
             num_inbox = len(self._inbox)
-        # Read without the engine lock: figures may be one step stale.
-        return {
+        return {  # read without the engine lock: figures may be one step stale
             **self.kv.stats(),
             "prefix_cache_queries_tokens": sched.prefix_cache_queries_tokens,
             "prefix_cache_hits_tokens": sched.prefix_cache_hits_tokens,
@@ -246,22 +238,28 @@ class PagedEngine:
         return {"paged_kv": True, "prefix_cache": True, "continuous_batching": True,
                 "kv_persistence": self.tier is not None, "kv_disk_tier": self.tier is not None}
 
+    def drain(self) -> None:
+        """Run the loop here until it has nothing to do (the start check, before ``run_here``)."""
+        assert self._thread is None, "the engine loop is running"
+        self._run(until_idle=True)
+
     # -- engine thread
-    def _run(self) -> None:
+    def _run(self, until_idle: bool = False) -> None:
         while True:
             with self._cond:
                 while not (self._stopping or self._inbox or self._aborts or self._call_queue
                            or self._cancels or self.scheduler.has_runnable()
                            or self.calls.embeds or self._resync_wanted()
                            or (self.tier and self.tier.has_work())):
+                    if until_idle:
+                        return
                     self._cond.wait()
                 if self._stopping:
                     return
                 new, aborts, calls = list(self._inbox), self._aborts, list(self._call_queue)
-                cancels, self._cancels = self._cancels, set()
+                cancels, self._cancels, self._aborts = self._cancels, set(), {}
                 self._inbox.clear()
                 self._call_queue.clear()
-                self._aborts = {}
             for seq in new:
                 self.scheduler.add(seq)
             for request_id, reason in aborts.items():

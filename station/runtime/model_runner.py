@@ -100,6 +100,11 @@ class ModelRunner:
         return DecodeGraphs(self.kv_cache, self.device, self._lean, self._head, step_context,
                             max_batch, max_context, capture=self.device.type == "cuda")
 
+    @property
+    def stepped(self) -> bool:
+        """The C step computes this runner's steps (``cpu_step``), not torch."""
+        return self._step is not None
+
     def graph_stats(self) -> dict[str, int]:
         return self._graphs.stats() if self._graphs is not None else {}
 

@@ -32,7 +32,10 @@ def hello(server: StationServer, conn: Connection, args: None) -> dict[str, Any]
                   "eos_token_ids": list(loaded.eos_token_ids),
                   "max_token_chars": loaded.max_token_chars,
                   **tool_format(loaded, server.settings.tool_parser),
-                  "device": str(loaded.device), "dtype": str(loaded.dtype).removeprefix("torch.")},
+                  "device": str(loaded.device), "dtype": str(loaded.dtype).removeprefix("torch."),
+                  # each layer's attention kind, and the start check that proved the engine
+                  "attention": loaded.attention.summary() if loaded.attention is not None else None,
+                  "start_check": server.start_check},
         "capabilities": dict(server.capabilities),
         "kv_pool": {"block_size": int(server.engine.block_size),
                     "blocks_total": int(stats.get("blocks_total", 0)),

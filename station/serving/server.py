@@ -83,6 +83,9 @@ class StationServer:
     # What the start found in the KV disk tier (``kv_tier_start.open_tier``), set by
     # ``serve``; hello and health publish it so a rejected or foreign tier is never silent.
     kv_tier: dict[str, Any] | None = None
+    # The start check's figures (``station.runtime.start_check``), set by ``serve``; None when
+    # the engine was built without one (in-process embedders and tests).
+    start_check: dict[str, Any] | None = None
 
     @property
     def num_connections(self) -> int:
