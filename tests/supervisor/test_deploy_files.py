@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from gnosis_daemon.refusal import REFUSED_EXIT
 from gnosis_daemon.settings import Settings, load_settings
 from supervisor.daemon import DRAIN_MARGIN_S
 
@@ -60,6 +61,7 @@ def test_unit_promises():
     d = directives(UNIT.read_text())
     assert d["Type"] == ["notify"] and d["NotifyAccess"] == ["main"]
     assert d["Restart"] == ["on-failure"] and d["WatchdogSec"] == ["30"]
+    assert d["RestartPreventExitStatus"] == [str(REFUSED_EXIT)]  # a refused model: no loop
     assert d["KillMode"] == ["mixed"]  # SIGTERM to the supervisor only: it orders the stop
     defaults = Settings()
     assert seconds(d["TimeoutStopSec"][0]) > (defaults.drain_grace_s + DRAIN_MARGIN_S
