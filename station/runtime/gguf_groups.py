@@ -22,7 +22,7 @@ bit, or the weight is not used (it stays float, and the log says which and why).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +43,15 @@ class GgufWeights:
     int4: dict[str, Int4Groups]  # the model's parameter name -> its 4-bit groups
     types: dict[str, str]  # the model's parameter name -> the file's tensor type (Q4_1, Q8_0, F32...)
     rejected: dict[str, str]  # name -> why its blocks were not used
+    # every tensor of the file, in file order: GGUF name -> (its type, the model's parameter
+    # name it became, None where none did)
+    tensors: dict[str, tuple[str, str | None]] = field(default_factory=dict)
+
+
+# The types whose blocks a layer can keep (``weights``): Q4_0/Q4_1/Q4_K as 4-bit groups, Q8_0
+# as int8 rows and, for the vocabulary head on a CPU, as its own blocks (cpu_kernels).
+KEPT_TYPES = frozenset({*_BLOCK_BYTES, "Q8_0"})
+FLOAT_TYPES = frozenset({"F32", "F16", "BF16", "F64"})
 
 
 def decode_blocks(data: np.ndarray, kind: str) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
@@ -127,6 +136,7 @@ def read_gguf_weights(gguf: Path, model: Any) -> GgufWeights:
     out = GgufWeights({}, {}, {})
     for tensor in tensors:
         name = names.get(tensor.name)
+        out.tensors[tensor.name] = (tensor.kind, name)
         if name is None:
             continue
         out.types[name] = tensor.kind
@@ -153,6 +163,13 @@ def read_gguf_weights(gguf: Path, model: Any) -> GgufWeights:
         log.warning("gguf_blocks_not_used", count=len(out.rejected),
                     first=next(iter(out.rejected.items())))
     return out
+
+
+def file_tensors(gguf: Path, model: Any) -> dict[str, tuple[str, str | None]]:
+    """Every tensor of ``gguf``: GGUF name -> (its type, the model's parameter name or None)."""
+    arch, tensors = read_tensor_table(gguf)
+    names = _gguf_names(arch, model.config, dict(model.named_parameters()))
+    return {t.name: (t.kind, names.get(t.name)) for t in tensors}
 
 
 def _gguf_names(arch: str, config: Any, params: dict[str, Any]) -> dict[str, str]:

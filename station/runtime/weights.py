@@ -59,6 +59,11 @@ class WeightsReport:
     # The whole decode step in C over the 4-bit layers (cpu_step.StepWeights), which the
     # engine binds to its KV pool; None: the step runs through torch.
     step: Any = None
+    # A GGUF file's quantized tensors (F32/F16/BF16 ones are not counted), by GGUF name:
+    # those whose blocks run as they are stored or in a form of their own type -> (type,
+    # form: int4 | int8 | q8-head), and those dequantized to float -> (type, why).
+    gguf_kept: dict[str, tuple[str, str]] = field(default_factory=dict)
+    gguf_dequantized: dict[str, tuple[str, str]] = field(default_factory=dict)
 
     def count(self, form: str) -> int:
         return sum(1 for f in self.forms.values() if f == form)
@@ -73,9 +78,19 @@ class WeightsReport:
         return f"int4:{self.count('int4')},int8:{self.count('int8')},{digest}{step}"
 
     def summary(self) -> dict[str, Any]:
-        return {"mode": self.mode, "int4_layers": self.count("int4"), "int8_layers": self.count("int8"),
-                "float_layers": self.count("float"), "kept_float_faster": len(self.slower),
-                "linear_bytes": self.linear_bytes_after, "linear_bytes_dense": self.linear_bytes_before}
+        out = {"mode": self.mode, "int4_layers": self.count("int4"), "int8_layers": self.count("int8"),
+               "float_layers": self.count("float"), "kept_float_faster": len(self.slower),
+               "linear_bytes": self.linear_bytes_after, "linear_bytes_dense": self.linear_bytes_before}
+        if self.gguf_kept or self.gguf_dequantized:
+            out.update(gguf_tensors_kept=len(self.gguf_kept), gguf_tensors_dequantized=len(self.gguf_dequantized))
+        return out
+
+    def dequantized_by_reason(self) -> dict[str, int]:
+        """How many of the file's quantized tensors were dequantized, by why."""
+        counts: dict[str, int] = {}
+        for _, why in self.gguf_dequantized.values():
+            counts[why] = counts.get(why, 0) + 1
+        return dict(sorted(counts.items()))
 
 
 def decoder_linears(model: nn.Module) -> list[tuple[str, nn.Module, str, nn.Linear]]:
@@ -106,6 +121,8 @@ def apply_weights(model: nn.Module, mode: str, device: torch.device, dtype: torc
         report.linear_bytes_before += _bytes(layer)
     report.linear_bytes_after = report.linear_bytes_before
     if mode == "float" or not layers or (mode == "auto" and gguf is None):
+        if gguf is not None:
+            _account_gguf(report, model, gguf, None, {}, "the model has no decoder linears")
         return report
     from_file = None  # mode is auto, int4 or int8 from here on
     if gguf is not None:
@@ -116,32 +133,43 @@ def apply_weights(model: nn.Module, mode: str, device: torch.device, dtype: torc
     # the C decode step (cpu_step) may take the 4-bit layers' values: keep its form of them
     step_wanted = decode_step != "off" and device.type == "cpu" and dtype == torch.float32
     built: dict[str, list] = {"int4": [], "int8": []}  # form -> [(name, parent, attr, layer, new, values, source)]
+    why: dict[str, str] = {}  # weight name -> why its layer stayed float (for the file's account)
     for name, parent, attr, layer in layers:
         weight_name = f"{name}.weight"
         form = _form(mode, from_file.types.get(weight_name) if from_file else None)
-        if form is None or (mode == "auto" and form == "int4" and weight_name not in from_file.int4):
-            continue  # auto: a block that did not check out stays float, never re-rounded
+        if form is None:
+            continue
+        if mode == "auto" and form == "int4" and weight_name not in from_file.int4:
+            # auto: a block that did not check out stays float, never re-rounded
+            why[weight_name] = f"its blocks were not used: {from_file.rejected.get(weight_name, 'unread')}"
+            continue
         bias = None if layer.bias is None else layer.bias.detach()
         made = _build(form, layer, from_file.int4.get(weight_name) if from_file else None,
                       device, dtype, step_wanted)
         if made is None:
+            why[weight_name] = f"the {form} kernel does not take a {tuple(layer.weight.shape)} weight"
             continue
         quantized, values, source = made
         if not checked(quantized, values.to(device), bias):
             log.warning("quantized_layer_disagrees", layer=name, form=form)
+            why[weight_name] = f"its {form} layer disagreed with F.linear over its values"
             continue
         built[form].append((name, parent, attr, layer, quantized, values, source))
     for form, entries in built.items():
         if mode == "auto" and not choices.choose(form, [(e[4], e[5]) for e in entries], device, dtype):
             report.slower.extend(e[0] for e in entries)  # the same values run faster dense here
+            why.update((f"{e[0]}.weight", f"float layers measured faster than {form} here") for e in entries)
             continue
         for name, parent, attr, layer, quantized, _, source in entries:
             setattr(parent, attr, quantized)
             report.forms[name], report.source[name] = form, source
             report.linear_bytes_after += _bytes(quantized) - _bytes(layer)
     del built
+    head_why = "the Q8_0 head kernel runs on a CPU in float32 only"
     if gguf is not None and device.type == "cpu" and dtype == torch.float32:
-        report.head = _q8_head(model, gguf, choices, choices_dir, device, dtype)
+        report.head, head_why = _q8_head(model, gguf, choices, choices_dir, device, dtype)
+    if gguf is not None:
+        _account_gguf(report, model, gguf, from_file, why, head_why)
     if any(form != "float" for form in report.forms.values()):
         _own_memory(model)
     if step_wanted and report.count("int4"):
@@ -155,21 +183,26 @@ def apply_weights(model: nn.Module, mode: str, device: torch.device, dtype: torc
 
 
 def _q8_head(model: nn.Module, gguf: Path, choices: KernelChoices, cache_dir: Path | None,
-             device: torch.device, dtype: torch.dtype) -> Any:
+             device: torch.device, dtype: torch.dtype) -> tuple[Any, str]:
     """The head over the file's own Q8_0 blocks (``cpu_kernels``), where they give the float32
-    head's weight bit for bit, the kernel builds, computes the same product, and is faster."""
+    head's weight bit for bit, the kernel builds, computes the same product, and is faster;
+    -> (the kernel or None, why not)."""
     head = model.get_output_embeddings()
     if type(head) is not nn.Linear or head.bias is not None or head.weight.shape[1] % 32:
-        return None
+        return None, "the head is not a plain linear layer over 32-wide blocks"
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    if any(getattr(config, name, None) for name in ("final_logit_softcapping", "logit_scale")):
+        # the engine runs the model's own head then (linear_kernels.VocabHead): no kernel to build
+        return None, "the model post-processes its logits (soft-capping or a scale)"
     from station.runtime.cpu_kernels import Q8Linear, load_library
     from station.runtime.gguf_groups import read_q8_rows
 
     blocks = read_q8_rows(gguf, model, head.weight)
     if blocks is None:
-        return None
+        return None, "the head's tensor is not Q8_0 blocks that give its weight bit for bit"
     lib = load_library(cache_dir)
     if lib is None:
-        return None
+        return None, "the Q8_0 head kernel could not be built here"
     kernel = Q8Linear(lib, *blocks)
     x = torch.randn(5, kernel.in_features, generator=torch.Generator().manual_seed(0))
     with torch.inference_mode():
@@ -178,12 +211,74 @@ def _q8_head(model: nn.Module, gguf: Path, choices: KernelChoices, cache_dir: Pa
         if not (float((got - want).abs().max()) <= 1e-4 * float(want.abs().max())
                 and torch.equal(kernel(x[2:3]), got[2:3])):
             log.warning("q8_head_disagrees", simd=lib.gnosis_simd().decode())
-            return None
+            return None, "the Q8_0 head kernel disagreed with F.linear"
     if not choices.choose("q8-head", [(kernel, head.weight.detach())], device, dtype):
-        return None
+        return None, "the float32 head measured faster here"
     log.info("q8_head_used", bytes=kernel.q.numel() + kernel.d.numel() * 4,
              float_bytes=head.weight.numel() * 4, simd=lib.gnosis_simd().decode())
-    return kernel
+    return kernel, ""
+
+
+def _account_gguf(report: WeightsReport, model: nn.Module, gguf: Path, from_file: Any,
+                  why: dict[str, str], head_why: str) -> None:
+    """Which of the file's quantized tensors run on their own blocks (or as int8 rows of a
+    Q8_0 tensor), and which were dequantized and why; logged as ``gguf_tensors_dequantized``
+    (counts by type and by reason, the first names; every name at debug level)."""
+    from station.runtime.gguf_groups import FLOAT_TYPES, KEPT_TYPES, file_tensors
+
+    tensors = from_file.tensors if from_file is not None and from_file.tensors else file_tensors(gguf, model)
+    head = model.get_output_embeddings()
+    head_weight = getattr(head, "weight", None)
+    head_names = {p for p, t in model.named_parameters(remove_duplicate=False) if t is head_weight}
+    embeddings = model.get_input_embeddings()
+    embedding_names = {p for p, t in model.named_parameters(remove_duplicate=False)
+                       if t is getattr(embeddings, "weight", None)}
+    forms = {f"{name}.weight": form for name, form in report.forms.items()}
+    sources = {f"{name}.weight": source for name, source in report.source.items()}
+    for gguf_name, (kind, param) in tensors.items():
+        if kind in FLOAT_TYPES:
+            continue
+        if report.mode == "float":
+            report.gguf_dequantized[gguf_name] = (kind, "weights=float")
+        elif param is None:
+            report.gguf_dequantized[gguf_name] = (kind, "no parameter of the model reads it")
+        elif param in forms:  # a decoder linear
+            form = forms[param]
+            if (form == "int4" and sources.get(param) == "gguf") or (form == "int8" and kind == "Q8_0"):
+                report.gguf_kept[gguf_name] = (kind, form)
+            elif form != "float":
+                report.gguf_dequantized[gguf_name] = (
+                    kind, f"{kind}: no kept form as {form}; weights={report.mode} quantized it again at load")
+            elif param in why:
+                report.gguf_dequantized[gguf_name] = (kind, why[param])
+            elif kind not in KEPT_TYPES:
+                report.gguf_dequantized[gguf_name] = (kind, f"{kind}: no kept form")
+            else:
+                report.gguf_dequantized[gguf_name] = (kind, f"weights={report.mode}")
+        elif param in head_names:  # the vocabulary head, maybe tied to the embeddings
+            if report.head is not None:
+                report.gguf_kept[gguf_name] = (kind, "q8-head")
+            elif kind != "Q8_0":
+                report.gguf_dequantized[gguf_name] = (kind, f"{kind}: no kept form for the vocabulary head")
+            else:
+                report.gguf_dequantized[gguf_name] = (kind, f"vocabulary head: {head_why}")
+        elif param in embedding_names:
+            report.gguf_dequantized[gguf_name] = (kind, "embeddings: looked up as float")
+        else:
+            report.gguf_dequantized[gguf_name] = (kind, "not a linear layer")
+    by_type: dict[str, int] = {}
+    for kind, _ in report.gguf_dequantized.values():
+        by_type[kind] = by_type.get(kind, 0) + 1
+    kept: dict[str, int] = {}
+    for kind, form in report.gguf_kept.values():
+        kept[f"{kind} as {form}"] = kept.get(f"{kind} as {form}", 0) + 1
+    names = list(report.gguf_dequantized)
+    log.info("gguf_tensors_dequantized", count=len(names), of=len(names) + len(report.gguf_kept),
+             by_type=dict(sorted(by_type.items())), reasons=report.dequantized_by_reason(),
+             kept=dict(sorted(kept.items())), first=names[:8], more=max(0, len(names) - 8))
+    log.debug("gguf_tensors_dequantized_names",
+              tensors={name: f"{kind}: {why}" if not why.startswith(kind) else why
+                       for name, (kind, why) in report.gguf_dequantized.items()})
 
 
 def _cpu_step(model: nn.Module, choices: KernelChoices, cache_dir: Path | None, mode: str) -> Any:
