@@ -185,13 +185,15 @@ def _convert_gguf(gguf: Path, target: Path) -> None:
     """Convert ``gguf`` with transformers and save the dense checkpoint at ``target`` atomically."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from station.runtime.gguf_convert import conversion_fixes
+
     log.info("gguf_convert_start", gguf=str(gguf), cache=str(target))
     try:
-        with _gguf_parsed_once():
+        with _gguf_parsed_once(), conversion_fixes():
             model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,
                                                          dtype=torch.float32)
             tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    except (OSError, ValueError, KeyError, ImportError) as exc:
+    except (OSError, ValueError, KeyError, ImportError, NotImplementedError) as exc:
         raise ModelLoadError(f"cannot convert GGUF file {str(gguf)!r}: {exc}") from exc
     clear_quantized_marker(model)
     target.parent.mkdir(parents=True, exist_ok=True)
