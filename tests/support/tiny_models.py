@@ -42,6 +42,15 @@ TOOLS_TEMPLATE = (
 )
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 FAMILIES = ("llama", "mistral", "qwen2")
+# Families whose layers attend differently (``station.runtime.attention_kinds``), each with
+# windows of WINDOW tokens so that a prompt of a few dozen tokens spans several of them:
+# Mistral v0.1 (every layer sliding), Qwen2/Qwen3 (full below ``max_window_layers``, sliding
+# above), Phi-3 (every layer), Gemma 2 (sliding and full alternating, soft-capped scores and
+# logits, query_pre_attn_scalar), Gemma 3 (its own pattern of sliding and full layers, q/k
+# norms, a local rope base), gpt-oss (sinks and MoE).
+WINDOW = 8
+WINDOW_FAMILIES = ("mistral_sw", "qwen2_sw", "qwen3_sw", "phi3_sw", "gemma2", "gemma3")
+ATTENTION_FAMILIES = ("llama",) + WINDOW_FAMILIES
 
 
 def build_tokenizer(merges: list[tuple[str, str]] | tuple = (), chat_template: str = CHATML_TEMPLATE):
@@ -95,7 +104,34 @@ def tiny_config(family: str = "llama", vocab_size: int = 259,
         return MistralConfig(**common, sliding_window=None)
     if family == "qwen2":
         return Qwen2Config(**common, use_sliding_window=False)
-    raise ValueError(f"unknown tiny model family {family!r}; expected one of {FAMILIES}")
+    if family in WINDOW_FAMILIES + ("gpt_oss",):
+        return _window_config(family, common)
+    raise ValueError(f"unknown tiny model family {family!r}; expected one of "
+                     f"{FAMILIES + WINDOW_FAMILIES + ('gpt_oss',)}")
+
+
+def _window_config(family: str, common: dict):
+    from transformers import (Gemma2Config, Gemma3TextConfig, GptOssConfig, MistralConfig,
+                              Phi3Config, Qwen2Config, Qwen3Config)
+
+    w = WINDOW
+    if family == "mistral_sw":
+        return MistralConfig(**common, sliding_window=w)
+    if family == "qwen2_sw":  # layer 0 full, layer 1 sliding
+        return Qwen2Config(**common, use_sliding_window=True, sliding_window=w, max_window_layers=1)
+    if family == "qwen3_sw":
+        return Qwen3Config(**common, head_dim=16, use_sliding_window=True, sliding_window=w,
+                           max_window_layers=1)
+    if family == "phi3_sw":
+        return Phi3Config(**common, sliding_window=w)
+    gemma = {**common, "tie_word_embeddings": True, "head_dim": 16, "sliding_window": w,
+             "query_pre_attn_scalar": 16}
+    if family == "gemma2":  # soft-capped attention scores (50) and final logits (30)
+        return Gemma2Config(**gemma)
+    if family == "gemma3":
+        return Gemma3TextConfig(**gemma, layer_types=["sliding_attention", "full_attention"])
+    return GptOssConfig(**common, head_dim=16, sliding_window=w, num_local_experts=4,
+                        num_experts_per_tok=2)
 
 
 def build_tiny_model(path: str | Path, family: str = "llama", seed: int | None = None,
