@@ -1,0 +1,167 @@
+"""Each layer's attention read from the model, what the engine refuses, and the start check
+that proves the paged path before a station serves (``station.runtime.attention_kinds``,
+``station.runtime.start_check``)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+
+from gnosis_daemon.settings import Settings
+from station.runtime import paged_attention
+from station.runtime.engine import PagedEngine
+from station.runtime.model_loader import ModelRefused, load_model
+from station.runtime.start_check import check_engine, probe_length
+from tests.support.tiny_models import WINDOW, build_tiny_model, build_tokenizer
+
+pytestmark = pytest.mark.usefixtures("few_threads")
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    cache: dict[str, object] = {}
+
+    def get(family: str):
+        if family not in cache:
+            path = build_tiny_model(tmp_path_factory.mktemp(family), family)
+            cache[family] = load_model(Settings(model=str(path), kv_block_size=4,
+                                                runtime_dir=str(tmp_path_factory.mktemp("rt"))))
+        return cache[family]
+
+    return get
+
+
+def engine_of(loaded, **settings) -> PagedEngine:
+    return PagedEngine(loaded, Settings(runtime_dir="/tmp/unused-rt", kv_block_size=4, **settings),
+                       num_blocks=128)
+
+
+@pytest.mark.parametrize(("family", "kinds"), [
+    ("llama", {"full": 2}),
+    ("mistral_sw", {f"sliding {WINDOW}": 2}),
+    ("qwen2_sw", {"full": 1, f"sliding {WINDOW}": 1}),
+    ("gemma2", {f"sliding {WINDOW} + softcap 50": 1, "full + softcap 50": 1}),
+    ("gemma3", {f"sliding {WINDOW}": 1, "full": 1}),
+    ("gpt_oss", {f"sliding {WINDOW} + sinks": 1, "full + sinks": 1}),
+])
+def test_each_layers_kind_is_read_from_the_models_own_forward(tiny, family, kinds):
+    attention = tiny(family).attention
+    assert attention.summary()["kinds"] == kinds
+    assert attention.longest_window == (None if family == "llama" else WINDOW)
+    assert attention.all_full is (family == "llama")
+
+
+@pytest.mark.parametrize("family", ["mistral_sw", "gemma2", "gemma3", "gpt_oss"])
+def test_the_start_check_passes_on_a_probe_past_the_window(tiny, family):
+    engine = engine_of(tiny(family), prefill_chunk_tokens=8)
+    check = check_engine(engine)
+    assert check.probe_tokens > WINDOW and check.longest_window == WINDOW
+    # prompt rows of two probes (all but their first token) and three probes' decode tokens
+    assert check.compared == 2 * (check.probe_tokens - 1) + 3 * 3
+    assert check.max_abs_diff <= 2e-3
+    # nothing of the probe stays: no cached block, no figure
+    stats = engine.stats()
+    assert stats["steps"] == 0 and stats["prefix_cache_hits_tokens"] == 0
+    assert not engine.kv.pool.cached_block_hash_to_block
+    assert stats["blocks_free"] == stats["blocks_total"]
+
+
+@pytest.mark.parametrize("family", ["mistral_sw", "gemma2", "gemma3"])
+def test_a_window_off_by_one_is_refused_by_the_start_check(tiny, family, monkeypatch):
+    """Break the paged attention on purpose: every path sees one key more than the model's
+    window. The check must refuse to serve, naming the model type."""
+    engine = engine_of(tiny(family), prefill_chunk_tokens=8)
+    kind_of = paged_attention.kind_of
+
+    def one_too_many(module, scaling, kwargs):
+        kind = kind_of(module, scaling, kwargs)
+        return kind if kind.window is None else dataclasses.replace(kind, window=kind.window + 1)
+
+    monkeypatch.setattr(paged_attention, "kind_of", one_too_many)
+    with pytest.raises(ModelRefused) as refused:
+        check_engine(engine)
+    assert refused.value.kind == "start check"
+    assert refused.value.model_type == tiny(family).model_type
+    assert "differ from the model's own forward" in refused.value.reason
+
+
+def test_a_step_that_fails_in_the_probe_refuses_too(tiny, monkeypatch):
+    engine = engine_of(tiny("mistral_sw"))
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("a kernel that does not run")
+
+    monkeypatch.setattr(engine.runner, "run", broken)
+    with pytest.raises(ModelRefused, match="could not run its start-check probe"):
+        check_engine(engine)
+
+
+def test_the_probe_fits_the_context_and_the_pool():
+    assert probe_length(None, 16, 8192, 1000) == 4 * 16 + 3
+    assert probe_length(4096, 16, 8192, 10_000) == 4096 + 2 * 16 + 3
+    assert probe_length(4096, 16, 2048, 10_000) == 2048 - 3 - 1  # a window the context never fills
+    assert probe_length(4096, 16, 8192, 100) == 100 * 16 // 2 - 16 - 3  # two probes at once in the pool
+
+
+def _save(model, path):
+    model.save_pretrained(path)
+    build_tokenizer().save_pretrained(path)
+    return path
+
+
+def _loads_refused(path, tmp_path) -> ModelRefused:
+    with pytest.raises(ModelRefused) as refused:
+        load_model(Settings(model=str(path), runtime_dir=str(tmp_path / "rt")))
+    json.dumps(refused.value.as_dict())  # what the refusal file carries
+    return refused.value
+
+
+def test_a_model_with_chunked_attention_is_refused_naming_the_kind(tmp_path):
+    from transformers import AutoModelForCausalLM, Llama4TextConfig
+
+    config = Llama4TextConfig(vocab_size=259, hidden_size=64, intermediate_size=128,
+                              intermediate_size_mlp=128, num_hidden_layers=2, num_attention_heads=4,
+                              num_key_value_heads=2, head_dim=16, num_local_experts=2,
+                              attention_chunk_size=8)
+    refused = _loads_refused(_save(AutoModelForCausalLM.from_config(config), tmp_path / "m"), tmp_path)
+    assert (refused.model_type, refused.kind) == ("llama4_text", "chunked_attention")
+    assert "'llama4_text' refused" in str(refused)
+
+
+def test_a_model_with_linear_attention_layers_is_refused_naming_the_kind(tmp_path):
+    from transformers import AutoModelForCausalLM, Qwen3NextConfig
+
+    config = Qwen3NextConfig(vocab_size=259, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                             num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=4,
+                             num_experts_per_tok=2, moe_intermediate_size=32, linear_num_value_heads=2,
+                             linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16)
+    refused = _loads_refused(_save(AutoModelForCausalLM.from_config(config), tmp_path / "m"), tmp_path)
+    assert (refused.model_type, refused.kind) == ("qwen3_next", "linear_attention")
+
+
+def test_a_model_with_latent_attention_is_refused_naming_the_kind(tmp_path):
+    from transformers import AutoModelForCausalLM, DeepseekV3Config
+
+    config = DeepseekV3Config(vocab_size=259, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+                              kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
+                              v_head_dim=8, n_routed_experts=4, num_experts_per_tok=2,
+                              first_k_dense_replace=1, n_group=1, topk_group=1)
+    refused = _loads_refused(_save(AutoModelForCausalLM.from_config(config), tmp_path / "m"), tmp_path)
+    assert (refused.model_type, refused.kind) == ("deepseek_v3", "latent_attention")
+
+
+def test_layers_that_never_call_attention_are_refused(tiny, monkeypatch):
+    """A model one of whose layers computes no softmax attention (as a hybrid state-space
+    model's would): the trace sees fewer attention layers than the model has."""
+    from station.runtime.attention_kinds import read_attention_kinds
+
+    model = tiny("llama").model
+    layer = model.base_model.layers[1].self_attn
+    monkeypatch.setattr(layer, "forward", lambda hidden_states, *a, **k: (torch.zeros_like(hidden_states), None))
+    with pytest.raises(ModelRefused) as refused:
+        read_attention_kinds(model, 2, 16)
+    assert refused.value.kind == "non-attention layers" and "layers 1 of 2" in refused.value.reason
