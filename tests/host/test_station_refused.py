@@ -56,6 +56,8 @@ async def test_health_reports_the_refusal(settings):
     ("post", "/v1/embeddings", {"input": "hi"}),
     ("get", "/v1/models", None),
     ("post", "/tokenize", {"prompt": "hi"}),
+    ("post", "/detokenize", {"tokens": [1, 2]}),
+    ("post", "/v1/chat/completions/render", {"messages": [{"role": "user", "content": "hi"}]}),
 ])
 async def test_model_routes_answer_503_naming_the_reason_without_retry_after(settings, method,
                                                                             path, data):
