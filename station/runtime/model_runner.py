@@ -252,6 +252,8 @@ class ModelRunner:
             decode_first_block=decode_first,
             decode_slot=slots[0] if num_decodes == 1 else -1,
             decode_lens=None if decode_lens is None else decode_lens.to(dev),
+            decode_tables=tables if num_decodes > 1 else None,
+            decode_ctx_lens=ctx_lens if num_decodes > 1 else None,
         )
         ids = torch.cat(ids_parts).to(dev)[None]
         pos_ids = torch.cat(pos_parts).to(dev)[None]

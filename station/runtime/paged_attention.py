@@ -76,14 +76,29 @@ class StepContext:
     decode_first_block: int | None = None  # B == 1 and its blocks are consecutive: a view
     decode_slot: int = -1  # B == 1: the new token's slot (a plain copy, not index_copy_)
     decode_lens: torch.Tensor | None = None  # [B] context lengths, where decode_mask is set
-    decode_windowed: dict[int, torch.Tensor] = field(default_factory=dict)  # W -> its mask
+    decode_tables: list[list[int]] | None = None  # B > 1: each row's block ids (host lists)
+    decode_ctx_lens: list[int] | None = None  # B > 1: ``decode_lens`` on the host
+    decode_windowed: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
-    def decode_window_mask(self, window: int | None) -> torch.Tensor | None:
-        """The batched decode rows' mask for a window: keys lens - W .. lens - 1 of each row."""
-        if window is None or self.decode_mask is None:
-            return self.decode_mask
+    def decode_window(self, window: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Batched decode rows under a window of ``window``: (the block table from each row's
+        first block the window reaches [B * blocks], the mask over those blocks' keys
+        [B, 1, 1, blocks * bs]); made once per step, so a sliding layer gathers only the
+        blocks it reads."""
         if window not in self.decode_windowed:
-            self.decode_windowed[window] = window_mask(self.decode_lens, self.decode_mask.shape[-1], window)
+            bs = self.kv_cache.block_size
+            lens = self.decode_ctx_lens
+            firsts = [max(0, n - window) // bs for n in lens]
+            rows = [table[first:] for table, first in zip(self.decode_tables, firsts)]
+            width = max(len(row) for row in rows)
+            device = self.decode_lens.device
+            flat = torch.tensor([block for row in rows for block in row + [0] * (width - len(row))],
+                                dtype=torch.long, device=device)
+            keys = (torch.tensor(firsts, device=device)[:, None] * bs
+                    + torch.arange(width * bs, device=device)[None, :])
+            lens_col = self.decode_lens[:, None]
+            mask = ((keys < lens_col) & (keys >= lens_col - window)).view(len(rows), 1, 1, width * bs)
+            self.decode_windowed[window] = (flat, mask)
         return self.decode_windowed[window]
 
 
@@ -189,10 +204,8 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
         # copy into it; the same operations on the same values as the general path below.
         k_slots[ctx.decode_slot] = key.reshape(num_kv_heads, head_dim)
         v_slots[ctx.decode_slot] = value.reshape(num_kv_heads, head_dim)
-        k, v = _decode_kv(ctx, k_pool, v_pool, 1, num_kv_heads, head_dim)
-        lo = kind.lowest_key(ctx.decode_ctx_len - 1)
-        o = decode_attention(query.reshape(1, num_kv_heads, n_rep, head_dim),
-                             k[:, lo:ctx.decode_ctx_len], v[:, lo:ctx.decode_ctx_len], kind, None)
+        k, v, _ = _single_decode_kv(ctx, kind, k_pool, v_pool, num_kv_heads, head_dim)
+        o = decode_attention(query.reshape(1, num_kv_heads, n_rep, head_dim), k, v, kind, None)
         return o.view(1, 1, num_heads, head_dim), None
     k_slots.index_copy_(0, ctx.slot_mapping, key[0].transpose(0, 1))
     v_slots.index_copy_(0, ctx.slot_mapping, value[0].transpose(0, 1))
@@ -201,12 +214,18 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     if b:
         # q: [B, Hkv, n_rep, D] -- one query token per sequence, its heads grouped per kv head
         q = query[0, :, :b].transpose(0, 1).reshape(b, num_kv_heads, n_rep, head_dim)
-        k, v = _decode_kv(ctx, k_pool, v_pool, b, num_kv_heads, head_dim)
-        # k, v: [B, max_blocks * bs, Hkv, D]
-        if ctx.decode_mask is None:
-            lo = kind.lowest_key(ctx.decode_ctx_len - 1)
-            k, v = k[:, lo:ctx.decode_ctx_len], v[:, lo:ctx.decode_ctx_len]
-        o = decode_attention(q, k, v, kind, ctx.decode_window_mask(kind.window))
+        if b == 1:
+            k, v, _ = _single_decode_kv(ctx, kind, k_pool, v_pool, num_kv_heads, head_dim)
+            mask = None
+        elif kind.window is not None:  # the blocks each row's window reaches
+            table, mask = ctx.decode_window(kind.window)
+            k = k_pool.index_select(0, table).view(b, -1, num_kv_heads, head_dim)
+            v = v_pool.index_select(0, table).view(b, -1, num_kv_heads, head_dim)
+        else:
+            k, v = _decode_kv(ctx, k_pool, v_pool, b, num_kv_heads, head_dim)
+            mask = ctx.decode_mask
+        # k, v: [B, keys, Hkv, D]
+        o = decode_attention(q, k, v, kind, mask)
         out[0, :b] = o.reshape(b, num_heads, head_dim)  # o: [B, Hkv, n_rep, D]
     for p in ctx.prefills:
         end = p.q_start + p.q_len
@@ -214,14 +233,17 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
         if p.block_table is None:
             o = chunk_attention(q, key[:, :, p.q_start:end], value[:, :, p.q_start:end], kind, None, True)
         else:
+            lo, mask = (0, p.mask) if kind.window is None else p.window(kind.window)
+            first, bs = lo // ctx.kv_cache.block_size, ctx.kv_cache.block_size
             if p.first_block is not None:  # consecutive blocks: a view of the pool, no copy
                 end_block = p.first_block + p.block_table.numel()
-                k, v = k_pool[p.first_block:end_block], v_pool[p.first_block:end_block]
-            else:
-                k, v = k_pool.index_select(0, p.block_table), v_pool.index_select(0, p.block_table)
-            lo, mask = (0, p.mask) if kind.window is None else p.window(kind.window)
-            k = k.flatten(0, 1)[lo:p.ctx_len].transpose(0, 1)[None]
-            v = v.flatten(0, 1)[lo:p.ctx_len].transpose(0, 1)[None]
+                k, v = k_pool[p.first_block + first:end_block], v_pool[p.first_block + first:end_block]
+            else:  # only the blocks from the first one the chunk's window reaches
+                table = p.block_table[first:]
+                k, v = k_pool.index_select(0, table), v_pool.index_select(0, table)
+            start, stop = lo - first * bs, p.ctx_len - first * bs
+            k = k.flatten(0, 1)[start:stop].transpose(0, 1)[None]
+            v = v.flatten(0, 1)[start:stop].transpose(0, 1)[None]
             o = chunk_attention(q, k, v, kind, mask, False)
         out[0, p.q_start:end] = o[0].transpose(0, 1)  # o: [1, H, n, D]
     return out, None
@@ -234,6 +256,25 @@ def step_context(ctx: Any):
         yield
     finally:
         _local.context = None
+
+
+def _single_decode_kv(ctx: StepContext, kind: LayerAttention, k_pool: torch.Tensor, v_pool: torch.Tensor,
+                      num_kv_heads: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """One decoding sequence's K and V that its query sees, [1, keys, Hkv, D] each, and the
+    first key's position: the window's blocks only, read in place when they are consecutive."""
+    ctx_len, bs = ctx.decode_ctx_len, ctx.kv_cache.block_size
+    lo = kind.lowest_key(ctx_len - 1)
+    first = lo // bs
+    if ctx.decode_first_block is not None:
+        start_block = ctx.decode_first_block + first
+        end_block = ctx.decode_first_block + ctx.decode_block_tables.numel()
+        k, v = k_pool[start_block:end_block], v_pool[start_block:end_block]
+    else:
+        table = ctx.decode_block_tables[first:]
+        k, v = k_pool.index_select(0, table), v_pool.index_select(0, table)
+    k = k.reshape(1, -1, num_kv_heads, head_dim)[:, lo - first * bs:ctx_len - first * bs]
+    v = v.reshape(1, -1, num_kv_heads, head_dim)[:, lo - first * bs:ctx_len - first * bs]
+    return k, v, lo
 
 
 def _decode_kv(ctx: StepContext, k_pool: torch.Tensor, v_pool: torch.Tensor, b: int,

@@ -55,10 +55,11 @@ def test_graphs_stay_off_on_a_cpu_unless_asked(tiny):
     assert graphs.bucket(33, 10) is None and graphs.bucket(1, 101) is None  # eager past the limits
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", FAMILIES + ("mistral_sw", "qwen2_sw"))
 def test_greedy_output_through_the_static_step_equals_generate(tiny, family):
     """Five requests of 3 to 55 prompt tokens at once (a bucket of 8 rows, 3 of them padding),
-    decoding across the 64-position context bucket; then a prefix hit on one of them."""
+    decoding across the 64-position context bucket; then a prefix hit on one of them. The
+    windowed families (8 tokens) apply each layer's window inside the static step."""
     path, loaded = tiny(family)
     prompts = [prompt_of(40 + i, 3 + 13 * i) for i in range(5)]
     with engine_for(loaded, decode_graphs="on") as engine:
