@@ -82,7 +82,8 @@ class WeightsReport:
                "float_layers": self.count("float"), "kept_float_faster": len(self.slower),
                "linear_bytes": self.linear_bytes_after, "linear_bytes_dense": self.linear_bytes_before}
         if self.gguf_kept or self.gguf_dequantized:
-            out.update(gguf_tensors_kept=len(self.gguf_kept), gguf_tensors_dequantized=len(self.gguf_dequantized))
+            out.update(gguf_tensors_kept=len(self.gguf_kept),
+                       gguf_tensors_dequantized=len(self.gguf_dequantized))
         return out
 
     def dequantized_by_reason(self) -> dict[str, int]:
