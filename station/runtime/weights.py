@@ -9,6 +9,11 @@
   as they are for ``int4``; the rest is quantized from the dense weights at load), always
   with the quantized kernel: the operator asked for the memory.
 
+For a GGUF file the report also accounts for every quantized tensor of the file: kept
+(``gguf_kept``: int4 from its own blocks, int8 rows of a Q8_0 tensor, the Q8_0 head) or
+dequantized and why (``gguf_dequantized``: Q5_0/Q5_K/Q6_K have no kept form, embeddings
+are looked up as float, ...), logged at start as ``gguf_tensors_dequantized``.
+
 Only the decoder's ``nn.Linear`` layers change. Embeddings, norms, the vocabulary head (tied
 to the embeddings in small models), the KV cache and everything the engine keeps are as
 before. The summary (``WeightsReport.tag``) joins the model's fingerprint, so KV computed

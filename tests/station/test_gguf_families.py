@@ -249,3 +249,18 @@ def test_greedy_decoding_agrees_with_transformers(made, family):
         assert submit(engine, "float", PROMPT, NEW_TOKENS).wait().tokens == want
     with engine_for(quantized) as engine:
         assert submit(engine, "quantized", PROMPT, NEW_TOKENS).wait().tokens == quantized_own
+
+
+def test_int4_keeps_the_files_4_bit_blocks_and_says_what_it_quantized_again(made):
+    """weights=int4: the Q4_K tensors keep their own blocks, every other linear is quantized
+    from its dequantized values, and the account says which were."""
+    path, loaded, _ = made("llama", "Q4_K_M", "int4")
+    report = loaded.weights
+    assert report.count("float") == 0
+    kinds = file_types(path)
+    for name, (kind, form) in report.gguf_kept.items():
+        assert (kind, form) == ("Q4_K", "int4"), name
+    assert {n for n, k in kinds.items() if k == "Q4_K" and n != "token_embd.weight"} == set(report.gguf_kept)
+    for name, (kind, why) in report.gguf_dequantized.items():
+        if name not in ("token_embd.weight", "output.weight"):
+            assert why == f"{kind}: no kept form as int4; weights=int4 quantized it again at load", name
