@@ -237,13 +237,17 @@ def write_gguf(path: str | Path, family: str, mix: str = "Q4_K_M", seed: int = 0
         array, raw = quantized(kind, rows, cols, rng, std)
         writer.add_tensor(name, array, raw_dtype=raw)
 
-    def norm(name: str, width: int, kind: str = "F32") -> None:
+    def norm(name: str, width: int, kind: str = "F32", scale: float = 1.0) -> None:
         # Gemma's files hold 1 + w (transformers subtracts the 1); others w itself, near 1
-        values = (1.0 + 0.1 * rng.standard_normal(width)).astype(np.float32)
+        values = (scale * (1.0 + 0.1 * rng.standard_normal(width))).astype(np.float32)
         writer.add_tensor(name, values.astype(np.float16) if kind == "F16" else values)
 
     q_rows, kv_rows = HEADS * spec.head_dim, KV_HEADS * spec.head_dim
-    add("token_embd.weight", tensor_type(mix, "embd", -1, spec.tied), vocab, HIDDEN, 1.0)
+    # Gemma scales its (tied) embeddings by sqrt(hidden) = 16 on the way in: small ones, layer
+    # outputs made larger by the post-norms, and a larger final norm keep a random model from
+    # answering every prompt with its last token
+    add("token_embd.weight", tensor_type(mix, "embd", -1, spec.tied), vocab, HIDDEN,
+        1.0 / 128 if spec.gemma else 1.0)
     for i in range(LAYERS):
         blk = f"blk.{i}"
         norm(f"{blk}.attn_norm.weight", HIDDEN)
@@ -261,7 +265,7 @@ def write_gguf(path: str | Path, family: str, mix: str = "Q4_K_M", seed: int = 0
             norm(f"{blk}.attn_k_norm.weight", spec.head_dim)
         add(f"{blk}.attn_output.weight", tensor_type(mix, "o", i, spec.tied), HIDDEN, q_rows, 0.12)
         if spec.gemma:
-            norm(f"{blk}.post_attention_norm.weight", HIDDEN)
+            norm(f"{blk}.post_attention_norm.weight", HIDDEN, scale=3.0)
         norm(f"{blk}.ffn_norm.weight", HIDDEN)
         if spec.fused:
             add(f"{blk}.ffn_up.weight", tensor_type(mix, "up", i, spec.tied), 2 * FFN, HIDDEN, 0.12)
@@ -270,8 +274,9 @@ def write_gguf(path: str | Path, family: str, mix: str = "Q4_K_M", seed: int = 0
             add(f"{blk}.ffn_up.weight", tensor_type(mix, "up", i, spec.tied), FFN, HIDDEN, 0.12)
         add(f"{blk}.ffn_down.weight", tensor_type(mix, "down", i, spec.tied), HIDDEN, FFN, 0.12)
         if spec.gemma:
-            norm(f"{blk}.post_ffw_norm.weight", HIDDEN)
-    norm("output_norm.weight", HIDDEN, "F16" if mix == "Q5_K_M" else "F32")
+            norm(f"{blk}.post_ffw_norm.weight", HIDDEN, scale=3.0)
+    norm("output_norm.weight", HIDDEN, "F16" if mix == "Q5_K_M" else "F32",
+         scale=40.0 if spec.gemma else 1.0)
     if not spec.tied:
         add("output.weight", tensor_type(mix, "output", -1, spec.tied), vocab, HIDDEN, 1.0)
     writer.write_header_to_file()
