@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from gnosis_daemon.logs import get_logger
-from station.runtime.model_loader import ModelRefused
+from station.runtime.model_errors import ModelRefused
 
 log = get_logger(__name__)
 

@@ -24,6 +24,8 @@ from math import prod
 
 import torch
 
+from station.runtime.model_errors import ModelRefused
+
 
 class KVCacheTooSmall(ValueError):
     """The KV budget does not hold even one block; the message says which setting to raise."""
@@ -44,8 +46,6 @@ class KVCacheShape:
         if not num_heads:
             # A state-space or recurrent model (Mamba, RWKV...): nothing for a KV pool to
             # hold. A refusal, not a crash, so the station is not restarted in a loop.
-            from station.runtime.model_loader import ModelRefused
-
             raise ModelRefused(str(getattr(config, "model_type", "?")), "non-attention layers",
                                "its config names no attention heads: its layers compute no "
                                "softmax attention (state-space, linear-attention or recurrent "

@@ -27,9 +27,11 @@ from typing import Any, Iterator
 
 import torch
 
-from gnosis_daemon import refusal
 from gnosis_daemon.logs import get_logger
 from gnosis_daemon.settings import Settings
+from station.runtime.attention_kinds import read_attention_kinds
+from station.runtime.kv_cache import KVCacheShape
+from station.runtime.model_errors import REFUSED_EXIT, ModelLoadError, ModelRefused  # noqa: F401 (re-exported)
 from station.runtime.tokenizing import Codec
 from station.runtime.weights import apply_weights
 
@@ -40,30 +42,6 @@ DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # Chat-turn end tokens that must stop generation even when the config names another eos.
 _TURN_END_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-class ModelLoadError(RuntimeError):
-    """The model could not be found, converted or loaded; the message says which and why."""
-
-
-class ModelRefused(ModelLoadError):
-    """The model loaded, but the engine cannot compute it exactly: an attention kind it does
-    not implement, or a start check whose paged logits disagree with the model's own
-    forward. Permanent for this model and build: restarting the station changes nothing,
-    so the station exits with ``REFUSED_EXIT`` and the supervisor does not restart it."""
-
-    def __init__(self, model_type: str, kind: str, reason: str) -> None:
-        super().__init__(f"model type {model_type!r} refused: {reason}")
-        self.model_type, self.kind, self.reason = model_type, kind, reason
-
-    def as_dict(self) -> dict[str, str]:
-        return {"model_type": self.model_type, "kind": self.kind, "reason": self.reason,
-                "message": str(self)}
-
-
-# sysexits' EX_CONFIG: a station that refuses its model exits with it; never restarted.
-# Defined torch-free (the supervisor and the host read it too), re-exported here.
-REFUSED_EXIT = refusal.REFUSED_EXIT
 
 
 @dataclass(slots=True)
@@ -158,9 +136,6 @@ def load_model(settings: Settings) -> LoadedModel:
     model.to(device)
     model.eval()
     model.requires_grad_(False)
-    from station.runtime.attention_kinds import read_attention_kinds  # it imports this module
-    from station.runtime.kv_cache import KVCacheShape
-
     shape = KVCacheShape.from_config(model.config, settings.kv_block_size, dtype)
     # Each layer's attention as the model computes it; ModelRefused for what the engine cannot
     attention = read_attention_kinds(model, shape.num_kv_heads, shape.head_dim)

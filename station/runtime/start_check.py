@@ -37,7 +37,7 @@ import torch
 
 from gnosis_daemon.logs import get_logger
 from station.core.requests import Failed, Finished, GenerationRequest, SamplingParams, Token
-from station.runtime.model_loader import ModelRefused
+from station.runtime.model_errors import ModelRefused
 
 log = get_logger(__name__)
 
