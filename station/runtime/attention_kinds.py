@@ -100,6 +100,12 @@ class AttentionKinds:
         any path that ignores ``LayerAttention`` compute)."""
         return all(layer.window is None and layer.fused for layer in self.layers)
 
+    @property
+    def tag(self) -> str:
+        """What the model fingerprint changes with: "" where every layer is full causal
+        attention (fingerprints as before), else each layer's kind in order."""
+        return "" if self.all_full else ";".join(layer.describe() for layer in self.layers)
+
     def summary(self) -> dict[str, Any]:
         """For ``hello``, ``health`` and the start log: layer counts by kind."""
         counts: dict[str, int] = {}

@@ -146,7 +146,7 @@ def load_model(settings: Settings) -> LoadedModel:
     max_len = getattr(config, "max_position_embeddings", None) or settings.max_model_len
     return LoadedModel(
         model=model, tokenizer=tokenizer, device=device, dtype=dtype,
-        fingerprint=fingerprint(model, dtype, weights.tag), served_id=settings.served_model_name or served_name(path),
+        fingerprint=fingerprint(model, dtype, weights.tag, attention.tag), served_id=settings.served_model_name or served_name(path),
         eos_token_ids=eos_token_ids(model, tokenizer),
         max_model_len=min(settings.max_model_len, int(max_len)),
         path=str(path), loaded_from=str(source), model_type=str(config.model_type),
@@ -246,9 +246,11 @@ def clear_quantized_marker(model: Any) -> None:
             config._is_quantized = False
 
 
-def fingerprint(model: Any, dtype: torch.dtype, weights_tag: str = "float") -> str:
+def fingerprint(model: Any, dtype: torch.dtype, weights_tag: str = "float", attention_tag: str = "") -> str:
     """sha256 over architecture, every tensor's name/shape and a sample of its values, dtype,
-    and which linears are quantized how (``weights_tag``; "float" adds nothing).
+    which linears are quantized how (``weights_tag``; "float" adds nothing) and how the layers
+    attend where not all alike (``attention_tag``: ``AttentionKinds.tag``; "" adds nothing):
+    KV computed before windows were applied is never served to an engine that applies them.
 
     Deterministic across processes, and the same whether weights came from the GGUF or its
     cache; sampling the first and last values of each tensor is cheap even for a 7B model.
@@ -260,6 +262,8 @@ def fingerprint(model: Any, dtype: torch.dtype, weights_tag: str = "float") -> s
         "num_key_value_heads", "intermediate_size")}
     digest.update(json.dumps(ident, sort_keys=True).encode())
     digest.update(str(dtype).encode())
+    if attention_tag:
+        digest.update(f"attention={attention_tag}".encode())
     if weights_tag != "float":
         digest.update(f"weights={weights_tag}".encode())
     with torch.no_grad():
