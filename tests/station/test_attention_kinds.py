@@ -165,3 +165,16 @@ def test_layers_that_never_call_attention_are_refused(tiny, monkeypatch):
     with pytest.raises(ModelRefused) as refused:
         read_attention_kinds(model, 2, 16)
     assert refused.value.kind == "non-attention layers" and "layers 1 of 2" in refused.value.reason
+
+
+def test_the_fingerprint_names_the_kinds_where_layers_differ(tmp_path):
+    """KV made by an engine blind to windows (under the old fingerprint) is never read back:
+    a windowed model's fingerprint names its kinds; a full-attention one's is as it was."""
+    from station.runtime.model_loader import fingerprint
+
+    for family, changed in (("mistral_sw", True), ("llama", False)):
+        loaded = load_model(Settings(model=str(build_tiny_model(tmp_path / family, family)),
+                                     runtime_dir=str(tmp_path / "rt")))
+        blind = fingerprint(loaded.model, loaded.dtype, loaded.weights.tag)
+        assert (loaded.fingerprint != blind) is changed, family
+        assert (loaded.attention.tag == "") is not changed
