@@ -17,7 +17,8 @@ a sliding window of W tokens (a query at p sees p - W + 1 .. p: a decode row rea
 window's slice, a batched decode or a chunk masks the rest), soft-capping and attention
 sinks (the explicit softmax below; SDPA has neither). Every path computes attention here
 (the eager step, the decode graphs' static step through ``decode_attention``, the
-``embed`` op's forward outside a step), so a layer attends alike on all of them.
+``embed`` op's forward and a ``generate`` outside a step), so a layer attends alike on all
+of them.
 """
 
 from __future__ import annotations
@@ -186,10 +187,8 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
                             dropout: float = 0.0, scaling: float | None = None, **kwargs):
     kind = kind_of(module, scaling, kwargs)
     ctx = getattr(_local, "context", None)
-    if ctx is None:  # the model outside the engine (the embed op): one causal chunk
-        if query.shape[0] != 1 or attention_mask is not None:
-            raise RuntimeError("the paged attention computes one unmasked causal row outside a step")
-        return chunk_attention(query, key, value, kind, None, True).transpose(1, 2), None
+    if ctx is None:  # the model outside the engine: the embed op, or transformers' generate
+        return _outside_a_step(module, query, key, value, attention_mask, kind, kwargs), None
     if getattr(ctx, "static", False):  # a decode graph's step (station.runtime.decode_graphs)
         return ctx.attend(module, query, key, value, kind), None
     # query: [1, H, T, D]; key/value: [1, Hkv, T, D] (rotary already applied)
@@ -247,6 +246,32 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
             o = chunk_attention(q, k, v, kind, mask, False)
         out[0, p.q_start:end] = o[0].transpose(0, 1)  # o: [1, H, n, D]
     return out, None
+
+
+def _outside_a_step(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                    attention_mask: torch.Tensor | None, kind: LayerAttention,
+                    kwargs: dict[str, Any]) -> torch.Tensor:
+    """Attention without a step: the T queries are the last T of the S keys (the embed op's
+    one causal chunk, or a ``generate`` over transformers' own cache), each layer's kind
+    applied. transformers makes no mask for an attention function it does not know, so a
+    mask here is a caller's own: only plain full attention takes it (as stock SDPA would)."""
+    if attention_mask is not None:
+        if not (kind.fused and kind.window is None):
+            raise RuntimeError("a masked forward outside the engine on a layer with a window, "
+                               "soft-cap or sinks")
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward(module, query, key, value, attention_mask,
+                                      scaling=kind.scaling, **kwargs)[0]
+    tokens, keys = query.shape[2], key.shape[2]
+    if tokens == keys:
+        return chunk_attention(query, key, value, kind, None, True).transpose(1, 2)
+    pos = torch.arange(keys - tokens, keys, device=query.device)[:, None]
+    seen = torch.arange(keys, device=query.device)[None, :]
+    mask = seen <= pos
+    if kind.window is not None:
+        mask &= seen > pos - kind.window
+    return chunk_attention(query, key, value, kind, mask, False).transpose(1, 2)
 
 
 @contextmanager

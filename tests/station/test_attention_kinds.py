@@ -178,3 +178,21 @@ def test_the_fingerprint_names_the_kinds_where_layers_differ(tmp_path):
         blind = fingerprint(loaded.model, loaded.dtype, loaded.weights.tag)
         assert (loaded.fingerprint != blind) is changed, family
         assert (loaded.attention.tag == "") is not changed
+
+
+@pytest.mark.parametrize("family", ["mistral_sw", "gemma2"])
+def test_generate_on_the_served_model_outside_a_step_keeps_the_window(tmp_path, family):
+    """After an engine switched the model to the paged attention, transformers' own
+    ``generate`` over its cache (the queries are the last of the keys) still applies each
+    layer's window and soft-cap: the same tokens as a fresh model's ``generate``."""
+    from tests.support.tiny_models import reference_generate
+
+    path = build_tiny_model(tmp_path / family, family)
+    loaded = load_model(Settings(model=str(path), runtime_dir=str(tmp_path / "rt")))
+    engine_of(loaded)  # installs the kinds and the paged attention on this model
+    prompt = list(range(3, 40))
+    ids = torch.tensor([prompt])
+    with torch.inference_mode():
+        out = loaded.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12,
+                                    do_sample=False)
+    assert out[0, len(prompt):].tolist() == reference_generate(path, prompt, 12)
