@@ -6,9 +6,12 @@ docs/benchmarks.md with the machine described.
 
     python -m bench [--model PATH] [--prompt-tokens 2000] [--decode-tokens 64] [--out FILE]
                     [--peer auto|install|off] [--peer-only]
+                    [--second-model auto|off] [--second-model-only]
 
 The peer rows (bench.peers) put llama.cpp beside the daemon on the same GGUF file; with
---peer-only they run alone and rewrite only their section of --out.
+--peer-only they run alone and rewrite only their section of --out. The second model's
+section (bench.peers.second_model: Gemma 3 270M beside llama.cpp, greedy agreement with
+generate, the start check's cost) follows them; --second-model-only runs it alone.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import os
 import platform
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import trio
@@ -37,6 +41,7 @@ from bench.grammar import grammar_figures
 from bench.liquid import decode_next_figures, liquid_figures, start_host
 from bench.peers.figures import add_arguments as add_peer_arguments
 from bench.peers.figures import peer_figures
+from bench.peers import second_model
 from bench.peers.section import splice
 from bench.tier import tier_figures
 from bench.weights import weights_figures
@@ -56,6 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--profile", action="store_true",
                         help="only print where a decode token's time goes (bench.profile)")
     add_peer_arguments(parser)
+    second_model.add_arguments(parser)
     args = parser.parse_args(argv)
     if args.profile:  # its own options and defaults (a short prompt): hand it the arguments
         from bench.profile import main as profile_main
@@ -72,6 +78,8 @@ def main(argv: list[str] | None = None) -> int:
         peer.report.print()
         splice(Path(args.out), peer.markdown())
         return 0 if peer.report.all_met() else 1
+    if args.second_model_only:
+        return second_model.run_alone(settings, args, Path(args.out))
 
     # 1. the plain in-process baseline (same weights, contiguous DynamicCache), kept loaded
     #    so that its measurements interleave with the station's (best of --rounds each)
@@ -80,10 +88,15 @@ def main(argv: list[str] | None = None) -> int:
     # 2. the station, as a real child process, through the real socket
     with tempfile.TemporaryDirectory(prefix="gnosis-bench-") as tmp:
         runtime_dir = Path(tmp) / "run"
+        started = time.perf_counter()
         proc = start_station(settings, runtime_dir, Path(tmp) / "station.log")
+        start_s = time.perf_counter() - started
         hosts = []
         try:
-            trio.run(_station_figures, runtime_dir / "station.sock", args, plain, report)
+            hello = trio.run(_station_figures, runtime_dir / "station.sock", args, plain, report)
+            # the start check's share of this station's start (the default model's probe)
+            default_cost = second_model.StartCost.from_hello(
+                second_model.default_name(settings), hello, start_s, Path(tmp) / "station.log")
             del plain  # the HTTP figures compare the station with itself
             # 3. liquid memory through HTTP: two hosts on the one station, liquid on and off
             liquid_port, native_port = free_port(), free_port()
@@ -102,15 +115,18 @@ def main(argv: list[str] | None = None) -> int:
         tier_figures(report, settings, args, Path(tmp))
         # 5. weights: the GGUF's 4-bit blocks against the same file dequantized
         weights_figures(report, settings, args.rounds, args.decode_tokens, Path(tmp))
+        default_cost.add_row(report)  # the main table's last row: the start check's cost
         # 6. llama.cpp beside the daemon, on the same GGUF file (skipped with its reason)
         peer = peer_figures(settings, args, Path(tmp), Path(args.out))
+        # 7. a second real model (Gemma 3 270M) beside llama.cpp (skipped with its reason)
+        second = second_model.guarded_figures(settings, args, Path(tmp), default_cost)
 
-    Report(report.rows + peer.report.rows).print()
-    report.write(Path(args.out), settings, args, extra=peer.markdown())
-    return 0 if report.all_met() and peer.report.all_met() else 1
+    Report(report.rows + peer.report.rows + second.report.rows).print()
+    report.write(Path(args.out), settings, args, extra=peer.markdown() + "\n" + second.markdown())
+    return 0 if report.all_met() and peer.report.all_met() and second.report.all_met() else 1
 
 
-async def _station_figures(socket_path, args, plain: Plain, report: Report) -> None:
+async def _station_figures(socket_path, args, plain: Plain, report: Report) -> dict:
     async with open_station_client(socket_path) as conn:
         vocab = conn.hello["model"]["vocab_size"]
         # warm-up: first forward pays one-time allocator costs
@@ -156,6 +172,7 @@ async def _station_figures(socket_path, args, plain: Plain, report: Report) -> N
                    f"{args.streams} streams {batched.median(0):.1f} tok/s, 1 stream "
                    f"{batched.median(1):.1f} tok/s; {batched.spread()}")
         await decode_next_figures(conn, report, short, args.decode_tokens, args.rounds)
+        return conn.hello
 
 
 if __name__ == "__main__":

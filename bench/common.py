@@ -301,7 +301,9 @@ class Report:
             "of it by the spread measured in the same run between identical runs (the A/A",
             "control row), because the machine resolves nothing finer. llama.cpp's rows beside",
             "the daemon's are in their own section below (`python -m bench --peer-only` reruns",
-            "only that section; `make bench PEER=0` skips them, writing why).",
+            "only that section; `make bench PEER=0` skips them, writing why), and a second real",
+            "model's (Gemma 3 270M beside llama.cpp) in the one after it (`python -m bench",
+            "--second-model-only` reruns only that one).",
             "",
             *table_lines(self.rows),
         ]

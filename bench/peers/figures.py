@@ -7,10 +7,14 @@ import os
 import signal
 import statistics
 import sys
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
+
+import trio
 
 from bench.common import Pairs, Report, free_port, start_station, stop_station
 from bench.liquid import start_host
@@ -18,6 +22,7 @@ from bench.peers import plots
 from bench.peers.http_side import aggregate, daemon_endpoint, text_prompt
 from bench.peers.procs import InprocPeer, PeerProc, ServerPeer, measuring
 from bench.peers.section import llama_cpp_version, render, skip_reason
+from gnosis_daemon.client import open_station_client
 
 SINGLE = "single-stream decode tok/s, daemon / llama.cpp (better of server and in-process)"
 DECODE_PNG = "decode_by_concurrency.png"
@@ -78,43 +83,83 @@ def peer_figures(settings, args, tmp: Path, out: Path) -> PeerResult:
     if result.skipped:
         print(f"peer rows skipped: {result.skipped}", flush=True)
         return result
+    # its own date: `--peer-only` rewrites this section alone, under the main table's date
+    result.facts += measured_facts(args, model)
+    result.facts.append(_load("at the start"))
+    with running_sides(settings, args, model, tmp, result) as running:
+        running.bench.rows()
+        running.bench.plots(out.parent / "img")
+        result.facts.append(_load("at the end"))
+    return result
+
+
+def measured_facts(args, model: Path, plots: bool = True) -> list[str]:
+    """The section's first lines: when, which llama.cpp on which file, the run's sizes."""
+    return [f"measured: {datetime.now(timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}",
+            f"peer: llama-cpp-python {llama_cpp_version()}, n_threads {os.cpu_count() or 1}, "
+            f"`use_extra_bufts=False`, on {model.name}",
+            f"decode tokens {args.decode_tokens}, long prompt ~{args.prompt_tokens} tokens, "
+            f"{args.streams} streams, {args.rounds} rounds a row"
+            + (f", {args.plot_rounds} a plot point" if plots else "")]
+
+
+@dataclass
+class Running:
+    """Both sides up on one GGUF file: the daemon (station + host) and llama.cpp's two
+    child processes (paused), with the bench that measures them."""
+
+    bench: PeerBench
+    port: int  # the daemon's host
+    server: ServerPeer
+    inproc: InprocPeer
+    hello: dict  # the station's hello (model, attention kinds, start check)
+    start_s: float  # station spawn to its first hello answered
+
+
+@contextmanager
+def running_sides(settings, args, model: Path, tmp: Path, result: PeerResult,
+                  tag: str = "peer") -> Iterator[Running]:
+    """The daemon on ``settings`` (whose model is ``model``, a GGUF file) and llama.cpp on
+    the same file, up for the block; every process stopped after it, even on an error.
+    ``tag`` names the run's directory and logs under ``tmp``."""
     threads = os.cpu_count() or 1
     # SIGTERM (and SIGINT, which a shell's background job ignores) unwinds through the
     # finally below, so no paused llama.cpp child or station outlives the bench
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    # its own date: `--peer-only` rewrites this section alone, under the main table's date
-    result.facts += [f"measured: {datetime.now(timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}",
-                     f"peer: llama-cpp-python {llama_cpp_version()}, n_threads {threads}, "
-                     f"`use_extra_bufts=False`, on {model.name}",
-                     f"decode tokens {args.decode_tokens}, long prompt ~{args.prompt_tokens} "
-                     f"tokens, {args.streams} streams, {args.rounds} rounds a row, "
-                     f"{args.plot_rounds} a plot point"]
-    result.facts.append(_load("at the start"))
-    runtime_dir = tmp / "peer-run"
-    station = start_station(settings, runtime_dir, tmp / "peer-station.log")
+    runtime_dir = tmp / f"{tag}-run"
+    started = time.perf_counter()
+    station = start_station(settings, runtime_dir, tmp / f"{tag}-station.log")
+    start_s = time.perf_counter() - started
     procs = [station]
     peers: list[PeerProc] = []
     try:
+        hello = station_hello(runtime_dir / "station.sock")
         port = free_port()
-        procs.append(start_host(settings, runtime_dir, port, tmp / "peer-host.log", liquid=True))
-        server = ServerPeer(model, threads, tmp / "peer-server.log", free_port())
+        procs.append(start_host(settings, runtime_dir, port, tmp / f"{tag}-host.log", liquid=True))
+        server = ServerPeer(model, threads, tmp / f"{tag}-server.log", free_port())
         peers.append(server)
         server.pause()
-        inproc = InprocPeer(model, threads, tmp / "peer-inproc.log")
+        inproc = InprocPeer(model, threads, tmp / f"{tag}-inproc.log")
         peers.append(inproc)
         inproc.pause()
         bench = PeerBench(args, peers, Side("daemon", daemon_endpoint(port)),
                           Side("llama.cpp server", server.endpoint, server),
                           Side("llama.cpp in-process", inproc, inproc), result)
-        bench.rows()
-        bench.plots(out.parent / "img")
-        result.facts.append(_load("at the end"))
+        yield Running(bench, port, server, inproc, hello, start_s)
     finally:
         for peer in peers:
             peer.stop()
         for proc in reversed(procs):
             stop_station(proc)
-    return result
+
+
+def station_hello(sock: Path) -> dict:
+    """The station's ``hello`` answer (what it loaded, its attention kinds, its start check)."""
+    async def ask() -> dict:
+        async with open_station_client(sock) as conn:
+            return conn.hello
+
+    return trio.run(ask)
 
 
 class PeerBench:
@@ -137,8 +182,14 @@ class PeerBench:
             out.append(got)
         return out
 
-    def rows(self) -> None:
+    def rows(self, goals: bool = True) -> None:
+        """The decode and TTFT rows; ``goals`` off: the decode rows are reported without
+        the default model's bars (a model the issues set none for)."""
         args, n, report = self.args, self.n, self.result.report
+
+        def bar(value: float) -> tuple[str, float | None]:
+            return (">=", value) if goals else ("info", None)
+
         d, s, i = self.daemon, self.server, self.inproc
         short = text_prompt(32, seed=7)
         # warm-up (first-call costs) and a first check that every side decodes exactly n
@@ -149,7 +200,7 @@ class PeerBench:
 
         single = single_stream(self.interleaved(
             [d, s, i], args.rounds, lambda side, r: side.target.complete(short, n).decode_tps))
-        report.add(SINGLE, single.pairs.ratio, ">=", 1.0, single.detail(n))
+        report.add(SINGLE, single.pairs.ratio, *bar(1.0), single.detail(n))
 
         prompts = [text_prompt(16 + 8 * k, seed=20 + k) for k in range(args.streams)]
         agg = Pairs()
@@ -157,7 +208,7 @@ class PeerBench:
                                     lambda side, r: aggregate(side.target, prompts, n)[0]):
             agg.add(got[d.name], got[s.name])
         report.add(f"{args.streams}-stream aggregate decode tok/s, daemon / llama.cpp server",
-                   agg.ratio, ">=", 4.0,
+                   agg.ratio, *bar(4.0),
                    f"daemon {agg.median(0):.1f} tok/s, llama.cpp server {agg.median(1):.1f} tok/s "
                    f"({args.streams} x {n} tokens); {agg.spread()}")
 

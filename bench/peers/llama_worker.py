@@ -13,7 +13,11 @@ when the next request arrives, so concurrent streams would not all decode their 
 machine decodes faster than the server (whose OpenMP threads are driven from a worker
 thread). Reads one JSON request a line on stdin (``{"prompt": str, "max_tokens": N}``),
 answers one JSON line on stdout (first-token and end times from the call, tokens counted by
-a logits processor, which runs once per sampled token).
+a logits processor, which runs once per sampled token). A request with ``prompt_ids``
+instead (``{"prompt_ids": [int], "max_tokens": N, "suppress": [int]}``) is answered with
+the greedy continuation's token ids (``{"token_ids": [...]}``: the prompt's tokens as given,
+no BOS added, ``suppress``, else the end-of-generation tokens, never chosen): what the
+bench compares with transformers' ``generate``.
 
 In both, end-of-generation tokens are suppressed (the logits processor here, ``logit_bias``
 in the server's requests), so a greedy completion decodes exactly ``max_tokens`` tokens.
@@ -83,7 +87,9 @@ def main(argv: list[str] | None = None) -> int:
     _say({"ready": True, "eog": eog, "mode": "inproc"})
     for line in sys.stdin:
         if line.strip():
-            _say(generate(llm, json.loads(line), eog))
+            request = json.loads(line)
+            _say(greedy_ids(llm, request, eog) if "prompt_ids" in request
+                 else generate(llm, request, eog))
     return 0
 
 
@@ -114,6 +120,28 @@ def generate(llm, request: dict, eog: list[int]) -> dict:
     prompt_tokens = len(llm.tokenize(request["prompt"].encode(), add_bos=True, special=False))
     return {"ttft_s": first - start, "decode_s": end - first, "tokens": counted[0],
             "prompt_tokens": prompt_tokens}
+
+
+def greedy_ids(llm, request: dict, eog: list[int]) -> dict:
+    """The greedy continuation of a token-id prompt, ``max_tokens`` ids (llama.cpp's own
+    sampler at temperature 0: the arg max of each step's logits)."""
+    import numpy as np
+    from llama_cpp import LogitsProcessorList
+
+    suppress = list(request.get("suppress") or eog)
+
+    def no_eog(_input_ids, scores):
+        scores[suppress] = -np.inf
+        return scores
+
+    out: list[int] = []
+    for token in llm.generate(request["prompt_ids"], top_k=1, top_p=1.0, min_p=0.0, temp=0.0,
+                              repeat_penalty=1.0, reset=True,
+                              logits_processor=LogitsProcessorList([no_eog])):
+        out.append(int(token))
+        if len(out) >= request["max_tokens"]:
+            break
+    return {"token_ids": out}
 
 
 def serve(llm, args, eog: list[int]) -> int:

@@ -90,6 +90,13 @@ class InprocPeer(PeerProc):
         return Completion(start, first, first + answer["decode_s"], answer["tokens"],
                           answer["prompt_tokens"])
 
+    def greedy_ids(self, prompt_ids: list[int], max_tokens: int, suppress: list[int]) -> list[int]:
+        """llama.cpp's greedy continuation of a token-id prompt (``suppress`` never chosen)."""
+        self.proc.stdin.write(json.dumps({"prompt_ids": list(prompt_ids), "max_tokens": max_tokens,
+                                          "suppress": list(suppress)}) + "\n")
+        self.proc.stdin.flush()
+        return self._read(timeout=900)["token_ids"]
+
 
 class ServerPeer(PeerProc):
     """llama-cpp-python's OpenAI server; ``endpoint`` is what its requests go through."""

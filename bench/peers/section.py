@@ -115,13 +115,19 @@ def render(report: Report, *, skipped: str | None, facts: list[str], images: lis
     return "\n".join(lines) + "\n"
 
 
-def splice(path: Path, section: str) -> None:
-    """Put ``section`` in ``path`` in place of the one between the markers (or at its end)."""
+def splice(path: Path, section: str, begin: str = BEGIN, end: str = END,
+           after: str | None = None) -> None:
+    """Put ``section`` in ``path`` in place of the one between ``begin`` and ``end`` (the
+    peer section's markers unless told); where there is none yet, right after the marker
+    ``after`` when the file has it, else at the end."""
     text = path.read_text() if path.exists() else "# Benchmarks\n"
-    if BEGIN in text and END in text:
-        head, rest = text.split(BEGIN, 1)
-        tail = rest.split(END, 1)[1].lstrip("\n")
+    if begin in text and end in text:
+        head, rest = text.split(begin, 1)
+        tail = rest.split(end, 1)[1].lstrip("\n")
         text = head + section + (("\n" + tail) if tail else "")
+    elif after and after in text:
+        head, tail = text.split(after, 1)
+        text = head + after + "\n\n" + section + (("\n" + tail.lstrip("\n")) if tail.strip() else "")
     else:
         text = text.rstrip("\n") + "\n\n" + section
     path.write_text(text)

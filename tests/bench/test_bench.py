@@ -13,6 +13,7 @@ import sys
 import pytest
 
 from bench.common import Row
+from bench.peers import second_model
 from tests.support.procs import REPO, child_env
 from tests.support.tiny_models import build_tiny_model
 
@@ -54,6 +55,7 @@ FIGURES = [
     "greedy prompts whose 64 tokens are the same, station (C decode step) / float (5 prompts)",
     "station single-stream decode, quantized weights / float",
     "station RSS after one request, quantized weights / float",
+    "start check / station start, tiny-llama",
 ]
 
 
@@ -62,7 +64,8 @@ def test_bench_runs_every_figure_on_a_tiny_model(tmp_path):
     out = tmp_path / "benchmarks.md"
     proc = subprocess.run(
         [sys.executable, "-m", "bench", "--model", str(model_dir), "--prompt-tokens", "96",
-         "--decode-tokens", "6", "--streams", "3", "--rounds", "1", "--out", str(out)],
+         "--decode-tokens", "6", "--streams", "3", "--rounds", "1", "--out", str(out),
+         "--second-model", "off"],  # Gemma 3 270M beside llama.cpp: minutes where both are here
         cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=300)
     # 0: every goal met, 1: some missed (a tiny model's figures on a shared CPU); not a crash
     assert proc.returncode in (0, 1), proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -90,6 +93,10 @@ def test_bench_runs_every_figure_on_a_tiny_model(tmp_path):
     assert m and m[1] == m[3] and int(m[1]) > 1 and m[2] in ("stop", "length"), rows[FIGURES[8]][1]
     # a float checkpoint's quantized side is int4 at load: all 14 of the tiny model's linears
     assert "weights int4: 14 int4 layers (load)" in rows[FIGURES[15]][1]
+    # the start check's cost, from the station's hello (a probe of 4 blocks and a few tokens)
+    assert re.match(r"start check [\d.]+ s \(probe \d+ tokens", rows[FIGURES[-1]][1])
+    second = out.read_text().split(second_model.BEGIN, 1)[1]
+    assert "**Second model's rows skipped:** the second model is off (--second-model off)." in second
     assert f"{sum(r.startswith(('ok', 'MISS')) for r in proc.stdout.splitlines())}" == f"{len(FIGURES)}"
 
 
