@@ -76,20 +76,20 @@ class _EngineProfile:
         from transformers import AttentionInterface
 
         from station.runtime import fanout
-        from station.runtime import model_runner
+        from station.runtime import paged_attention
         from station.runtime.engine import PagedEngine
         from station.runtime.model_loader import load_model
 
         self.torch = torch
         self.loaded = load_model(settings)
         self.engine = PagedEngine(self.loaded, settings)
-        attention = model_runner.paged_attention_forward
+        attention = paged_attention.paged_attention_forward
 
         def marked_attention(*args, **kwargs):
             with record_function("gnosis::attention"):
                 return attention(*args, **kwargs)
 
-        AttentionInterface.register(model_runner.ATTN_IMPLEMENTATION, marked_attention)
+        AttentionInterface.register(paged_attention.ATTN_IMPLEMENTATION, marked_attention)
         sample = fanout.sample_sequences  # the engine samples through fanout.sample_step
 
         def marked_sample(*args, **kwargs):
