@@ -15,6 +15,7 @@ from types import SimpleNamespace
 import pytest
 
 from bench.common import Report
+from bench.peers import agreement
 from bench.peers import second_model as sm
 from bench.peers import section
 
@@ -67,10 +68,10 @@ def test_locate_names_the_missing_package(monkeypatch):
 
 
 def test_agreement_counts_tokens_up_to_the_first_divergence():
-    assert sm.matched_prefix([1, 2, 3, 4], [1, 2, 9, 4]) == 2
-    assert sm.matched_prefix([1, 2], [1, 2]) == 2 and sm.matched_prefix([5], [6]) == 0
-    row = sm.Agreement("daemon", [sm.Parting("short 1", 20, 64, 64),
-                                  sm.Parting("long 1", 1400, 10, 64, 0.0123, " the", " a")])
+    assert agreement.matched_prefix([1, 2, 3, 4], [1, 2, 9, 4]) == 2
+    assert agreement.matched_prefix([1, 2], [1, 2]) == 2 and agreement.matched_prefix([5], [6]) == 0
+    row = agreement.Agreement("daemon", [agreement.Parting("short 1", 20, 64, 64),
+                                  agreement.Parting("long 1", 1400, 10, 64, 0.0123, " the", " a")])
     assert row.matched == 74 and row.total == 128 and row.full == 1
     assert abs(row.fraction - 74 / 128) < 1e-12
     detail = row.detail()
@@ -97,13 +98,13 @@ class _FakeReference:
 def test_compare_by_ids_and_by_the_stations_token_texts():
     prompts = [("short 1", [1, 2, 3]), ("long 1", [4, 5, 6, 7])]
     answers = [[10, 11, 12], [20, 21, 22]]
-    by_ids = sm.compare("llama.cpp", prompts, answers, [[10, 11, 12], [20, 29, 22]],
+    by_ids = agreement.compare("llama.cpp", prompts, answers, [[10, 11, 12], [20, 29, 22]],
                         _FakeReference(), as_text=False)
     assert [(p.matched, p.total) for p in by_ids.prompts] == [(3, 3), (1, 3)]
     assert by_ids.prompts[1].margin == 5.0  # 4 prompt tokens + the 1 that matched
     assert (by_ids.prompts[1].want, by_ids.prompts[1].got) == ("<21>", "<29>")
     texts = [["<10>", "<19>", "<12>"], ["<20>", "<21>", "<22>"]]
-    by_text = sm.compare("daemon", prompts, answers, texts, _FakeReference(), as_text=True)
+    by_text = agreement.compare("daemon", prompts, answers, texts, _FakeReference(), as_text=True)
     assert [p.matched for p in by_text.prompts] == [1, 3] and by_text.prompts[0].got == "<19>"
 
 
@@ -146,10 +147,10 @@ class _WordTokenizer:
 
 def test_long_prompts_pass_the_length_asked_and_differ_by_seed():
     tok = _WordTokenizer()
-    text = sm.long_text(1, tok, 300)
+    text = agreement.long_text(1, tok, 300)
     assert len(tok(text).input_ids) >= 300 and text.startswith("On day 1,")
     assert text.endswith(",") and text.rsplit(". ", 1)[1].startswith("On day ")
-    assert sm.long_text(1, tok, 300) == text and sm.long_text(2, tok, 300) != text
+    assert agreement.long_text(1, tok, 300) == text and agreement.long_text(2, tok, 300) != text
     prompts = sm.agreement_prompts(tok, 120)
     assert [label for label, _ in prompts] == ["short 1", "short 2", "long 1", "long 2"]
     assert all(len(ids) >= 120 for label, ids in prompts if label.startswith("long"))
@@ -173,7 +174,7 @@ def test_splice_puts_the_section_after_the_peer_section_and_rewrites_it_alone(tm
 
 
 def test_hit_note_says_whether_the_prefix_hit_gave_the_same_tokens():
-    prompts = [sm.Parting("long 1", 1400, 64, 64), sm.Parting("long 2", 1401, 3, 64)]
+    prompts = [agreement.Parting("long 1", 1400, 64, 64), agreement.Parting("long 2", 1401, 3, 64)]
     note = sm.hit_note([("long 1", 1399, True), ("long 2", 1392, False)], prompts)
     assert note == ("again on a prefix hit: long 1 cached 1399 of 1400, the same tokens, "
                     "long 2 cached 1392 of 1401, OTHER TOKENS")
