@@ -68,8 +68,8 @@ as configured (exit 78, its reason in `station-refused.json`) is started again w
 `weights=float`, and the section says so before its figures.
 
 Start check: before it serves, the station runs a probe past the model's longest window
-through its own engine and compares every logprob with the model's own forward
-(`station.runtime.start_check`); `hello`'s `model.start_check` says what it cost, beside the
+through its own engine and compares the top logprobs at its decoded positions with the
+model's own forward (`station.runtime.start_check`); `hello`'s `model.start_check` says what it cost, beside the
 station's whole start (spawn to its first `hello` answered)."""
 
 def add_arguments(parser) -> None:
