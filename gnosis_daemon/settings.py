@@ -90,6 +90,10 @@ class Settings:
     # (the CPU tests' way to check it); off: eager steps everywhere.
     decode_graphs: str = "auto"
     decode_graph_max_context: int = 8192  # longer contexts decode eagerly
+    # The station's start check (station/runtime/start_check.py): auto trusts the record of
+    # one that passed for this model, build, machine and decode plan (model_cache_dir/
+    # start-checks/), else runs it; always runs it at every start.
+    start_check: str = "auto"
     # The decoder's linear weights in memory: auto keeps a GGUF file's 4-bit groups (Q4_0,
     # Q4_1, Q4_K) and int8 (Q8_0) and a float checkpoint's floats; int4 / int8 quantize the rest
     # at load; float dequantizes everything (docs/engine.md, "Weights that stay quantized").
@@ -172,6 +176,8 @@ class Settings:
                "one of auto, on, off")
         _check(self.decode_graphs, self.decode_graphs in {"auto", "on", "off"}, "decode_graphs",
                "one of auto, on, off")
+        _check(self.start_check, self.start_check in {"auto", "always"}, "start_check",
+               "one of auto, always")
         _check(self.tool_parser, self.tool_parser in {"auto", "hermes", "mistral", "llama3", "none"},
                "tool_parser", "one of auto, hermes, mistral, llama3, none")
         for name in ("max_model_len", "max_tokens_default", "max_frame_bytes", "kv_cache_bytes",

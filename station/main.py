@@ -35,7 +35,7 @@ from station.runtime.model_loader import (
 from station.runtime.engine import PagedEngine
 from station.runtime.kv_io_process import KVIOProcess
 from station.runtime.kv_tier_start import open_tier
-from station.runtime.start_check import check_engine
+from station.runtime.start_check import prove_engine
 from station.serving.kv_events import KVEventPublisher, start_publisher
 from station.serving.server import StationServer
 
@@ -95,7 +95,7 @@ class _TorchThread:
             engine = PagedEngine(loaded, self.settings)
             # The paged path against the model's own forward, past its longest window:
             # ModelRefused when they disagree (before any router or tier sees the pool).
-            self.start_check = check_engine(engine).as_dict()
+            self.start_check = prove_engine(engine, self.settings)
             if self.kv_events is not None:
                 self.kv_events.attach(engine)  # AllBlocksCleared: a new pool
             # Never raises for what is on disk: bad files are quarantined and counted. The

@@ -19,6 +19,8 @@ what the scheduler handed it.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from gnosis_daemon.logs import get_logger
@@ -99,6 +101,14 @@ class ModelRunner:
             return None
         return DecodeGraphs(self.kv_cache, self.device, self._lean, self._head, step_context,
                             max_batch, max_context, capture=self.device.type == "cuda")
+
+    def plan(self) -> dict[str, Any]:
+        """How this runner's steps are computed (the start check's record is keyed by it)."""
+        return {"forward": "c-step" if self._step is not None else "lean" if self._lean is not None
+                else "transformers", "decode_graphs": self._graphs is not None,
+                "head": None if self._head is None else type(self._head).__name__,
+                "head_kernel": getattr(self._head, "kernel", None) is not None,
+                "attention": self.kinds.tag}
 
     @property
     def stepped(self) -> bool:

@@ -33,10 +33,16 @@ leaves nothing behind (its blocks uncached, the engine's counters at zero).
 
 from __future__ import annotations
 
+import functools
+import hashlib
+import json
+import os
 import random
+import tempfile
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -44,6 +50,8 @@ import torch
 from gnosis_daemon.logs import get_logger
 from station.core.requests import Failed, Finished, GenerationRequest, SamplingParams, Token
 from station.runtime.model_errors import ModelRefused
+from station.runtime.model_loader import cache_base
+from station.runtime.quantized_linears import machine_tag
 
 log = get_logger(__name__)
 
@@ -83,6 +91,71 @@ def probe_length(longest_window: int | None, block_size: int, max_model_len: int
     want = (longest_window or 2 * block_size) + 2 * block_size + 3
     pool = num_blocks * block_size // 2 - block_size - DECODE_TOKENS
     return max(2, min(want, max_model_len - DECODE_TOKENS - 1, pool))
+
+
+def prove_engine(engine: Any, settings: Any) -> dict[str, Any]:
+    """The station's start check, as ``hello`` shows it: with ``start_check = auto`` the
+    record of a check that passed for exactly this model, station build, machine and decode
+    plan (``record_key``) is trusted, as the host trusts a capability flag; otherwise, or
+    without one, ``check_engine`` runs and a pass is recorded. Raises ``ModelRefused``."""
+    path = None
+    if settings.start_check == "auto":
+        path = cache_base(settings) / "start-checks" / f"{record_key(engine)}.json"
+        record = _read_record(path)
+        if record is not None:
+            log.info("start_check_trusted", record=str(path), **record)
+            return {**record, "trusted": True}
+    check = check_engine(engine).as_dict()
+    if path is not None:
+        _write_record(path, check)
+    return {**check, "trusted": False}
+
+
+def record_key(engine: Any) -> str:
+    """What a passed check proves, and so what its record is keyed by: the model (its
+    fingerprint: weights, their forms, each layer's attention), every source file of the
+    station, torch, transformers, the CPU and GPU, and the decode plan and engine shape the
+    probe ran through. Anything else changed: the check runs again."""
+    import transformers
+
+    loaded, settings = engine.loaded, engine.settings
+    ident = {"fingerprint": loaded.fingerprint, "station": source_digest(), "machine": machine_tag(),
+             "transformers": transformers.__version__, "device": str(loaded.device),
+             "dtype": str(loaded.dtype), "plan": engine.runner.plan(),
+             "engine": [engine.block_size, engine.max_model_len, engine.kv.pool.num_blocks,
+                        settings.prefill_chunk_tokens, settings.max_batch_size,
+                        settings.max_waiting_requests >= 2]}
+    return hashlib.sha256(json.dumps(ident, sort_keys=True, default=str).encode()).hexdigest()[:32]
+
+
+@functools.lru_cache(maxsize=1)
+def source_digest() -> str:
+    """sha256 over every source file of the station package (names and bytes)."""
+    root = Path(__file__).resolve().parents[1]
+    digest = hashlib.sha256()
+    for path in sorted(p for p in root.rglob("*") if p.suffix in (".py", ".c", ".h") and p.is_file()):
+        digest.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()
+
+
+def _read_record(path: Path) -> dict[str, Any] | None:
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return record if isinstance(record, dict) and record.get("passed") is True else None
+
+
+def _write_record(path: Path, check: dict[str, Any]) -> None:
+    """Atomically (a temp file renamed): a crash never leaves half a record to trust."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=".start-check.", dir=path.parent)
+        with os.fdopen(fd, "w") as out:
+            json.dump({**check, "recorded_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}, out)
+        os.replace(tmp, path)
+    except OSError as exc:  # the check passed; only the next start will run it again
+        log.warning("start_check_not_recorded", path=str(path), error=str(exc))
 
 
 def check_engine(engine: Any) -> StartCheck:

@@ -212,3 +212,37 @@ def test_generate_on_the_served_model_outside_a_step_keeps_the_window(tmp_path, 
         out = loaded.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12,
                                     do_sample=False)
     assert out[0, len(prompt):].tolist() == reference_generate(path, prompt, 12)
+
+
+def test_a_passed_check_is_trusted_for_the_same_model_build_and_plan_only(tiny, tmp_path, monkeypatch):
+    """``start_check = auto``: the record of a check that passed is trusted at the next start
+    with the same model, station sources, machine and decode plan (the probe does not run);
+    another station source, or ``always``, runs it again."""
+    from station.runtime import start_check
+
+    engine = engine_of(tiny("mistral_sw"))
+    settings = Settings(runtime_dir="/tmp/unused-rt", model_cache_dir=str(tmp_path))
+    ran = []
+    real = start_check.check_engine
+    monkeypatch.setattr(start_check, "check_engine", lambda e: ran.append(e) or real(e))
+    first = start_check.prove_engine(engine, settings)
+    assert first["passed"] and first["trusted"] is False and len(ran) == 1
+    again = start_check.prove_engine(engine, settings)
+    assert again["trusted"] is True and len(ran) == 1
+    assert {k: again[k] for k in first if k != "trusted"} == {k: first[k] for k in first if k != "trusted"}
+    assert start_check.prove_engine(engine, Settings(runtime_dir="/tmp/unused-rt", model_cache_dir=str(tmp_path),
+                                                     start_check="always"))["trusted"] is False
+    assert len(ran) == 2
+    monkeypatch.setattr(start_check, "source_digest", lambda: "another build")
+    assert start_check.prove_engine(engine, settings)["trusted"] is False and len(ran) == 3
+    records = list((tmp_path / "start-checks").glob("*.json"))
+    assert len(records) == 2  # one per build
+
+
+def test_the_check_is_keyed_by_the_decode_plan(tiny):
+    from station.runtime.start_check import record_key
+
+    loaded = tiny("mistral_sw")
+    lean, stock = engine_of(loaded), engine_of(loaded, lean_decoder=False)
+    assert lean.runner.plan()["forward"] == "lean" and stock.runner.plan()["forward"] == "transformers"
+    assert record_key(lean) != record_key(stock)
