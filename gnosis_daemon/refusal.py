@@ -24,10 +24,11 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 import time
 from pathlib import Path
 from typing import Any, Mapping
+
+from gnosis_daemon.atomic_files import write_json
 
 # sysexits' EX_CONFIG: a station that refuses its model exits with it; never restarted.
 REFUSED_EXIT = 78
@@ -50,21 +51,7 @@ def write_refusal(path: str | os.PathLike[str], refusal: Mapping[str, Any], *, m
     document = {**dict(refusal), "model": model, "pid": os.getpid() if pid is None else pid,
                 "at": utc_now()}
     prepare_runtime_dir(path.parent)
-    data = json.dumps(document, indent=2, sort_keys=True, default=str).encode() + b"\n"
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(data)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.chmod(tmp, 0o600)
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
+    write_json(path, document)
     return document
 
 

@@ -21,10 +21,11 @@ from __future__ import annotations
 import json
 import os
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any, TextIO
+
+from gnosis_daemon.atomic_files import write_json
 
 STATUS_VERSION = 1
 
@@ -35,22 +36,7 @@ class StatusUnavailable(Exception):
 
 def write_status(path: str | os.PathLike[str], document: dict[str, Any]) -> None:
     """Replace ``path`` with ``document`` atomically (temp file + fsync + os.replace)."""
-    path = Path(path)
-    data = json.dumps(document, indent=2, sort_keys=True, default=str).encode() + b"\n"
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(data)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.chmod(tmp, 0o600)
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
+    write_json(path, document)
 
 
 def pid_alive(pid: int) -> bool:

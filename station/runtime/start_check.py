@@ -36,9 +36,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
-import os
 import random
-import tempfile
 import threading
 import time
 from dataclasses import dataclass
@@ -49,6 +47,7 @@ import torch
 
 from gnosis_daemon.logs import get_logger
 from station.core.requests import Failed, Finished, GenerationRequest, SamplingParams, Token
+from gnosis_daemon.atomic_files import write_json
 from station.runtime.model_errors import ModelRefused
 from station.runtime.model_loader import cache_base
 from station.runtime.quantized_linears import machine_tag
@@ -150,10 +149,8 @@ def _write_record(path: Path, check: dict[str, Any]) -> None:
     """Atomically (a temp file renamed): a crash never leaves half a record to trust."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=".start-check.", dir=path.parent)
-        with os.fdopen(fd, "w") as out:
-            json.dump({**check, "recorded_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}, out)
-        os.replace(tmp, path)
+        write_json(path, {**check, "recorded_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())},
+                   mode=0o644)
     except OSError as exc:  # the check passed; only the next start will run it again
         log.warning("start_check_not_recorded", path=str(path), error=str(exc))
 
