@@ -119,6 +119,9 @@ def kind_of(module: torch.nn.Module, scaling: float | None, kwargs: dict[str, An
     if kind is None:
         raise RuntimeError(f"attention layer {getattr(module, 'layer_idx', '?')} has no attention "
                            "kind: the runner did not install the model's kinds")
+    if scaling is not None and scaling != kind.scaling:
+        raise RuntimeError(f"layer {module.layer_idx} scales its scores by {scaling}, not by the "
+                           f"{kind.scaling} read at load")
     if kwargs:
         window, softcap = kwargs.get("sliding_window"), kwargs.get("softcap")
         if (window != kind.window and "sliding_window" in kwargs) or softcap != kind.softcap or (
