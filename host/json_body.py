@@ -12,7 +12,11 @@ answered 400 here, naming what is wrong:
 - a lone UTF-16 surrogate (``"\\ud800"``): JSON allows the escape, Python keeps it in the
   ``str``, and it cannot be encoded as UTF-8 for the station's msgpack frame; the error names
   the field path that holds it;
-- ``NaN`` and ``Infinity``: not JSON, and they would slip through every range check.
+- ``NaN`` and ``Infinity``: not JSON, and they would slip through every range check;
+- an integer outside what a msgpack frame carries (-2**63 .. 2**64 - 1), anywhere in the
+  body (a schema's ``minimum``, ``const``, ``enum`` or ``default``, a tool call's
+  arguments): packing it for the station raised ``OverflowError``, a 500; the error names
+  the field path that holds it.
 """
 
 from __future__ import annotations
@@ -49,25 +53,42 @@ def _too_deep(depth: str) -> errors.ApiError:
                           f"most {MAX_DEPTH} are allowed.")
 
 
-def lone_surrogate_path(value: Any, path: str = "") -> str | None:
-    """The path of the first string (or key) holding a lone surrogate, else ``None``.
-    Only called on a decoded body, whose depth is at most ``MAX_DEPTH``."""
+# What a msgpack frame can carry: a signed or an unsigned 64-bit integer.
+INT_MIN, INT_MAX = -(2 ** 63), 2 ** 64 - 1
+
+
+def _unfit(value: Any) -> str | None:
+    """Why a scalar cannot travel to the station, or None."""
     if isinstance(value, str):
-        return None if value.isascii() or not _SURROGATE.search(value) else (path or "body")
+        if not value.isascii() and _SURROGATE.search(value):
+            return ("the text holds a lone UTF-16 surrogate (an unpaired \\ud800-\\udfff "
+                    "escape), which is not valid Unicode.")
+    elif isinstance(value, int) and not isinstance(value, bool) and not INT_MIN <= value <= INT_MAX:
+        return (f"the integer has {value.bit_length()} bits; at most 64-bit integers "
+                f"({INT_MIN} to {INT_MAX}) are accepted.")
+    return None
+
+
+def unfit_path(value: Any, path: str = "") -> tuple[str, str] | None:
+    """(the path, why) of the first value (or key) the station's frames cannot carry: a
+    string with a lone surrogate or an integer past 64 bits; else ``None``. Only called on
+    a decoded body, whose depth is at most ``MAX_DEPTH``."""
     if isinstance(value, dict):
         for key, item in value.items():
-            if not key.isascii() and _SURROGATE.search(key):
+            if _unfit(key):
                 # The key itself is the bad text: name it with the surrogate escaped.
                 shown = key.encode("utf-8", "backslashreplace").decode("ascii", "replace")
-                return f"{path}.{shown}" if path else shown
-            found = lone_surrogate_path(item, f"{path}.{key}" if path else key)
+                return (f"{path}.{shown}" if path else shown), _unfit(key)
+            found = unfit_path(item, f"{path}.{key}" if path else key)
             if found:
                 return found
     elif isinstance(value, list):
         for index, item in enumerate(value):
-            found = lone_surrogate_path(item, f"{path}[{index}]")
+            found = unfit_path(item, f"{path}[{index}]")
             if found:
                 return found
+    elif _unfit(value):
+        return path or "body", _unfit(value)
     return None
 
 
@@ -82,8 +103,7 @@ def decode(data: bytes) -> Any:
     depth = nesting_depth(value)
     if depth > MAX_DEPTH:
         raise _too_deep(str(depth))
-    path = lone_surrogate_path(value)
-    if path is not None:
-        raise errors.invalid_value(path, "the text holds a lone UTF-16 surrogate (an unpaired "
-                                         "\\ud800-\\udfff escape), which is not valid Unicode.")
+    unfit = unfit_path(value)
+    if unfit is not None:
+        raise errors.invalid_value(*unfit)
     return value

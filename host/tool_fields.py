@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gnosis_daemon.grammar_spec import schema_problem
-from host import errors
+from host import errors, json_body
 from host.fields import check_known
 
 MAX_TOOLS = 128
@@ -220,6 +220,9 @@ def message_tool_fields(message: dict[str, Any], role: str, where: str) -> dict[
             parsed = json.loads(arguments)
         except ValueError:
             parsed = None
+        unfit = json_body.unfit_path(parsed, f"{at}.function.arguments") if parsed is not None else None
+        if unfit is not None:  # the arguments travel to the station's chat template as JSON
+            raise errors.invalid_value(*unfit)
         checked.append({"id": call["id"], "type": "function", "function": {
             "name": name, "arguments": parsed if isinstance(parsed, dict) else arguments}})
     out["tool_calls"] = checked

@@ -246,10 +246,20 @@ HI = [{"role": "user", "content": "hi"}]
 @pytest.mark.parametrize("path, body, param", [
     ("/v1/chat/completions", {"messages": HI, "max_tokens": 10**30}, "max_tokens"),
     ("/v1/chat/completions", {"messages": HI, "max_tokens": 2, "seed": 2**70}, "seed"),
-    ("/v1/completions", {"prompt": [10**30], "max_tokens": 2}, "prompt"),
+    ("/v1/completions", {"prompt": [10**30], "max_tokens": 2}, "prompt[0]"),  # past 64 bits
     ("/v1/completions", {"prompt": [[1, 2**63]], "max_tokens": 2}, "prompt"),
     ("/v1/completions", {"prompt": "vocab", "max_tokens": 2}, "prompt"),
-    ("/v1/embeddings", {"input": [[2**64]]}, "input"),
+    ("/v1/embeddings", {"input": [[2**64]]}, "input[0][0]"),
+    # integers past 64 bits anywhere (a schema's bounds and enums, a tool call's arguments)
+    ("/v1/chat/completions", {"messages": HI, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "n", "schema": {"type": "integer", "minimum": 2**100}}}},
+     "response_format.json_schema.schema.minimum"),
+    ("/v1/chat/completions", {"messages": HI, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "n", "schema": {"enum": [1, -(2**64)]}}}}, "response_format.json_schema.schema.enum[1]"),
+    ("/v1/chat/completions", {"messages": [HI[0], {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"n": %d}' % 2**80}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "ok"}]},
+     "messages[1].tool_calls[0].function.arguments.n"),
     ("/v1/embeddings", {"input": "vocab"}, "input"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "\ud800"}]},
      "messages[0].content"),
