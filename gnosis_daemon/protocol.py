@@ -27,6 +27,11 @@ import msgpack
 
 PROTOCOL_VERSION = 1
 DEFAULT_MAX_FRAME_BYTES = 16 * 1024 * 1024
+# Stop strings are matched on the station's socket thread after every token, at a cost that
+# grows with their number and with the square of their length: both are bounded, and the
+# host refuses past them with the field named.
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 512
 
 
 class ErrorCode(enum.StrEnum):

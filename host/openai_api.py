@@ -28,6 +28,7 @@ import json
 from dataclasses import dataclass, replace
 from typing import Any
 
+from gnosis_daemon.protocol import MAX_STOP_CHARS
 from host import errors
 from host.fields import (
     as_object,
@@ -314,14 +315,21 @@ def frame_estimate(texts: list[str], items: int, max_frame_bytes: int) -> int:
 
 
 def _stop(stop: Any) -> list[str]:
-    if isinstance(stop, str):
-        return [stop] if stop else []
+    listed = not isinstance(stop, str)
+    if not listed:
+        stop = [stop] if stop else []
     if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
         raise errors.invalid_type("stop", "a string or an array of strings", stop)
     if len(stop) > MAX_STOP:
         raise errors.invalid_value("stop", f"array too long. Expected an array with maximum "
                                    f"length {MAX_STOP}, but got an array with length "
                                    f"{len(stop)} instead.")
+    for i, text in enumerate(stop):
+        if len(text) > MAX_STOP_CHARS:
+            raise errors.invalid_value(f"stop[{i}]" if listed else "stop",
+                                       f"string too long. Expected a string with maximum length "
+                                       f"{MAX_STOP_CHARS}, but got a string with length "
+                                       f"{len(text)} instead.")
     return [s for s in stop if s]
 
 

@@ -23,7 +23,7 @@ import math
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Protocol
 
-from gnosis_daemon.protocol import Capability, ErrorCode, OpError
+from gnosis_daemon.protocol import MAX_STOP_CHARS, MAX_STOP_STRINGS, Capability, ErrorCode, OpError
 from gnosis_daemon.settings import Settings
 from gnosis_daemon.grammar_spec import GrammarSpecError, check_grammar
 from station.core.requests import MAX_LOGIT_BIAS, SamplingParams
@@ -38,10 +38,6 @@ _MISSING = object()
 # The range of a seed: an int64 or a uint64 (what msgpack carries); the generator takes
 # its 64 bits, so a negative seed is the same as that seed plus 2**64.
 SEED_MIN, SEED_END = -(2**63), 2**64
-# Stop strings are matched on the socket thread after every token, at a cost that grows
-# with their number and with the square of their length: both are bounded.
-MAX_STOP_STRINGS = 16
-MAX_STOP_CHARS = 512
 
 
 class OpContext(Protocol):

@@ -300,3 +300,15 @@ def test_deep_nesting_through_real_http_is_a_400(loaded):
                     json={"prompt": "hi", "max_tokens": 1})
     assert ok.status_code == 200
     assert http_json(loaded["base"] + "/health")[1]["station_pid"] == loaded["station"].pid
+
+
+@pytest.mark.parametrize("stop, param", [("x" * 513, "stop"), (["ok", "y" * 600], "stop[1]")])
+def test_a_stop_string_past_its_limit_is_refused_naming_stop(loaded, stop, param):
+    r = httpx.post(loaded["base"] + "/v1/chat/completions", timeout=30, headers=_auth("sk-load"),
+                   json={"messages": HI, "max_tokens": 2, "stop": stop})
+    error = r.json()["error"]
+    assert (r.status_code, error["param"], error["code"]) == (400, param, "invalid_value"), r.text
+    assert "maximum length 512" in error["message"]
+    ok = httpx.post(loaded["base"] + "/v1/chat/completions", timeout=30, headers=_auth("sk-load"),
+                    json={"messages": HI, "max_tokens": 2, "stop": "z" * 512})
+    assert ok.status_code == 200, ok.text
