@@ -29,8 +29,9 @@ from station.runtime.decode_graphs import DecodeGraphs, decode_rows
 from station.runtime.kv_cache import KVCache
 from station.runtime.lean_decoder import LeanDecoder
 from station.runtime.linear_kernels import VocabHead, pack_decoder_linears
-from station.runtime.paged_attention import (ATTN_IMPLEMENTATION, PrefillMeta, StepContext, install_kinds,
-                                             register_attention, registered_attention, step_context)
+from station.runtime.paged_attention import (ATTN_IMPLEMENTATION, PrefillMeta, StepContext, causal_mask,
+                                             install_kinds, register_attention, registered_attention,
+                                             step_context, window_mask)
 from station.core.scheduler import SchedulerOutput
 from station.core.sequence import Sequence
 
@@ -215,8 +216,7 @@ class ModelRunner:
                 decode_first = _first_if_consecutive(tables[0])
             else:
                 decode_lens = torch.tensor(ctx_lens, dtype=torch.long)
-                decode_mask = (torch.arange(max_blocks * bs)[None, :] < decode_lens[:, None]).view(
-                    num_decodes, 1, 1, max_blocks * bs)
+                decode_mask = window_mask(decode_lens, max_blocks * bs, None)
             keep.extend(range(num_decodes))
             sampled.extend(decodes)
 
@@ -238,7 +238,7 @@ class ModelRunner:
             if start == 0:
                 meta = PrefillMeta(q_start, n, ctx_len, None, None)
             else:
-                mask = torch.arange(ctx_len)[None, :] <= pos[:, None]  # [n, ctx_len]
+                mask = causal_mask(start, n, 0, ctx_len, None)  # [n, ctx_len]
                 meta = PrefillMeta(q_start, n, ctx_len, table.to(self.device), mask.to(self.device),
                                    _first_if_consecutive(block_ids))
             prefills.append(meta)

@@ -59,9 +59,8 @@ class PrefillMeta:
             return 0, self.mask
         if window not in self.windowed:
             lo = max(0, start - window + 1)
-            keys = torch.arange(lo, self.ctx_len, device=self.mask.device if self.mask is not None else None)
-            pos = torch.arange(start, self.ctx_len, device=keys.device)[:, None]
-            self.windowed[window] = (lo, (keys[None, :] <= pos) & (keys[None, :] > pos - window))
+            device = self.mask.device if self.mask is not None else None
+            self.windowed[window] = (lo, causal_mask(start, self.q_len, lo, self.ctx_len, window, device))
         return self.windowed[window]
 
 
@@ -101,6 +100,19 @@ class StepContext:
             mask = ((keys < lens_col) & (keys >= lens_col - window)).view(len(rows), 1, 1, width * bs)
             self.decode_windowed[window] = (flat, mask)
         return self.decode_windowed[window]
+
+
+def causal_mask(first_query: int, queries: int, first_key: int, end_key: int, window: int | None,
+                device: torch.device | None = None) -> torch.Tensor:
+    """[queries, end_key - first_key] bool: the query at position ``first_query + i`` sees
+    the key at position ``k`` when ``k`` is at most its own and, with a window, more than
+    its own less ``window`` (transformers' causal mask and ``sliding_window_overlay``)."""
+    pos = torch.arange(first_query, first_query + queries, device=device)[:, None]
+    keys = torch.arange(first_key, end_key, device=device)[None, :]
+    mask = keys <= pos
+    if window is not None:
+        mask &= keys > pos - window
+    return mask
 
 
 def window_mask(lens: torch.Tensor, width: int, window: int | None) -> torch.Tensor:
@@ -171,17 +183,13 @@ def chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kind: Lay
                     mask: torch.Tensor | None, causal: bool) -> torch.Tensor:
     """A prompt chunk: q [1, H, n, D], k/v [1, Hkv, S, D]; ``mask`` [n, S] or ``causal``
     (the chunk is the whole context) -> [1, H, n, D]."""
-    n_rep = q.shape[1] // k.shape[1]
-    if causal and kind.window is not None and kind.window < q.shape[2]:
-        pos = torch.arange(q.shape[2], device=q.device)
-        mask = (pos[None, :] <= pos[:, None]) & (pos[None, :] > pos[:, None] - kind.window)
-        causal = False
+    n_rep, tokens = q.shape[1] // k.shape[1], q.shape[2]
+    if causal and (not kind.fused or (kind.window is not None and kind.window < tokens)):
+        # SDPA's is_causal knows no window, and the explicit softmax takes only masks
+        mask, causal = causal_mask(0, tokens, 0, tokens, kind.window, q.device), False
     if kind.fused:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
                                               scale=kind.scaling, enable_gqa=n_rep > 1)
-    if causal:
-        pos = torch.arange(q.shape[2], device=q.device)
-        mask = pos[None, :] <= pos[:, None]
     return explicit_attention(q, k, v, kind, mask)
 
 
@@ -206,7 +214,7 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
         # copy into it; the same operations on the same values as the general path below.
         k_slots[ctx.decode_slot] = key.reshape(num_kv_heads, head_dim)
         v_slots[ctx.decode_slot] = value.reshape(num_kv_heads, head_dim)
-        k, v, _ = _single_decode_kv(ctx, kind, k_pool, v_pool, num_kv_heads, head_dim)
+        k, v = _single_decode_kv(ctx, kind, k_pool, v_pool, num_kv_heads, head_dim)
         o = decode_attention(query.reshape(1, num_kv_heads, n_rep, head_dim), k, v, kind, None)
         return o.view(1, 1, num_heads, head_dim), None
     k_slots.index_copy_(0, ctx.slot_mapping, key[0].transpose(0, 1))
@@ -217,7 +225,7 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
         # q: [B, Hkv, n_rep, D] -- one query token per sequence, its heads grouped per kv head
         q = query[0, :, :b].transpose(0, 1).reshape(b, num_kv_heads, n_rep, head_dim)
         if b == 1:
-            k, v, _ = _single_decode_kv(ctx, kind, k_pool, v_pool, num_kv_heads, head_dim)
+            k, v = _single_decode_kv(ctx, kind, k_pool, v_pool, num_kv_heads, head_dim)
             mask = None
         elif kind.window is not None:  # the blocks each row's window reaches
             table, mask = ctx.decode_window(kind.window)
@@ -269,11 +277,7 @@ def _outside_a_step(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
     tokens, keys = query.shape[2], key.shape[2]
     if tokens == keys:
         return chunk_attention(query, key, value, kind, None, True).transpose(1, 2)
-    pos = torch.arange(keys - tokens, keys, device=query.device)[:, None]
-    seen = torch.arange(keys, device=query.device)[None, :]
-    mask = seen <= pos
-    if kind.window is not None:
-        mask &= seen > pos - kind.window
+    mask = causal_mask(keys - tokens, tokens, 0, keys, kind.window, query.device)
     return chunk_attention(query, key, value, kind, mask, False).transpose(1, 2)
 
 
@@ -287,9 +291,9 @@ def step_context(ctx: Any):
 
 
 def _single_decode_kv(ctx: StepContext, kind: LayerAttention, k_pool: torch.Tensor, v_pool: torch.Tensor,
-                      num_kv_heads: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """One decoding sequence's K and V that its query sees, [1, keys, Hkv, D] each, and the
-    first key's position: the window's blocks only, read in place when they are consecutive."""
+                      num_kv_heads: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One decoding sequence's K and V that its query sees, [1, keys, Hkv, D] each: the
+    window's blocks only, read in place when they are consecutive."""
     ctx_len, bs = ctx.decode_ctx_len, ctx.kv_cache.block_size
     lo = kind.lowest_key(ctx_len - 1)
     first = lo // bs
@@ -302,7 +306,7 @@ def _single_decode_kv(ctx: StepContext, kind: LayerAttention, k_pool: torch.Tens
         k, v = k_pool.index_select(0, table), v_pool.index_select(0, table)
     k = k.reshape(1, -1, num_kv_heads, head_dim)[:, lo - first * bs:ctx_len - first * bs]
     v = v.reshape(1, -1, num_kv_heads, head_dim)[:, lo - first * bs:ctx_len - first * bs]
-    return k, v, lo
+    return k, v
 
 
 def _decode_kv(ctx: StepContext, k_pool: torch.Tensor, v_pool: torch.Tensor, b: int,
