@@ -108,8 +108,7 @@ class ModelRunner:
         return {"forward": "c-step" if self._step is not None else "lean" if self._lean is not None
                 else "transformers", "decode_graphs": self._graphs is not None,
                 "head": None if self._head is None else type(self._head).__name__,
-                "head_kernel": getattr(self._head, "kernel", None) is not None,
-                "attention": self.kinds.tag}
+                "head_kernel": getattr(self._head, "kernel", None) is not None}
 
     @property
     def stepped(self) -> bool:

@@ -23,6 +23,7 @@ with one set of weights is never served to another.
 from __future__ import annotations
 
 import hashlib
+from collections import Counter
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -93,10 +94,7 @@ class WeightsReport:
 
     def dequantized_by_reason(self) -> dict[str, int]:
         """How many of the file's quantized tensors were dequantized, by why."""
-        counts: dict[str, int] = {}
-        for _, why in self.gguf_dequantized.values():
-            counts[why] = counts.get(why, 0) + 1
-        return dict(sorted(counts.items()))
+        return dict(sorted(Counter(why for _, why in self.gguf_dequantized.values()).items()))
 
 
 def decoder_linears(model: nn.Module) -> list[tuple[str, nn.Module, str, nn.Linear]]:
@@ -272,12 +270,8 @@ def _account_gguf(report: WeightsReport, model: nn.Module, gguf: Path, from_file
             report.gguf_dequantized[gguf_name] = (kind, "embeddings: looked up as float")
         else:
             report.gguf_dequantized[gguf_name] = (kind, "not a linear layer")
-    by_type: dict[str, int] = {}
-    for kind, _ in report.gguf_dequantized.values():
-        by_type[kind] = by_type.get(kind, 0) + 1
-    kept: dict[str, int] = {}
-    for kind, form in report.gguf_kept.values():
-        kept[f"{kind} as {form}"] = kept.get(f"{kind} as {form}", 0) + 1
+    by_type = Counter(kind for kind, _ in report.gguf_dequantized.values())
+    kept = Counter(f"{kind} as {form}" for kind, form in report.gguf_kept.values())
     names = list(report.gguf_dequantized)
     log.info("gguf_tensors_dequantized", count=len(names), of=len(names) + len(report.gguf_kept),
              by_type=dict(sorted(by_type.items())), reasons=report.dequantized_by_reason(),
