@@ -1,4 +1,4 @@
-"""Structured-output decode speed for `make bench`, through real HTTP (issue 13).
+"""Structured-output decode speed for `make bench`, through real HTTP.
 
 The same chat prompt, greedy, streamed with ``stream_options.include_usage`` (exact token
 counts), once with ``response_format`` ``json_schema`` (strict; nested objects, an array and

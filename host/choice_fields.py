@@ -1,4 +1,4 @@
-"""Issue 13's request fields: ``n`` (and ``best_of``), chat's ``logprobs`` /
+"""The request fields of choices and logprobs: ``n`` (and ``best_of``), chat's ``logprobs`` /
 ``top_logprobs``, completions' ``logprobs`` / ``echo``, and several prompts in one
 ``/v1/completions`` request. Checked the way OpenAI bounds them (``ApiError`` 400 naming
 the field), turned into the station's ``generate`` arguments: ``n``, ``logprobs`` (top

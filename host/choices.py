@@ -1,4 +1,4 @@
-"""The choices of one completion request (issue 13): ``n`` per prompt, several prompts,
+"""The choices of one completion request: ``n`` per prompt, several prompts,
 and their logprobs in OpenAI's shapes.
 
 One station ``generate`` per prompt (``n`` choices each, forked from one prefill in the

@@ -98,7 +98,7 @@ class GenerationRequest:
     # Structured output: an xgrammar CompiledGrammar (opaque here, see
     # station.runtime.grammar); None: unconstrained.
     grammar: Any = None
-    # Issue 13: ``n`` choices share the prompt's prefill (``station.runtime.fanout``);
+    # ``n`` choices share the prompt's prefill (``station.runtime.fanout``);
     # ``logprobs``: top alternatives per sampled token (None: no logprobs);
     # ``prompt_logprobs``: the same for every prompt token (no prefix-cache reuse then).
     n: int = 1

@@ -58,7 +58,7 @@ class Sequence:
     # The engine's sampling state (generator, token counts for penalties; opaque here).
     sampling: Any = None
     user: Any = None  # the engine's per-request bookkeeping (callback, timings)
-    # Issue 13: top alternatives to report per sampled token / per prompt token (None:
+    # Top alternatives to report per sampled token / per prompt token (None:
     # not asked; a prompt_logprobs sequence keeps every prompt row's logits and takes no
     # prefix-cache hit); the choices forked from this one once its prompt is prefilled.
     logprobs: int | None = None

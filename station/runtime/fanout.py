@@ -1,4 +1,4 @@
-"""``n`` choices from one prompt (issue 13): one prefill, shared prompt blocks.
+"""``n`` choices from one prompt: one prefill, shared prompt blocks.
 
 A generate with ``n > 1`` becomes ``n`` sequences made together (``make_sequences``): the
 first (the parent, index 0, the request's own id) is scheduled; the others (ids

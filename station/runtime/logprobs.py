@@ -1,4 +1,4 @@
-"""Log-probabilities of sampled and prompt tokens (issue 13), batched over a step's rows.
+"""Log-probabilities of sampled and prompt tokens, batched over a step's rows.
 
 A value is the log-softmax of the model's logits at the temperature the row samples with:
 ``log_softmax(logits / temperature)``, and plain ``log_softmax(logits)`` for a greedy row

@@ -38,7 +38,7 @@ from station.core.sequence import Sequence
 log = get_logger(__name__)
 
 def _prompt_rows(seq: Sequence, start: int, end: int, row: int) -> list[tuple[Sequence, int, int, int]]:
-    """Issue 13: a ``prompt_logprobs`` sequence's chunk of positions start..end (its first at
+    """A ``prompt_logprobs`` sequence's chunk of positions start..end (its first at
     ``row`` of the step) -> the rows that predict prompt tokens, as (seq, start, row, count)."""
     if seq.prompt_logprobs is None or seq.prefill_reported:
         return []

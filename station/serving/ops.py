@@ -327,7 +327,7 @@ def plan_generate(loaded: LoadedModel, settings: Settings, args: dict[str, Any])
 
 
 def choices_args(args: dict[str, Any]) -> dict[str, Any] | None:
-    """Issue 13: ``n`` (1 to 16 choices), ``logprobs`` / ``prompt_logprobs`` (0 to 20 top
+    """``n`` (1 to 16 choices), ``logprobs`` / ``prompt_logprobs`` (0 to 20 top
     alternatives, null: none); None when all are defaults."""
     n = arg(args, "n", int, 1)
     if not 1 <= n <= MAX_CHOICES:

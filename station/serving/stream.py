@@ -43,7 +43,7 @@ def _deliver(channel: trio.MemorySendChannel, event: EngineEvent) -> None:
 
 
 class _Choice:
-    """One choice of a generate (``n`` > 1: several, issue 13): its detokenizer and tokens."""
+    """One choice of a generate (``n`` > 1: several): its detokenizer and tokens."""
 
     def __init__(self, index: int, engine_id: str, gen: GenerateArgs, tokenizer: Any) -> None:
         self.index = index

@@ -1,4 +1,4 @@
-"""A token's text and bytes, as logprobs report them (issue 13): OpenAI's ``token`` (the
+"""A token's text and bytes, as logprobs report them: OpenAI's ``token`` (the
 token's text; ``bytes:\\xNN...`` when its bytes are not whole UTF-8 characters, as OpenAI
 writes them) and ``bytes`` (the token's own bytes: byte-level BPE pieces mapped back to
 bytes, sentencepiece ``▁`` as a space and ``<0xNN>`` as that byte, special tokens as their
