@@ -297,12 +297,12 @@ class PagedEngine:
             self._finished(seq)
         if out.is_empty:
             head = next((s for s in sched.waiting if s.awaiting_load is None), None)
-            if head is not None and not sched.running and not (self.tier and self.tier.busy()):
-                # Nothing runs and the head still does not fit: pinned blocks hold the pool.
-                seq = head
-                sched.finish(seq, "capacity")
-                self._end(seq, ErrorCode.CAPACITY, "no free KV blocks for this prompt")
-            return
+            if head is None or sched.running or (self.tier and self.tier.busy()):
+                return
+            if self.tier and self.tier.holds_blocks():  # saves being written hold the blocks
+                return self.tier.wait_for_writer()
+            sched.finish(head, "capacity")  # nothing runs and it does not fit: pins hold the pool
+            return self._end(head, ErrorCode.CAPACITY, "no free KV blocks for this prompt")
         self.num_steps += 1
         try:
             logits, sampled = self.runner.run(out)

@@ -4,10 +4,11 @@
 ``open`` hands it the tier's directory and layout and the memfd of KV blocks it works on,
 and returns the index its files give (``SessionRecord``s, nothing read but manifests).
 
-On a CPU host at ``kv_io_nice = 19`` the writer also yields to decode: the engine thread
-stamps a word of shared memory (``DecodeBeat``) at each step, and the process writes no
-block while the stamp is fresh, until ``yield_s`` after the session was saved
-(``kv_io_worker``).
+The writer writes a young save's blocks at ``kv_io_nice`` and, from ``rise_s`` after the
+save on (half ``kv_write_behind_s``), at the station's own priority, so saves reach disk
+while decode keeps every core busy. On a CPU host at ``kv_io_nice = 19`` it also yields to
+decode until then: the engine thread stamps a word of shared memory (``DecodeBeat``) at
+each step, and the process writes no block while the stamp is fresh (``kv_io_worker``).
 
 Why a process and not a thread: a writer thread in the station competes with decode for
 the GIL (the engine thread waits for it between torch ops) as well as for the cores; in its
@@ -85,14 +86,15 @@ class KVIOProcess:
 
     def open(self, root: Path, fingerprint: str, block_size: int, block_shape: tuple[int, ...],
              dtype: Any, budget: int, area: Any, busy_wait_s: float,
-             shared_scan_s: float | None = None,
-             yield_s: float | None = None) -> tuple[list[SessionRecord], dict[str, Any]]:
+             shared_scan_s: float | None = None, yield_s: float | None = None,
+             rise_s: float = 0.0) -> tuple[list[SessionRecord], dict[str, Any]]:
         """Open the store at ``root`` in the process, on ``area`` (``kv_cache.SharedBlocks``).
         ``busy_wait_s``: how long to wait for another process's lock on the store (a station
         that just died may leave its I/O process finishing a job). ``shared_scan_s``: the
         root is a fleet's shared tier, rescanned for the other replicas' sessions that often
-        (``discovered`` messages follow). ``yield_s``: the writer yields to the engine's
-        steps (``stamp``), until that long after each save.
+        (``discovered`` messages follow). ``rise_s``: a save older than that is written at
+        the station's priority; ``yield_s`` (true): until then the writer also yields to the
+        engine's steps (``stamp``).
         -> (its sessions, least recently used first; its stats). Raises ``TierOpenFailed``."""
         fds = (area.fd,)
         if yield_s is not None:
@@ -102,7 +104,8 @@ class KVIOProcess:
                    "block_size": block_size, "block_shape": list(block_shape), "dtype": str(dtype),
                    "dtype_bytes": dtype.itemsize,
                    "budget": budget, "busy_wait_s": busy_wait_s, "area_blocks": area.num_blocks,
-                   "area_bytes": area.nbytes, "shared_scan_s": shared_scan_s, "yield_s": yield_s},
+                   "area_bytes": area.nbytes, "shared_scan_s": shared_scan_s, "yield_s": yield_s,
+                   "rise_s": rise_s},
                   fds=fds)
         if self.beat is not None:  # the process has its own descriptor now; the mapping stays
             os.close(self.beat.fd)

@@ -12,9 +12,12 @@ the memfd). Jobs, in order:
 * ``open`` -> ``sessions`` (chunks of the index the files give) then ``opened``;
 * ``write`` parts: the blocks of the named slots the store lacks, and with the ``final``
   part the session's manifest, then the disk budget -> ``written`` (``evicted`` sessions).
-  With ``open``'s ``yield_s`` (and a second memfd, the engine's ``DecodeBeat``), no block
-  is written while decode steps go on, until ``yield_s`` after the session was saved
-  (``age_s``: the part's age when it was sent);
+  A block is written at ``NICE`` (``SCHED_IDLE`` at 19, on a thread of its own) until
+  ``open``'s ``rise_s`` after the session was saved (``age_s``: the part's age when it was
+  sent), then at the station's own priority, as is every block of an ``urgent`` part (the
+  station's queue is deep): the writer's priority rises as a save nears its bound. With
+  ``open``'s ``yield_s`` (and a second memfd, the engine's ``DecodeBeat``), no block is
+  written while decode steps go on, until ``rise_s`` after the save;
 * ``delete``, ``touch`` (a use, for the disk LRU) -> ``written``;
 * ``load``: the named blocks, each verified, into the named slots -> ``loaded``;
 * ``close`` (``flush``: after every write sent before it) -> ``closed``, and the process exits.
@@ -24,7 +27,8 @@ manifests that often and sends what the other replicas saved, replaced or remove
 ``discovered`` (unasked: ``added`` records, ``removed`` ids).
 
 Writes, deletes and touches run in order on one thread, loads on another, so a read-back
-never waits behind a long write. At EOF (the station died, a SIGKILL included) the jobs
+never waits behind a long write. Loads run at the station's priority: a request waits on
+each one. At EOF (the station died, a SIGKILL included) the jobs
 already received are finished, then the store closes: a crash loses only what was never
 sent. SIGTERM and SIGINT are ignored: a service manager signalling the whole group must
 not cut a clean stop's flush short; the station's ``close`` (or EOF) ends the process.
@@ -33,6 +37,7 @@ not cut a clean stop's flush short; the station's ``close`` (or EOF) ends the pr
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import mmap
 import os
 import signal
@@ -80,9 +85,30 @@ class DecodeBeat:
         return time.monotonic() - struct.unpack_from(cls.FORMAT, mapped, 0)[0]
 
 
+def lower_priority(nice: int) -> None:
+    """Give the calling thread (Linux: nice and policy are per thread) ``nice``, and at 19
+    ``SCHED_IDLE``: besides its smaller share, a SCHED_IDLE thread is preempted as soon as a
+    decode thread wakes, where a nice-19 one may finish its slice first. Lowering needs no
+    privilege; raising it back would, so the writer keeps a thread at each priority."""
+    try:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, max(nice, os.getpriority(os.PRIO_PROCESS, tid)))
+        if nice == 19 and hasattr(os, "SCHED_IDLE"):
+            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+    except OSError:  # not allowed here: this thread runs at the station's priority
+        pass
+
+
 class Worker:
-    def __init__(self, sock: socket.socket) -> None:
+    def __init__(self, sock: socket.socket, nice: int = 19) -> None:
         self.sock = sock
+        # The thread that writes blocks while their save is young (at ``nice``); later ones
+        # are written by the writer thread itself, at the station's priority.
+        self._low = (concurrent.futures.ThreadPoolExecutor(1, "kv-io-low", lower_priority, (nice,))
+                     if nice > 0 else None)
+        if self._low is not None:
+            self._low.submit(lambda: None)  # its thread starts now, at its priority
+        self.rise_s = 0.0  # a block of a save older than this is written at full priority
         self._send_lock = threading.Lock()
         self._fds: list[int] = []
         self.store: KVStore | None = None
@@ -95,8 +121,8 @@ class Worker:
         self.scan_s: float | None = None  # a shared tier's rescan period
         self._scanned = 0.0
         self.beat: mmap.mmap | None = None  # the engine's DecodeBeat, when the writer yields
-        self.yield_s = 0.0  # ... until this long after the session was saved
         self.yielded_s = 0.0  # the writer's time spent waiting for decode to pause, in all
+        self.risen_blocks = 0  # blocks written at full priority (late or urgent), in all
 
     def send(self, message: dict[str, Any]) -> None:
         data = encode(message)
@@ -109,7 +135,8 @@ class Worker:
     def stats(self) -> dict[str, Any]:
         if self.store is None:
             return {}
-        return {**self.store.stats(), "write_yield_s": round(self.yielded_s, 3)}
+        return {**self.store.stats(), "write_yield_s": round(self.yielded_s, 3),
+                "write_risen_blocks": self.risen_blocks}
 
     # -- the socket (main thread)
     def run(self) -> None:
@@ -153,11 +180,11 @@ class Worker:
             fd = self._fds.pop(0)
             mapped = mmap.mmap(fd, message["area_bytes"])
             os.close(fd)
-            if message.get("yield_s") is not None:
+            if message.get("yield_s"):
                 fd = self._fds.pop(0)
                 self.beat = mmap.mmap(fd, struct.calcsize(DecodeBeat.FORMAT))
                 os.close(fd)
-                self.yield_s = message["yield_s"]
+            self.rise_s = float(message.get("rise_s") or 0.0)
             layers = self.block_shape[0]
             self.area = numpy.frombuffer(mapped, dtype=numpy.uint8).reshape(
                 layers, 2, message["area_blocks"], -1)
@@ -211,6 +238,8 @@ class Worker:
                         self._jobs.clear()
                 break
             self.send(self._do_write(job))
+        if self._low is not None:
+            self._low.shutdown()
         if self.store is not None:
             stats = self.stats()
             self.store.close()
@@ -247,9 +276,8 @@ class Worker:
                 tokens = job["tokens"]
                 for i, (slot, block_hash) in enumerate(zip(job["slots"], job["hashes"])):
                     if not store.has_block(BlockHash(block_hash)):
-                        self._yield_to_decode(job["saved_at"])
-                        store.write_block(BlockHash(block_hash), tokens[i * bs:(i + 1) * bs],
-                                          self._block(slot))
+                        self._write_block(store, BlockHash(block_hash), tokens[i * bs:(i + 1) * bs],
+                                          slot, job["saved_at"], bool(job.get("urgent")))
                 session = job.get("session")
                 if session is not None:
                     store.write_session(session["session_id"], session["tenant"],
@@ -266,15 +294,27 @@ class Worker:
         reply["stats"] = self.stats()
         return reply
 
+    def _write_block(self, store: KVStore, block_hash: BlockHash, tokens: list[int], slot: int,
+                     saved_at: float, urgent: bool) -> None:
+        """Write one block: at the low priority while its save is young, else at full."""
+        if not urgent and self._low is not None:
+            self._yield_to_decode(saved_at)
+            if time.monotonic() - saved_at < self.rise_s:
+                self._low.submit(lambda: store.write_block(block_hash, tokens, self._block(slot))).result()
+                return
+        if self._low is not None:
+            self.risen_blocks += 1
+        store.write_block(block_hash, tokens, self._block(slot))
+
     def _yield_to_decode(self, saved_at: float) -> None:
-        """Wait while the engine is decoding (its beat is fresh), until ``yield_s`` after the
+        """Wait while the engine is decoding (its beat is fresh), until ``rise_s`` after the
         session was saved: on a CPU host every core is decode's, and a block written beside a
         step costs the step more than the block's own CPU time (docs/engine.md, "Why a
         process"). A writer that is behind (its job older than that) waits for nothing."""
         if self.beat is None:
             return
         start = time.monotonic()
-        while DecodeBeat.age_s(self.beat) < BEAT_FRESH_S and time.monotonic() - saved_at < self.yield_s:
+        while DecodeBeat.age_s(self.beat) < BEAT_FRESH_S and time.monotonic() - saved_at < self.rise_s:
             time.sleep(YIELD_POLL_S)
         self.yielded_s += time.monotonic() - start
 
@@ -312,16 +352,8 @@ def main(argv: list[str]) -> int:
     sock_fd, level, fmt, nice = int(argv[1]), argv[2], argv[3], int(argv[4])
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, signal.SIG_IGN)
-    try:  # before any thread starts: they inherit it (never above the station's own)
-        os.setpriority(os.PRIO_PROCESS, 0, max(nice, os.getpriority(os.PRIO_PROCESS, 0)))
-        if nice == 19 and hasattr(os, "SCHED_IDLE"):
-            # The lowest: besides its smaller share, a SCHED_IDLE thread is preempted as soon
-            # as a decode thread wakes, where a nice-19 one may finish its slice first.
-            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
-    except OSError:  # not allowed here: run at the station's priority
-        pass
     configure_logging("kv-io", level, fmt)
-    Worker(socket.socket(fileno=sock_fd)).run()
+    Worker(socket.socket(fileno=sock_fd), nice).run()
     return 0
 
 

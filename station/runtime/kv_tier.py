@@ -11,6 +11,10 @@ never waits on a disk (docs/engine.md, "The disk tier"):
   eviction moves it to the disk index), or, evicted meanwhile, a disk session. A newer save
   of an id replaces its queued job. Save to durable is the write-behind lag. Uses of a
   durable session are sent as ``touch``: the disk budget evicts the least recently used.
+  Queued writes are never dropped for being many: past half the pool their parts go out
+  ``urgent`` (written at the station's priority at once), and new work waits for blocks
+  the writer frees. Only a disk that stalls (a write part in flight for ``stall_s``, with half the
+  pool queued) has its oldest jobs given up, each counted and logged by session id.
 * **read-back**: a request whose session only the disk (or the host tier) holds waits in
   the scheduler while its blocks are read, checked and copied into fresh pool blocks;
   others keep decoding. A file that fails a check is quarantined, the request a miss.
@@ -25,45 +29,19 @@ from __future__ import annotations
 import collections
 import threading
 import time
-from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from gnosis_daemon.logs import get_logger
 from station.core.kv_manager import KVCacheManager, LoadPlan, SessionOutcome
 from station.core.sessions import KVSession
 from station.runtime.kv_io_process import CLOSE_TIMEOUT_S, IOProcessGone, KVIOProcess
-from station.runtime.kv_store_format import SessionRecord
 from station.runtime.kv_tier_figures import TierFigures
+from station.runtime.kv_tier_jobs import STALL_BOUNDS, STALL_MIN_S, WRITER_WAIT_S, LoadJob, WriteJob
+from station.runtime.kv_tier_shared import apply_discovered
 from station.runtime.kv_tier_slots import PoolSlots, StagingSlots
-from station.runtime.kv_tier_start import disk_session
 
 log = get_logger(__name__)
 
-
-@dataclass(slots=True)
-class _Job:
-    op: str  # write | delete | touch
-    session_id: str
-    queued_at: float
-    session: KVSession | None = None  # a write's
-    block_ids: list[int] = field(default_factory=list)  # a write's (referenced until done)
-    last_used: float = 0.0  # a touch's
-    sent: int = 0  # blocks handed over so far
-    slots: list[int] = field(default_factory=list)  # the part in flight
-    hashes: list[bytes] = field(default_factory=list)  # its blocks' file hashes
-    cancelled: bool = False  # deleted while in flight: no further part
-
-
-@dataclass(slots=True)
-class _Load:
-    plan: LoadPlan
-    queued_at: float
-    sent: int = 0
-    slots: list[int] = field(default_factory=list)  # the part in flight: a slot per block
-    block_ids: list[int] = field(default_factory=list)
-    hashes: list[bytes] = field(default_factory=list)
-    missing: list[int] = field(default_factory=list)  # its blocks the I/O process reads
-    from_disk: bool = False  # a part read a file (else the host tier held every block)
 
 
 class DiskTier:
@@ -73,6 +51,8 @@ class DiskTier:
                  slots: PoolSlots | StagingSlots, wake: Callable[[], None],
                  on_load_done: Callable[[LoadPlan, SessionOutcome | None], None], write_behind_s: float = 1.0) -> None:
         self.io, self.kv, self.slots, self.write_behind_s = io, kv, slots, write_behind_s
+        self.stall_s = max(STALL_MIN_S, STALL_BOUNDS * write_behind_s)
+        self._part_sent_at = 0.0  # when the write part in flight was handed over
         self._wake = wake  # tells the engine thread an answer is waiting
         self._on_load_done = on_load_done  # the scheduler's: admit the load's waiters
         self.figures = TierFigures()
@@ -80,10 +60,10 @@ class DiskTier:
         self.down: str | None = None  # why the I/O process is gone
         self._lock = threading.Condition()
         self._answers: collections.deque[dict[str, Any] | None] = collections.deque()
-        self._jobs: collections.OrderedDict[tuple[str, str], _Job] = collections.OrderedDict()
-        self._job: _Job | None = None  # in flight
-        self._loads: collections.deque[_Load] = collections.deque()
-        self._load: _Load | None = None  # in flight
+        self._jobs: collections.OrderedDict[tuple[str, str], WriteJob] = collections.OrderedDict()
+        self._job: WriteJob | None = None  # in flight
+        self._loads: collections.deque[LoadJob] = collections.deque()
+        self._load: LoadJob | None = None  # in flight
         self._next_id = 0
         self._closed = False
         self._reader = threading.Thread(target=self._read_loop, name="kv-io-reader", daemon=True)
@@ -104,7 +84,8 @@ class DiskTier:
             self._queue_write(session)
         for session_id, last_used in self.kv.take_touches().items():
             if ("write", session_id) not in self._jobs:  # a queued write carries the use
-                self._queue(_Job("touch", session_id, time.perf_counter(), last_used=last_used))
+                self._queue(WriteJob("touch", session_id, time.perf_counter(), last_used=last_used))
+        self._drop_if_stalled()
         self._pump()
 
     def stats(self) -> dict[str, Any]:
@@ -119,14 +100,30 @@ class DiskTier:
         with self._lock:
             return bool(self._loads) or self._load is not None or bool(self._answers)
 
+    def writing(self, session_id: str) -> bool:
+        """A write of ``session_id`` is queued or in flight."""
+        return ("write", session_id) in self._jobs or (self._job is not None and self._job.session_id == session_id)
+
+    def holds_blocks(self) -> bool:
+        """Write jobs reference pool blocks: they come free as the writer gets through them."""
+        return bool(self._job is not None and self._job.block_ids) or any(
+            j.block_ids for j in self._jobs.values())
+
+    def wait_for_writer(self, timeout_s: float = WRITER_WAIT_S) -> None:
+        """Sleep until the I/O process answers (or ``timeout_s``): work that waits for blocks
+        the writer holds waits here, leaving the cores to the writer, instead of spinning."""
+        with self._lock:
+            if not self._answers:
+                self._lock.wait(timeout_s)
+
     def submit_loads(self, plans: list[LoadPlan]) -> None:
         now = time.perf_counter()
         if self.down:  # the requests run as misses
             for plan in plans:
-                self._answer_load(_Load(plan, now), SessionOutcome.UNREADABLE)
+                self._answer_load(LoadJob(plan, now), SessionOutcome.UNREADABLE)
             return
         with self._lock:
-            self._loads.extend(_Load(plan, now) for plan in plans)
+            self._loads.extend(LoadJob(plan, now) for plan in plans)
         self._pump()
 
     def delete(self, session_id: str) -> None:
@@ -137,7 +134,7 @@ class DiskTier:
                 self._release(job)
         if self._job is not None and self._job.session_id == session_id:
             self._job.cancelled = True
-        self._queue(_Job("delete", session_id, time.perf_counter()))
+        self._queue(WriteJob("delete", session_id, time.perf_counter()))
         self._pump()
 
     def close(self, flush: bool) -> None:
@@ -169,17 +166,37 @@ class DiskTier:
         blocks = list(session.blocks)
         self.kv.pool.touch(blocks)  # the job's references: these blocks stay as they are
         self._jobs.pop(("touch", session.session_id), None)
-        self._queue(_Job("write", session.session_id, time.perf_counter(), session=session,
+        self._queue(WriteJob("write", session.session_id, time.perf_counter(), session=session,
                          block_ids=[b.block_id for b in blocks]))
-        # A stalled disk must not pin the pool: queued writes hold at most half of it
-        while sum(len(j.block_ids) for j in self._jobs.values()) > self.kv.pool.num_blocks // 2:
-            key = next(k for k, j in self._jobs.items() if j.block_ids)  # the oldest
-            if key == ("write", session.session_id):  # never the newest: it alone may be big
-                break
-            self._release(self._jobs.pop(key))
-            self.figures.write_errors += 1
+        self._drop_if_stalled()
 
-    def _queue(self, job: _Job) -> None:
+    def _pressed(self) -> bool:
+        """Queued writes (the one in flight included) hold more than half the pool."""
+        held = sum(len(j.block_ids) for j in self._jobs.values())
+        held += len(self._job.block_ids) if self._job is not None else 0
+        return held > self.kv.pool.num_blocks // 2
+
+    def _drop_if_stalled(self) -> None:
+        """A stalled disk must not pin the pool for ever: with half of it queued and no write
+        part in flight for ``stall_s``, the oldest queued writes go (never the newest), each
+        counted and logged by name; an evicted one is lost (``kv_sessions_lost`` counts it)."""
+        if self._job is None:
+            return
+        waited = time.perf_counter() - self._part_sent_at
+        while self._pressed() and waited > self.stall_s:
+            key = next((k for k, j in self._jobs.items() if j.block_ids), None)  # the oldest
+            if key is None or key == next(reversed(self._jobs)):
+                break
+            job = self._jobs.pop(key)
+            resident = self.kv.sessions.get(job.session_id) is job.session
+            log.error("kv_tier_write_dropped", session_id=job.session_id,
+                      tenant=job.session.tenant if job.session else None,
+                      queued_s=round(time.perf_counter() - job.queued_at, 3),
+                      stalled_s=round(waited, 3), resident=resident)
+            self._release(job)
+            self.figures.dropped_writes += 1
+
+    def _queue(self, job: WriteJob) -> None:
         if self.down:
             return
         old = self._jobs.pop((job.op, job.session_id), None)
@@ -188,7 +205,7 @@ class DiskTier:
             self._release(old)
         self.figures.queued_writes = len(self._jobs) + (self._job is not None)
 
-    def _release(self, job: _Job) -> None:  # drop the references a write job held
+    def _release(self, job: WriteJob) -> None:  # drop the references a write job held
         if job.block_ids:
             self.kv.pool.free([self.kv.pool.blocks[i] for i in job.block_ids])
             job.block_ids = []
@@ -212,11 +229,12 @@ class DiskTier:
         except IOProcessGone as exc:
             self._io_gone(str(exc))
 
-    def _send_part(self, job: _Job) -> None:
+    def _send_part(self, job: WriteJob) -> None:
         self._next_id += 1
         message: dict[str, Any] = {"op": job.op, "job": self._next_id, "session_id": job.session_id,
                                    "age_s": time.perf_counter() - job.queued_at}  # since the save
         job.slots = []
+        self._part_sent_at = time.perf_counter()
         if job.op == "touch":
             message["last_used"] = job.last_used
         elif job.op == "write":
@@ -224,7 +242,8 @@ class DiskTier:
             n = min(len(job.block_ids) - job.sent, self.slots.part_blocks, self.slots.room())
             job.hashes = list(session.file_hashes[job.sent:job.sent + n])
             job.slots = self.slots.stage_out(job.block_ids[job.sent:job.sent + n], job.hashes)
-            message.update(slots=job.slots, hashes=job.hashes, tokens=list(session.token_ids[job.sent * bs:(job.sent + n) * bs]))
+            message.update(slots=job.slots, hashes=job.hashes, urgent=self._pressed(),
+                           tokens=list(session.token_ids[job.sent * bs:(job.sent + n) * bs]))
             job.sent += n
             message["final"] = job.sent == len(job.block_ids)
             if message["final"]:
@@ -234,7 +253,7 @@ class DiskTier:
                                       "last_used": session.last_used}
         self._send(message)
 
-    def _send_load_part(self, load: _Load) -> None:
+    def _send_load_part(self, load: LoadJob) -> None:
         on_disk, bs, blocks = load.plan.session, self.kv.block_size, load.plan.blocks
         n = min(len(blocks) - load.sent, self.slots.part_blocks, self.slots.room())
         first, load.sent = load.sent, load.sent + n
@@ -261,39 +280,10 @@ class DiskTier:
         elif answer["kind"] == "loaded" and self._load is not None:
             self._load_part_done(self._load, answer)
         elif answer["kind"] == "discovered":
-            self._discovered(answer)
+            apply_discovered(self, answer)
         self._pump()
 
-    def _discovered(self, answer: dict[str, Any]) -> None:
-        """A shared tier's rescan: sessions the other replicas saved (a conversation whose
-        replica died, or moved) join the disk index; removed ones leave it."""
-        for session_id in answer.get("removed", []):
-            on_disk = self.kv.disk.get(session_id)
-            if on_disk is not None and not on_disk.loading:
-                self.kv.disk.remove(session_id)
-                self.figures.shared_removed += 1
-            resident = self.kv.sessions.get(session_id)
-            if resident is not None:
-                resident.durable = False
-        for item in answer.get("added", []):
-            record = SessionRecord.from_wire(item)
-            sid = record.session_id
-            on_disk = disk_session(self.kv, record)
-            known = self.kv.disk.get(sid)
-            if on_disk is None or (known is not None and known.loading):
-                continue
-            resident = self.kv.sessions.get(sid)
-            if resident is not None:
-                if tuple(resident.file_hashes) == on_disk.file_hashes:
-                    continue  # the same KV: this replica's copy is current
-                if ("write", sid) in self._jobs or (self._job is not None and self._job.session_id == sid) \
-                        or any(pending is resident for pending in self.kv.to_write):
-                    continue  # saved here since (queued, in writing, or in to_write): ours wins
-                self.kv.sessions.delete(sid)  # another replica saved a later turn of it
-            self.kv.disk.add(on_disk)
-            self.figures.shared_added += 1
-
-    def _load_part_done(self, load: _Load, answer: dict[str, Any]) -> None:
+    def _load_part_done(self, load: LoadJob, answer: dict[str, Any]) -> None:
         ok = answer["ok"]
         self.slots.loaded(load.slots, load.block_ids, load.hashes, load.missing, ok)
         if ok and load.sent < len(load.plan.blocks):
@@ -305,7 +295,7 @@ class DiskTier:
                  else SessionOutcome.UNREADABLE)
         self._answer_load(load, error)
 
-    def _write_answer(self, job: _Job, answer: dict[str, Any]) -> None:
+    def _write_answer(self, job: WriteJob, answer: dict[str, Any]) -> None:
         self.slots.written(job.slots, job.hashes, answer["ok"])
         job.slots = []
         if answer["ok"] and not answer["final"] and not job.cancelled:
@@ -344,7 +334,7 @@ class DiskTier:
             if resident is not None:
                 resident.durable = False
 
-    def _answer_load(self, load: _Load, error: SessionOutcome | None) -> None:
+    def _answer_load(self, load: LoadJob, error: SessionOutcome | None) -> None:
         if error is None:
             self.figures.loads += 1
             self.figures.load_ms.append((time.perf_counter() - load.queued_at) * 1000)

@@ -13,6 +13,7 @@ _LAG_WINDOW = 4096  # write-behind lags kept for the percentiles
 class TierFigures:
     writes: int = 0  # sessions made durable
     write_errors: int = 0
+    dropped_writes: int = 0  # queued while the disk stalled, given up (logged by name)
     loads: int = 0
     load_failures: int = 0
     load_ms: collections.deque = field(default_factory=lambda: collections.deque(maxlen=_LAG_WINDOW))
@@ -26,7 +27,7 @@ class TierFigures:
     def as_dict(self) -> dict[str, Any]:
         # Not "disk_*": those are the store's own figures (files written, bytes...).
         return {"write_behind_done": self.writes, "write_behind_errors": self.write_errors,
-                "write_behind_late": self.late_writes,
+                "write_behind_late": self.late_writes, "write_behind_dropped": self.dropped_writes,
                 "read_back_done": self.loads, "read_back_failures": self.load_failures,
                 "read_back_ms_p50": _pct(self.load_ms, 0.5),
                 "read_back_ms_p99": _pct(self.load_ms, 0.99),

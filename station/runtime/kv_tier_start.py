@@ -58,7 +58,8 @@ def open_tier(engine: Any, settings: Any, io: KVIOProcess | None = None) -> dict
         records, stats = io.open(root, engine.loaded.fingerprint, shape.block_size, block_shape,
                                  shape.dtype, settings.kv_disk_bytes, area, _BUSY_WAIT_S,
                                  shared_scan_s=settings.kv_shared_scan_s if shared else None,
-                                 yield_s=yield_to_decode_s(settings, engine.kv_cache.device))
+                                 yield_s=yield_to_decode_s(settings, engine.kv_cache.device),
+                                 rise_s=settings.kv_write_behind_s / 2)
     except Exception as exc:  # an unusable directory, or no process: serve without the tier
         log.exception("kv_tier_open_failed", path=str(root))
         report["error"] = str(exc) if isinstance(exc, TierOpenFailed) else f"{type(exc).__name__}: {exc}"

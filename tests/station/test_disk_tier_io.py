@@ -165,18 +165,6 @@ def test_kv_session_load_reads_a_disk_only_session_back(tiny, tmp_path):
         assert tokens == reference(path, prompt, 3)
 
 
-def test_the_io_process_runs_at_kv_io_nice(tiny, tmp_path):
-    _, loaded = tiny
-    ours = os.getpriority(os.PRIO_PROCESS, 0)
-    with TierEngine(loaded, tmp_path / "state", 16, kv_io_nice=7) as t:
-        assert os.getpriority(os.PRIO_PROCESS, t.engine.tier.io.proc.pid) == max(7, ours)
-        assert t.engine.tier.io.beat is None  # above the lowest priority the writer never waits
-        assert os.sched_getscheduler(t.engine.tier.io.proc.pid) == os.SCHED_OTHER
-    with TierEngine(loaded, tmp_path / "state", 16) as t:  # kv_io_nice 19, the default
-        assert os.getpriority(os.PRIO_PROCESS, t.engine.tier.io.proc.pid) == 19
-        assert os.sched_getscheduler(t.engine.tier.io.proc.pid) == os.SCHED_IDLE
-
-
 def test_only_a_cpu_decode_at_the_lowest_priority_makes_the_writer_wait():
     assert yield_to_decode_s(Settings(kv_write_behind_s=1.0), torch.device("cpu")) == 0.5
     assert yield_to_decode_s(Settings(kv_write_behind_s=1.0, kv_io_nice=18), torch.device("cpu")) is None
@@ -240,22 +228,3 @@ def test_a_session_evicted_before_its_write_landed_is_kept_on_disk(tiny, tmp_pat
             pre = again.one(Prefill)
             assert (pre.session_id, pre.session_tier) == (f"alice.slow.{i}", "disk")
             assert again.tokens == first[i] == reference(path, prompt, 3)
-
-
-def test_a_stalled_writer_never_pins_the_pool(tiny, tmp_path):
-    """Queued writes hold at most half the pool: with the I/O process stopped, saves far
-    beyond the pool keep being served (the oldest queued writes are dropped and counted)."""
-    path, loaded = tiny
-    prompts = [prompt_of(1700 + i, 23) for i in range(12)]  # 5 blocks each, 60 in all
-    with TierEngine(loaded, tmp_path / "state", 24) as t:
-        io = t.engine.tier.io.proc
-        os.kill(io.pid, signal.SIGSTOP)
-        try:
-            for i, prompt in enumerate(prompts):
-                done = t.generate(prompt, 3, save_session=f"alice.stall.{i}")
-                assert done.one(Prefill).saved is True  # served, never a capacity failure
-                assert done.tokens == reference(path, prompt, 3)
-            queued = sum(len(j.block_ids) for j in t.engine.tier._jobs.values())
-            assert queued <= 12 and t.engine.stats()["write_behind_errors"] > 0
-        finally:
-            os.kill(io.pid, signal.SIGCONT)

@@ -1,4 +1,4 @@
-"""A shared tier's rescan (``DiskTier._discovered``) against this replica's own saves.
+"""A shared tier's rescan (``kv_tier_shared.apply_discovered``) against this replica's own saves.
 
 The rescan brings in manifests other replicas wrote. A session this replica holds under
 the same id is dropped for the disk copy when that copy is a later turn; one this replica
@@ -13,7 +13,7 @@ from types import SimpleNamespace
 from station.core.block_pool import block_hashes_for
 from station.core.kv_manager import KVCacheManager
 from station.runtime.kv_store_format import SessionRecord
-from station.runtime.kv_tier import DiskTier
+from station.runtime.kv_tier_shared import apply_discovered
 from station.runtime.kv_tier_figures import TierFigures
 
 BS = 4
@@ -24,7 +24,7 @@ def _replica() -> tuple[KVCacheManager, SimpleNamespace]:
     kv = KVCacheManager(16, BS, 8)
     kv.enable_disk_tier()
     # the parts of a DiskTier its rescan reads: no write queued or being written here
-    return kv, SimpleNamespace(kv=kv, _jobs={}, _job=None, figures=TierFigures())
+    return kv, SimpleNamespace(kv=kv, writing=lambda session_id: False, figures=TierFigures())
 
 
 def _their_manifest(kv: KVCacheManager, tokens: list[int]) -> list:
@@ -36,7 +36,7 @@ def test_a_session_saved_here_in_the_last_step_outlives_a_rescan():
     kv, tier = _replica()
     ours = kv.pin(SID, "alice", list(range(100, 112)), kv.pool.allocate(3))
     assert kv.to_write == [ours]  # saved, not yet queued for writing
-    DiskTier._discovered(tier, {"added": [_their_manifest(kv, list(range(200, 208)))]})
+    apply_discovered(tier, {"added": [_their_manifest(kv, list(range(200, 208)))]})
     assert kv.sessions.get(SID) is ours and kv.disk.get(SID) is None
     assert kv.take_writes() == [ours]  # and it is still written behind
     assert tier.figures.shared_added == 0
@@ -46,7 +46,7 @@ def test_a_written_session_gives_way_to_another_replicas_later_turn():
     kv, tier = _replica()
     kv.pin(SID, "alice", list(range(100, 112)), kv.pool.allocate(3))
     kv.take_writes()  # queued at the next step and written since (no job left here)
-    DiskTier._discovered(tier, {"added": [_their_manifest(kv, list(range(100, 116)))]})
+    apply_discovered(tier, {"added": [_their_manifest(kv, list(range(100, 116)))]})
     assert kv.sessions.get(SID) is None  # the stale pool copy is dropped ...
     assert kv.disk.get(SID).num_tokens == 16  # ... for the disk one
     assert tier.figures.shared_added == 1
