@@ -55,6 +55,18 @@ class Settings:
     listen_backlog: int = 2048  # the HTTP socket's accept queue (hypercorn's default is 100)
     max_request_bytes: int = 32 * 1024 * 1024  # largest HTTP request body; past it, 413
     max_inflight_requests: int = 1024  # host: completions/embeddings in flight; past it, 429
+    # The share of max_inflight_requests one tenant may hold (counted once its body is read);
+    # past it that tenant is answered 429 while the others keep theirs. One tenant alone (no
+    # keys, or every key in one tenant) may take the whole limit.
+    max_inflight_tenant_share: float = 0.5
+    # A response whose client accepts no byte for this long (it stopped reading: the
+    # socket's buffers are full) is ended, its connection closed and its station request
+    # cancelled, so its slot is free again; counted in gnosis_stalled_responses_total.
+    stream_stall_timeout_s: float = 30.0
+    # Station frames (bytes on the station socket) the host holds for one request that its
+    # client has not taken yet; past it that request alone is ended (its station request
+    # cancelled, an error event to its stream), the station link reads on for the others.
+    stream_buffer_bytes: int = 4 * 1024 * 1024
     # -- API keys: when either is set every /v1 route needs "Authorization: Bearer <key>"
     api_keys: str = ""  # comma-separated (a list in TOML); GNOSIS_API_KEYS
     # Sent as X-Gnosis-Replica on every response, so a client behind a router (and the
@@ -114,16 +126,20 @@ class Settings:
     # written behind, evicted sessions stay there, and a restart finds them again.
     kv_persistence: bool = True
     kv_disk_bytes: int = 8 * 1024 ** 3  # the disk tier's budget (LRU sessions past it go)
+    # The disk tier's quarantine/ (damaged files, kept intact for inspection) has a budget of
+    # its own: past it the oldest quarantined files are deleted (counted). 0 keeps none.
+    kv_quarantine_bytes: int = 1024 ** 3
     kv_write_behind_s: float = 1.0  # a saved session should be on disk within this; later is counted
     # The tier's I/O process reads and writes KV blocks in shared memory. CUDA: a staging
     # area of pinned host RAM between the GPU pool and the disk (0: 1 GiB). CPU: 0 shares
     # the pool itself (no copy); > 0 stages through an area of that size, as CUDA does.
     kv_host_bytes: int = 0
-    # The I/O process's CPU priority (nice, 0-19). 19 (and SCHED_IDLE): it takes the cores
-    # decode leaves idle, and on a CPU host its writer waits for decode steps to pause until
-    # kv_write_behind_s / 2 after a save (a CPU host whose decode keeps every core busy then
-    # writes behind later than kv_write_behind_s under a sustained stream of saves; each late
-    # write is counted). 0: the bound holds under that load, and decode pays for the cores.
+    # The CPU priority (nice, 0-19) the I/O process writes a young save at. 19 (and
+    # SCHED_IDLE): it takes the cores decode leaves idle, and on a CPU host the writer waits
+    # for decode steps to pause. From kv_write_behind_s / 2 after a save on (or with half the
+    # pool queued) the rest is written at the station's own priority, so saves land while
+    # decode keeps every core busy; reads back always run at the station's priority.
+    # 0: every write at the station's priority at once.
     kv_io_nice: int = 19
     # A disk tier shared by a fleet (a read-write-many volume every replica mounts): the
     # tier lives at <kv_shared_dir>/<model> instead of <state_dir>/kv-tier/<model>, each
@@ -135,10 +151,18 @@ class Settings:
     kv_shared_scan_s: float = 1.0
     # -- KV events for token-aware routers (vLLM's format; docs/api.md, "Token-aware routing")
     # The ZMQ PUB endpoint the station publishes BlockStored / BlockRemoved /
-    # AllBlocksCleared on, e.g. tcp://*:5557 (bound; empty: no events, the default).
+    # AllBlocksCleared on, e.g. tcp://127.0.0.1:5557 (bound; empty: no events, the default).
     kv_events_endpoint: str = ""
     # An optional ZMQ ROUTER endpoint answering replay requests from the last batches.
     kv_events_replay_endpoint: str = ""
+    # CURVE (gnosis_daemon/kv_event_keys.py; with API keys, needed for a non-loopback
+    # endpoint): the station's secret key (a zmq.auth .key_secret file) and the clients let
+    # in (comma-separated Z85 public keys, public certificate files or directories of them).
+    kv_events_curve_secret_file: str = ""
+    kv_events_curve_client_keys: str = ""
+    # The host name /kv_event_sources advertises for an endpoint bound to a wildcard
+    # (tcp://*:5557); empty: this machine's host name. Never taken from a request.
+    kv_events_advertise_host: str = ""
     kv_events_queue: int = 10000  # events waiting for the sender; past it they are dropped
     kv_events_buffer_steps: int = 10000  # batches kept for replay
     # -- timeouts and supervision (seconds)
@@ -154,6 +178,11 @@ class Settings:
     max_fast_failures: int = 5
     drain_grace_s: float = 30.0
     stop_timeout_s: float = 10.0
+    # A stuck station fails its health check (restarted like a hung one): its engine loop has
+    # not turned for engine_stall_s with work pending, or every tokenizer worker has been
+    # on its job for tokenizer_stall_s.
+    engine_stall_s: float = 60.0
+    tokenizer_stall_s: float = 60.0
     # -- systemd (read from NOTIFY_SOCKET / WATCHDOG_USEC; never passed to children)
     notify_socket: str | None = None
     watchdog_usec: int | None = None
@@ -184,11 +213,14 @@ class Settings:
                      "kv_block_size", "max_batch_size", "prefill_chunk_tokens",
                      "kv_session_budget", "health_failures_before_kill", "max_fast_failures",
                      "listen_backlog", "max_request_bytes", "max_inflight_requests",
+                     "stream_buffer_bytes",
                      "max_waiting_requests", "kv_disk_bytes", "kv_events_queue",
                      "kv_events_buffer_steps", "decode_graph_max_context"):
             value = getattr(self, name)
             _check(value, value > 0, name, "a positive integer")
         _check(self.kv_io_nice, 0 <= self.kv_io_nice <= 19, "kv_io_nice", "an integer from 0 to 19")
+        _check(self.kv_quarantine_bytes, self.kv_quarantine_bytes >= 0, "kv_quarantine_bytes",
+               "0 (keep no damaged file) or a number of bytes")
         _check(self.kv_host_bytes, self.kv_host_bytes >= 0, "kv_host_bytes",
                "0 (the default size) or a number of bytes")
         _check(self.kv_write_behind_s, self.kv_write_behind_s > 0, "kv_write_behind_s",
@@ -197,6 +229,8 @@ class Settings:
                "kv_cache_gpu_fraction", "a number in (0, 1]")
         _check(self.kv_session_tenant_share, 0 < self.kv_session_tenant_share <= 1,
                "kv_session_tenant_share", "a number in (0, 1]")
+        _check(self.max_inflight_tenant_share, 0 < self.max_inflight_tenant_share <= 1,
+               "max_inflight_tenant_share", "a number in (0, 1]")
         for name in ("kv_events_endpoint", "kv_events_replay_endpoint"):
             value = getattr(self, name)
             _check(value, not value or (value.startswith(("tcp://", "ipc://"))
@@ -208,6 +242,8 @@ class Settings:
         if self.api_keys_file is not None:
             _check(self.api_keys_file, Path(self.api_keys_file).is_file(), "api_keys_file",
                    "an existing file of API keys (one a line, optionally followed by a tenant)")
+        from gnosis_daemon.kv_event_keys import check as check_kv_event_keys
+        check_kv_event_keys(self)  # no prompt tokens on a socket anyone can read
         for f in fields(self):
             if f.name.endswith("_s"):
                 value = getattr(self, f.name)

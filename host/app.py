@@ -67,8 +67,9 @@ _DRAIN_POLL_S = 0.05
 # Paths that never need a key unless health_requires_key is set. (/livez, outside /v1,
 # never needs one: it says only that the process serves.)
 _HEALTH_PATHS = ("/health", "/metrics")
-# vLLM's token endpoints sit outside /v1 but run the model's tokenizer: keyed like /v1.
-_TOKEN_PATHS = ("/tokenize", "/detokenize")
+# vLLM's token endpoints sit outside /v1 but run the model's tokenizer or point to the KV
+# events (every tenant's prompt tokens): keyed like /v1.
+_TOKEN_PATHS = ("/tokenize", "/detokenize", "/kv_event_sources")
 
 
 def create_app(settings: Settings, link: StationLink,

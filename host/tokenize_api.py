@@ -10,10 +10,11 @@ ids a completion's prefill caches: the ids the station's KV events publish (see
 
 from __future__ import annotations
 
+import socket
 from typing import Any, Awaitable, Callable
 from urllib.parse import urlsplit
 
-from quart import Response, request
+from quart import Response
 
 from gnosis_daemon.client import StationError, is_unknown_op
 from gnosis_daemon.settings import Settings
@@ -74,9 +75,10 @@ def register(app: Any, settings: Settings, link: StationLink,
 
     @app.get("/kv_event_sources")
     async def route_kv_event_sources() -> Response:
+        # Keyed like /v1 (host.app); built from the settings alone, never from the request.
         sources = kv_event_sources(settings.kv_events_endpoint,
-                                                settings.kv_events_replay_endpoint,
-                                                request.headers.get("Host"))
+                                   settings.kv_events_replay_endpoint,
+                                   settings.kv_events_advertise_host or socket.gethostname())
         return Response(sse.encode_json(sources), 200, content_type="application/json")
 
 
@@ -189,28 +191,27 @@ def render_response(tokens: list[int], model: str, request_id: str) -> dict[str,
             "stream": False}
 
 
-def kv_event_sources(endpoint: str, replay_endpoint: str, http_host: str | None,
+def kv_event_sources(endpoint: str, replay_endpoint: str, advertise_host: str,
                      topic: str = "") -> list[dict[str, Any]]:
     """vLLM's ``GET /kv_event_sources``: a bare array, one source per data-parallel rank.
 
-    A bound wildcard (``tcp://*:5557``, ``0.0.0.0``, ``[::]``) is advertised with the host
-    name this request reached us by, which is the address a router can connect to."""
+    A bound wildcard (``tcp://*:5557``, ``0.0.0.0``, ``[::]``) is advertised with
+    ``advertise_host`` (``kv_events_advertise_host``, else this machine's host name): a name
+    the operator configured, never one a request supplies (a forged ``Host`` header would
+    send a router's subscription elsewhere)."""
     if not endpoint:
         return []
-    return [{"data_parallel_rank": 0, "endpoint": _connectable(endpoint, http_host),
-             "replay_endpoint": _connectable(replay_endpoint, http_host) or None,
+    return [{"data_parallel_rank": 0, "endpoint": _connectable(endpoint, advertise_host),
+             "replay_endpoint": _connectable(replay_endpoint, advertise_host) or None,
              "topic": topic}]
 
 
-def _connectable(endpoint: str, http_host: str | None) -> str:
+def _connectable(endpoint: str, advertise_host: str) -> str:
     if not endpoint:
         return ""
     parts = urlsplit(endpoint)
-    host = parts.hostname
-    if host in ("*", "0.0.0.0", "::", "") and http_host:
-        name = urlsplit("//" + http_host).hostname or http_host
-        shown = f"[{name}]" if ":" in name else name
-        return f"{parts.scheme}://{shown}:{parts.port}"
+    if parts.hostname in ("*", "0.0.0.0", "::", "") and advertise_host:
+        return f"{parts.scheme}://{advertise_host}:{parts.port}"
     return endpoint
 
 

@@ -57,6 +57,11 @@ The replay socket (``kv_events_replay_endpoint``, ZMQ ROUTER) answers a request
 ``[identity, b"", start_seq (8 bytes big-endian)]`` with every kept batch from ``start_seq``
 as ``[identity, b"", seq, payload]``, then ``[identity, b"", -1 (8 bytes, signed), b""]``,
 as vLLM's ``ZmqEventPublisher`` does.
+
+Who reads them: the token ids are every tenant's prompts. With CURVE keys configured
+(``gnosis_daemon.kv_event_keys``) both sockets are CURVE servers that let in only the
+configured client keys (``kv_events_auth``); with API keys and no CURVE the settings refuse
+any endpoint but a loopback one.
 """
 
 from __future__ import annotations
@@ -69,8 +74,10 @@ from typing import Any, Callable, Iterable, Sequence
 
 import msgpack
 
+from gnosis_daemon.kv_event_keys import CurveKeys, load_curve_keys
 from gnosis_daemon.logs import get_logger
 from station.core.block_pool import ext_block_hashes
+from station.serving import kv_events_auth
 
 log = get_logger(__name__)
 
@@ -213,7 +220,7 @@ class KVEventPublisher:
 
     def __init__(self, endpoint: str, block_size: int, *, replay_endpoint: str = "",
                  max_queue: int = 10000, buffer_steps: int = 10000, topic: str = "",
-                 max_batch: int = 1024) -> None:
+                 max_batch: int = 1024, curve: CurveKeys | None = None) -> None:
         import zmq  # only a station that publishes needs pyzmq loaded
 
         self.block_size = block_size
@@ -230,18 +237,22 @@ class KVEventPublisher:
         self._resync_wanted = False  # set by ``put`` on a drop, taken by the engine
         self.request_resync: Callable[[], None] = lambda: None  # the engine's wake-up
         self._ctx = zmq.Context()
+        # CURVE: the ZAP handler runs before the first bind (kv_events_auth)
+        self._auth = kv_events_auth.start_authenticator(self._ctx, curve) if curve else None
         self._pub = self._ctx.socket(zmq.PUB)
         self._pub.set_hwm(100_000)
+        self._replay = self._ctx.socket(zmq.ROUTER) if replay_endpoint else None
+        for sock in (self._pub, self._replay) if curve else ():
+            if sock is not None:
+                kv_events_auth.secure(sock, curve)
         self._pub.bind(endpoint)
-        self._replay = None
-        if replay_endpoint:
-            self._replay = self._ctx.socket(zmq.ROUTER)
+        if self._replay is not None:
             self._replay.bind(replay_endpoint)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kv-events", daemon=True)
         self._thread.start()
         log.info("kv_events_publishing", endpoint=endpoint, replay_endpoint=replay_endpoint or None,
-                 block_size=block_size)
+                 block_size=block_size, curve=curve is not None)
 
     def attach(self, engine: Any) -> None:
         """Publish ``engine``'s prefix-cache and disk-index changes (before it starts): a
@@ -356,6 +367,8 @@ class KVEventPublisher:
         self._pub.close(linger=200)
         if self._replay is not None:
             self._replay.close(linger=0)
+        if self._auth is not None:
+            self._auth.stop()
         self._ctx.term()
 
     def stats(self) -> dict[str, Any]:
@@ -370,4 +383,5 @@ def start_publisher(settings: Any) -> KVEventPublisher | None:
     return KVEventPublisher(settings.kv_events_endpoint, settings.kv_block_size,
                             replay_endpoint=settings.kv_events_replay_endpoint,
                             max_queue=settings.kv_events_queue,
-                            buffer_steps=settings.kv_events_buffer_steps)
+                            buffer_steps=settings.kv_events_buffer_steps,
+                            curve=load_curve_keys(settings))
