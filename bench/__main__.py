@@ -58,6 +58,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=5,
                         help="interleaved rounds per figure; the median of the rounds' ratios is reported")
     parser.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "docs" / "benchmarks.md"))
+    parser.add_argument("--tier-only", action="store_true",
+                        help="run only the disk-tier rows and print them (writes no file)")
     parser.add_argument("--profile", action="store_true",
                         help="only print where a decode token's time goes (bench.profile)")
     add_peer_arguments(parser)
@@ -80,6 +82,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if peer.report.all_met() else 1
     if args.second_model_only:
         return second_model.run_alone(settings, args, Path(args.out))
+    if args.tier_only:
+        with tempfile.TemporaryDirectory(prefix="gnosis-bench-") as tmp:
+            tier_figures(report, settings, args, Path(tmp))
+        report.print()
+        return 0 if report.all_met() else 1
 
     # 1. the plain in-process baseline (same weights, contiguous DynamicCache), kept loaded
     #    so that its measurements interleave with the station's (best of --rounds each)

@@ -40,6 +40,7 @@ _TIER_METRICS = (
     ("kv_tier_writes_total", "counter", {"disk": "write_behind_done"}),
     ("kv_tier_write_errors_total", "counter", {"disk": "write_behind_errors"}),
     ("kv_tier_write_behind_late_total", "counter", {"disk": "write_behind_late"}),
+    ("kv_tier_write_behind_dropped_total", "counter", {"disk": "write_behind_dropped"}),
     ("kv_tier_files_written_total", "counter", {"disk": "disk_writes"}),
     ("kv_tier_bytes_written_total", "counter", {"disk": "disk_bytes_written"}),
     ("kv_tier_write_behind_lag_ms_p50", "gauge", {"disk": "write_behind_lag_ms_p50"}),
