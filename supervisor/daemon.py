@@ -92,7 +92,8 @@ class Supervisor:
         self.station = self._child(ChildSpec(
             "station", child_argv("station"), env,
             ready_probe=functools.partial(station_hello, sock, frame),
-            health_probe=functools.partial(station_health, sock, frame),
+            health_probe=functools.partial(station_health, sock, frame, settings.engine_stall_s,
+                                           settings.tokenizer_stall_s),
             start_timeout_s=settings.station_start_timeout_s,
             stop_timeout_s=settings.stop_timeout_s, before_spawn=self._clear_refusal_file,
             **common), policy, permanent_exits=frozenset({REFUSED_EXIT}))

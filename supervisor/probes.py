@@ -1,7 +1,11 @@
 """Is a child alive and answering? One probe per child kind.
 
 - station: connect to its socket and say ``hello`` (readiness: capability flags and model
-  identity come back) or send ``health`` (watchdog).
+  identity come back) or send ``health`` (watchdog). The socket's trio thread answers
+  ``health`` inline, so a station whose engine loop or tokenizer workers are stuck still
+  answers it: the probe fails when the answer's ``serving`` figures say so
+  (``gnosis_daemon.liveness.stall_reason``, bounds ``engine_stall_s`` and
+  ``tokenizer_stall_s``), and the supervisor restarts it as it does an unresponsive one.
 - host: ``GET /health`` over a raw HTTP/1.1 request on trio (the supervisor does not need an
   HTTP client library). Any HTTP status counts as alive: a host whose station is down answers
   503, and restarting the host would not help. With ``health_requires_key`` the probe sends
@@ -24,6 +28,7 @@ import trio
 
 from gnosis_daemon.api_keys import load_keyring
 from gnosis_daemon.client import StationError, open_station_client
+from gnosis_daemon.liveness import stall_reason
 from gnosis_daemon.settings import Settings
 
 MAX_HEALTH_BYTES = 1 << 20
@@ -50,10 +55,20 @@ async def station_hello(path: str | os.PathLike[str], max_frame_bytes: int) -> d
             return conn.hello
 
 
-async def station_health(path: str | os.PathLike[str], max_frame_bytes: int) -> dict[str, Any]:
+async def station_health(path: str | os.PathLike[str], max_frame_bytes: int,
+                         engine_stall_s: float | None = None,
+                         tokenizer_stall_s: float | None = None) -> dict[str, Any]:
+    """The station's ``health`` answer; ``ProbeFailed`` when it gives none, or when its
+    serving side is stuck past the bounds given (None: that check is off)."""
     with _probe_failure("station health"):
         async with open_station_client(path, max_frame_bytes=max_frame_bytes, hello=False) as conn:
-            return await conn.request("health")
+            answer = await conn.request("health")
+    inf = float("inf")
+    stuck = stall_reason(answer.get("serving"), inf if engine_stall_s is None else engine_stall_s,
+                         inf if tokenizer_stall_s is None else tokenizer_stall_s)
+    if stuck is not None:
+        raise ProbeFailed(f"station health: serving is stuck: {stuck}")
+    return answer
 
 
 def connect_address(host: str) -> str:

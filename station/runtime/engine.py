@@ -94,7 +94,8 @@ class PagedEngine:
         self._thread: threading.Thread | None = None
         self.tier: DiskTier | None = None  # attach_disk_tier
         self.kv_events: Any = None  # kv_events.KVEventPublisher.attach
-        self.num_steps = 0
+        # The health op's heartbeat: idle while the loop waits for work, else when it turned.
+        self.num_steps, self.loop_idle, self.loop_turned = 0, True, time.monotonic()
         log.info("kv_pool_ready", num_blocks=num_blocks, block_size=self.block_size,
                  bytes_per_block=shape.bytes_per_block, bytes_total=self.kv_cache.bytes_total)
 
@@ -216,9 +217,7 @@ class PagedEngine:
                 self._cond.notify_all()
 
     def stats(self) -> dict[str, Any]:
-        sched = self.scheduler
-        with self._cond:
-            num_inbox = len(self._inbox)
+        sched, num_inbox = self.scheduler, len(self._inbox)
         return {  # read without the engine lock: figures may be one step stale
             **self.kv.stats(),
             "prefix_cache_queries_tokens": sched.prefix_cache_queries_tokens,
@@ -251,9 +250,11 @@ class PagedEngine:
                            or self._cancels or self.scheduler.has_runnable()
                            or self.calls.embeds or self._resync_wanted()
                            or (self.tier and self.tier.has_work())):
+                    self.loop_idle = True
                     if until_idle:
                         return
                     self._cond.wait()
+                self.loop_idle, self.loop_turned = False, time.monotonic()
                 if self._stopping:
                     return
                 new, aborts, calls = list(self._inbox), self._aborts, list(self._call_queue)
@@ -272,8 +273,7 @@ class PagedEngine:
             for handler, owner, done, kwargs in calls:
                 if done is not None and done in cancels:
                     cancels.discard(done)
-                    answer(done, None,
-                           OpError(ErrorCode.CANCELLED, "request cancelled"))
+                    answer(done, None, OpError(ErrorCode.CANCELLED, "request cancelled"))
                     continue
                 self.calls.run(handler, owner, done, kwargs)
             if cancels:

@@ -16,6 +16,7 @@ from gnosis_daemon.protocol import PROTOCOL_VERSION, ErrorCode
 from station.runtime.kv_tier_start import tier_report
 from station.serving.chat import tool_format
 from station.serving.connection import Connection
+from station.serving.liveness import serving_report
 from station.serving.ops import OpContext, bad
 
 if TYPE_CHECKING:
@@ -49,7 +50,9 @@ def health(server: StationServer, conn: Connection, args: None) -> dict[str, Any
     return {"status": "shutting_down" if server.shutting_down else "ok", "pid": os.getpid(),
             "uptime_s": round(time.monotonic() - server.started, 3),
             "running": int(stats.get("running", 0)), "waiting": int(stats.get("waiting", 0)),
-            "kv_tier": tier_report(server.kv_tier or {}, stats)}
+            "kv_tier": tier_report(server.kv_tier or {}, stats),
+            # the engine loop's heartbeat and the tokenizer workers' jobs: stuck or not
+            "serving": serving_report(server)}
 
 
 def stats(server: StationServer, conn: Connection, args: None) -> dict[str, Any]:

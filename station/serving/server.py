@@ -78,7 +78,11 @@ class StationServer:
         self._connections: set[Connection] = set()
         self._numbers = itertools.count(1)
         self.shutting_down = False
+        self.text_threads = TEXT_THREADS
         self._text_limiter = trio.CapacityLimiter(TEXT_THREADS)
+        # The tokenizer jobs running on worker threads now, with when each began (health's
+        # ``serving`` figures: every worker on an old job is a stuck station).
+        self.text_jobs: dict[object, float] = {}
 
     # What the start found in the KV disk tier (``kv_tier_start.open_tier``), set by
     # ``serve``; hello and health publish it so a rejected or foreign tier is never silent.
@@ -273,8 +277,18 @@ class StationServer:
     async def _text_work(self, work: Callable[[], Any]) -> Any:
         """``work()`` on a worker thread. Cancelling abandons it: the thread finishes on its
         own (its limiter slot stays taken until then) and its result is dropped."""
-        return await trio.to_thread.run_sync(work, limiter=self._text_limiter,
+        return await trio.to_thread.run_sync(self._timed, work, limiter=self._text_limiter,
                                              abandon_on_cancel=True)
+
+    def _timed(self, work: Callable[[], Any]) -> Any:
+        """``work()`` on its worker thread, in ``text_jobs`` while it runs (an abandoned job
+        too: it holds its worker until it ends)."""
+        token = object()
+        self.text_jobs[token] = time.monotonic()
+        try:
+            return work()
+        finally:
+            del self.text_jobs[token]
 
     # -- the engine thread
     def _submit(self, spec: OpSpec, conn: Connection, req: Request, nursery: trio.Nursery,
