@@ -7,15 +7,22 @@ Error handling: an error frame raises ``StationError`` with the station's code; 
 or refused connection raises ``StationUnavailable``. Leaving a stream early (the caller was
 cancelled, e.g. its HTTP client went away) sends ``cancel`` for that request, shielded, so
 the station frees its KV blocks at once.
+
+Back-pressure: one reader task serves every request on the connection, so it never waits
+for any one of them. Each request's frames wait in its own inbox, bounded by
+``buffer_bytes`` (as the frames' bytes on the socket; a frame always fits an empty inbox,
+and a request's last frame always fits). A request whose reader falls that far behind is
+ended alone: its inbox is emptied, the station is told to ``cancel`` it, and its reader gets
+``StreamOverflow`` once it asks for the next frame. The reader task reads on for the others.
 """
 
 from __future__ import annotations
 
 import contextlib
 import itertools
-import math
 import os
-from typing import Any, AsyncIterator
+from collections import deque
+from typing import Any, AsyncIterator, Callable
 
 import trio
 
@@ -45,15 +52,89 @@ class StationUnavailable(StationError):
         super().__init__("unavailable", message, retryable=True)
 
 
-_CLOSED = object()
+class StreamOverflow(StationError):
+    """The request's reader fell ``buffer_bytes`` behind its frames: the request was ended
+    (cancelled in the station) so that it could not hold more of this process's memory."""
+
+    CODE = "client_too_slow"
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(self.CODE, f"the request's client took its stream too slowly: more "
+                         f"than {limit} bytes of it waited in the server, so it was ended")
+
+
+# Bytes one request's frames may take while they wait for its reader (DEFAULT: callers other
+# than the host, which passes its stream_buffer_bytes setting).
+DEFAULT_BUFFER_BYTES = 64 * 1024 * 1024
+
+
+class _Inbox:
+    """One request's frames, waiting for its reader: at most ``limit`` bytes of them."""
+
+    def __init__(self, conn: StationConnection, limit: int) -> None:
+        self._conn = conn
+        self.limit = limit
+        self._frames: deque[tuple[dict[str, Any], int]] = deque()
+        self.bytes = 0
+        self.overflowed = False
+        self.closed = False
+        self._waiter: trio.Event | None = None
+
+    def put(self, frame: dict[str, Any], size: int, last: bool) -> bool:
+        """Hold ``frame``; False (and the inbox emptied) when it does not fit."""
+        if self.overflowed:
+            return False
+        if self._frames and not last and self.bytes + size > self.limit:
+            self.discard()
+            self.overflowed = True
+            self._wake()
+            return False
+        self._frames.append((frame, size))
+        self.bytes += size
+        self._conn.peak_request_bytes = max(self._conn.peak_request_bytes, self.bytes)
+        self._conn.buffered_bytes += size
+        self._conn.buffered_frames += 1
+        self._wake()
+        return True
+
+    def close(self) -> None:
+        self.closed = True
+        self._wake()
+
+    def discard(self) -> None:
+        """Drop every frame held (the reader left, or fell too far behind)."""
+        self._conn.buffered_bytes -= self.bytes
+        self._conn.buffered_frames -= len(self._frames)
+        self._frames.clear()
+        self.bytes = 0
+
+    def _wake(self) -> None:
+        if self._waiter is not None:
+            self._waiter.set()
+            self._waiter = None
+
+    async def get(self) -> dict[str, Any] | None:
+        """The next frame; None when the connection closed first."""
+        while not self._frames:
+            if self.overflowed:
+                raise StreamOverflow(self.limit)
+            if self.closed:
+                return None
+            self._waiter = waiter = trio.Event()
+            await waiter.wait()
+        frame, size = self._frames.popleft()
+        self.bytes -= size
+        self._conn.buffered_bytes -= size
+        self._conn.buffered_frames -= 1
+        return frame
 
 
 class StationStream:
     """Frames of one streaming request. Iterate for events; ``result`` holds the final data."""
 
-    def __init__(self, request_id: int, receive: trio.MemoryReceiveChannel) -> None:
+    def __init__(self, request_id: int, inbox: _Inbox) -> None:
         self.request_id = request_id
-        self._receive = receive
+        self._inbox = inbox
         self.result: dict[str, Any] | None = None
         self.done = False
 
@@ -63,8 +144,12 @@ class StationStream:
     async def __anext__(self) -> dict[str, Any]:
         if self.done:
             raise StopAsyncIteration
-        frame = await self._receive.receive()
-        if frame is _CLOSED:
+        try:
+            frame = await self._inbox.get()
+        except StreamOverflow:
+            self.done = True  # the reader task has sent the station its cancel
+            raise
+        if frame is None:
             self.done = True
             raise StationUnavailable("station connection closed mid-request")
         kind = frame.get("kind")
@@ -80,12 +165,20 @@ class StationStream:
 
 
 class StationConnection:
-    def __init__(self, stream: trio.SocketStream, max_frame_bytes: int) -> None:
+    def __init__(self, stream: trio.SocketStream, max_frame_bytes: int,
+                 buffer_bytes: int = DEFAULT_BUFFER_BYTES) -> None:
         self._stream = stream
         self._decoder = FrameDecoder(max_frame_bytes)
         self._send_lock = trio.Lock()
         self._ids = itertools.count(1)
-        self._pending: dict[int, trio.MemorySendChannel] = {}
+        self._pending: dict[int, _Inbox] = {}
+        self.buffer_bytes = buffer_bytes
+        self.buffered_bytes = 0  # frames' bytes waiting in every request's inbox
+        self.buffered_frames = 0
+        self.peak_request_bytes = 0  # the most bytes one request's inbox has held
+        self.overflows = 0  # requests ended for falling buffer_bytes behind
+        self.on_overflow: Callable[[], None] | None = None  # called at each of them
+        self._nursery: trio.Nursery | None = None  # where the reader's cancels are sent from
         self.closed = False
         self._closed_event = trio.Event()
         self.hello: dict[str, Any] | None = None
@@ -99,25 +192,34 @@ class StationConnection:
                 for frame in self._decoder.feed(data):
                     if not isinstance(frame, dict):
                         continue
-                    channel = self._pending.get(frame.get("id"))
-                    if channel is None:
+                    request_id = frame.get("id")
+                    inbox = self._pending.get(request_id)
+                    if inbox is None:
                         continue
-                    channel.send_nowait(frame)
-                    if frame.get("kind") in ("result", "error"):
-                        self._pending.pop(frame.get("id"), None)
+                    last = frame.get("kind") in ("result", "error")
+                    if not inbox.put(frame, self._decoder.last_frame_bytes, last):
+                        self._overflowed(request_id)
+                    elif last:
+                        self._pending.pop(request_id, None)
         except (trio.BrokenResourceError, trio.ClosedResourceError, ProtocolError, OSError):
             pass
         finally:
             self._fail_all()
 
+    def _overflowed(self, request_id: int) -> None:
+        """A request's reader fell too far behind: end it, never waiting for it here."""
+        self._pending.pop(request_id, None)
+        self.overflows += 1
+        if self.on_overflow is not None:
+            self.on_overflow()
+        if self._nursery is not None:
+            self._nursery.start_soon(self.send_cancel, request_id)
+
     def _fail_all(self) -> None:
         self.closed = True
         self._closed_event.set()
-        for channel in self._pending.values():
-            try:
-                channel.send_nowait(_CLOSED)
-            except (trio.WouldBlock, trio.BrokenResourceError, trio.ClosedResourceError):
-                pass
+        for inbox in self._pending.values():
+            inbox.close()
         self._pending.clear()
 
     async def _send(self, payload: bytes) -> None:
@@ -135,16 +237,16 @@ class StationConnection:
         await self._closed_event.wait()
 
     async def _start(self, op: str, args: dict[str, Any] | None,
-                     rid: str | None) -> tuple[int, trio.MemoryReceiveChannel]:
+                     rid: str | None) -> tuple[int, _Inbox]:
         request_id = next(self._ids)
-        send, receive = trio.open_memory_channel(math.inf)
-        self._pending[request_id] = send
+        inbox = _Inbox(self, self.buffer_bytes)
+        self._pending[request_id] = inbox
         try:
             await self._send(request_frame(request_id, op, args, rid))
         except BaseException:
             self._pending.pop(request_id, None)
             raise
-        return request_id, receive
+        return request_id, inbox
 
     async def request(self, op: str, args: dict[str, Any] | None = None, *,
                       rid: str | None = None) -> dict[str, Any]:
@@ -158,13 +260,14 @@ class StationConnection:
     @contextlib.asynccontextmanager
     async def open_stream(self, op: str, args: dict[str, Any] | None = None, *,
                           rid: str | None = None) -> AsyncIterator[StationStream]:
-        request_id, receive = await self._start(op, args, rid)
-        stream = StationStream(request_id, receive)
+        request_id, inbox = await self._start(op, args, rid)
+        stream = StationStream(request_id, inbox)
         try:
             yield stream
         finally:
             self._pending.pop(request_id, None)
-            if not stream.done and not self.closed:
+            inbox.discard()
+            if not stream.done and not self.closed and not inbox.overflowed:
                 with trio.CancelScope(shield=True):
                     with trio.move_on_after(2):
                         await self.send_cancel(request_id)
@@ -183,16 +286,18 @@ class StationConnection:
 @contextlib.asynccontextmanager
 async def open_station_client(
     path: str | os.PathLike[str], *, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
-    hello: bool = True,
+    hello: bool = True, buffer_bytes: int = DEFAULT_BUFFER_BYTES,
 ) -> AsyncIterator[StationConnection]:
-    """Connect to the station socket at ``path`` (and say ``hello`` unless told not to)."""
+    """Connect to the station socket at ``path`` (and say ``hello`` unless told not to);
+    ``buffer_bytes``: how far one request's reader may fall behind its frames."""
     try:
         stream = await trio.open_unix_socket(os.fspath(path))
     except OSError as exc:
         raise StationUnavailable(f"cannot connect to station socket {os.fspath(path)}: {exc}") from None
-    conn = StationConnection(stream, max_frame_bytes)
+    conn = StationConnection(stream, max_frame_bytes, buffer_bytes)
     try:
         async with trio.open_nursery() as nursery:
+            conn._nursery = nursery
             nursery.start_soon(conn._read_loop)
             try:
                 if hello:

@@ -171,6 +171,7 @@ class FrameDecoder:
         )
         self._fed = 0  # bytes fed so far
         self._frame_start = 0  # stream offset where the frame being decoded begins
+        self.last_frame_bytes = 0
 
     def _too_big(self) -> ProtocolError:
         return ProtocolError(ErrorCode.BAD_REQUEST,
@@ -216,6 +217,7 @@ class FrameDecoder:
             size, self._frame_start = end - self._frame_start, end
             if size > self.max_frame_bytes:
                 raise self._too_big()
+            self.last_frame_bytes = size  # the size of the message about to be yielded
             yield message
 
 

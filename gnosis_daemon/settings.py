@@ -113,9 +113,13 @@ class Settings:
     tenant_salt: str = ""  # server-side secret mixed into prefix-cache keys
     max_waiting_requests: int = 256  # station: queued sequences; past it, generate gets capacity
     disable_capabilities: str = ""  # GNOSIS_STATION_DISABLE: stale-station drill
-    # Which parser reads tool calls out of the model's output: auto (from the chat
-    # template), hermes (<tool_call>), mistral ([TOOL_CALLS]), llama3 (JSON), none (no tools).
+    # Which parser reads tool calls out of the model's output: auto (from the chat template;
+    # generic, docs/api.md "Tools", when it renders none), hermes, mistral, llama3, none (no tools).
     tool_parser: str = "auto"
+    # A grammar (response_format, forced tool calls) past grammar_max_nodes JSON values, or
+    # compiling past grammar_compile_timeout_s (in a killable process), is refused.
+    grammar_max_nodes: int = 4096
+    grammar_compile_timeout_s: float = 10.0
     # -- liquid memory
     liquid_memory: bool = True  # THOTH_LIQUID_MEMORY
     kv_session_budget: int = 256  # sessions kept before LRU expiry
@@ -207,15 +211,15 @@ class Settings:
                "one of auto, on, off")
         _check(self.start_check, self.start_check in {"auto", "always"}, "start_check",
                "one of auto, always")
-        _check(self.tool_parser, self.tool_parser in {"auto", "hermes", "mistral", "llama3", "none"},
-               "tool_parser", "one of auto, hermes, mistral, llama3, none")
+        parsers = ("auto", "hermes", "mistral", "llama3", "generic", "none")
+        _check(self.tool_parser, self.tool_parser in parsers, "tool_parser", f"one of {', '.join(parsers)}")
         for name in ("max_model_len", "max_tokens_default", "max_frame_bytes", "kv_cache_bytes",
                      "kv_block_size", "max_batch_size", "prefill_chunk_tokens",
                      "kv_session_budget", "health_failures_before_kill", "max_fast_failures",
                      "listen_backlog", "max_request_bytes", "max_inflight_requests",
                      "stream_buffer_bytes",
                      "max_waiting_requests", "kv_disk_bytes", "kv_events_queue",
-                     "kv_events_buffer_steps", "decode_graph_max_context"):
+                     "kv_events_buffer_steps", "decode_graph_max_context", "grammar_max_nodes"):
             value = getattr(self, name)
             _check(value, value > 0, name, "a positive integer")
         _check(self.kv_io_nice, 0 <= self.kv_io_nice <= 19, "kv_io_nice", "an integer from 0 to 19")

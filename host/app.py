@@ -40,11 +40,11 @@ from gnosis_daemon.client import StationError, is_unknown_op
 from gnosis_daemon.logs import configure_logging, get_logger
 from gnosis_daemon.refusal import describe
 from gnosis_daemon.settings import Settings
-from host import embeddings, errors, json_body, openai_api, sse, tokenize_api
+from host import embeddings, errors, http_server, json_body, openai_api, sse, tokenize_api
 from host.completions import complete, json_response
 from host.errors import ApiError
 from host.liquid_memory import LiquidMemory
-from host.request_scope import Admission, RequestConnection, current
+from host.request_scope import Admission, RequestConnection, current, tenant_limit
 from host.metrics import Metrics
 from host.scrape_metrics import ScrapeCollector, supervisor_restarts
 from host.station_link import StationLink
@@ -81,7 +81,10 @@ def create_app(settings: Settings, link: StationLink,
     app.config["MAX_CONTENT_LENGTH"] = settings.max_request_bytes
     host_metrics = Metrics(settings.max_model_len)
     app.gnosis_metrics = host_metrics  # type: ignore[attr-defined]
-    admission = Admission(settings.max_inflight_requests)
+    link.on_overflow = host_metrics.overflows.inc
+    tenants = len({tenant for _, tenant in keyring.entries})
+    admission = Admission(settings.max_inflight_requests, tenant_limit(
+        settings.max_inflight_requests, settings.max_inflight_tenant_share, tenants))
     app.gnosis_admission = admission  # type: ignore[attr-defined]
     memory = LiquidMemory(settings.liquid_memory,
                           negotiate_timeout_s=max(settings.health_timeout_s, 5.0))
@@ -216,7 +219,8 @@ def create_app(settings: Settings, link: StationLink,
                   "station_restarts": float(link.reconnects),
                   "http_requests_inflight": float(host_metrics.inflight),
                   "model_requests_inflight": float(admission.inflight),
-                  "model_requests_inflight_limit": float(admission.limit)}
+                  "model_requests_inflight_limit": float(admission.limit),
+                  **link.buffered()}
         station = await station_stats() if link.connected else None
         model_name = link.model_id
         if model_name is not None:
@@ -238,15 +242,17 @@ def create_app(settings: Settings, link: StationLink,
 
     @app.post("/v1/chat/completions")
     async def chat_completions() -> Response:
-        admission.admit(current())
-        req = openai_api.parse_chat(await _body())
+        body = await _body()  # a slot is taken once the body is in, never while it arrives
+        admission.admit(current(), g.tenant)
+        req = openai_api.parse_chat(body)
         req = openai_api.with_session_header(req, request.headers.get(openai_api.SESSION_HEADER))
         return await complete(settings, link, memory, req, current(), g.tenant)
 
     @app.post("/v1/completions")
     async def completions() -> Response:
-        admission.admit(current())
-        req = openai_api.parse_completion(await _body())
+        body = await _body()  # a slot is taken once the body is in, never while it arrives
+        admission.admit(current(), g.tenant)
+        req = openai_api.parse_completion(body)
         req = openai_api.with_session_header(req, request.headers.get(openai_api.SESSION_HEADER))
         return await complete(settings, link, memory, req, current(), g.tenant)
 
@@ -254,8 +260,9 @@ def create_app(settings: Settings, link: StationLink,
 
     @app.post("/v1/embeddings")
     async def create_embeddings() -> Response:
-        admission.admit(current())
-        req = embeddings.parse(await _body())
+        body = await _body()  # a slot is taken once the body is in, never while it arrives
+        admission.admit(current(), g.tenant)
+        req = embeddings.parse(body)
         try:
             conn = link.current()
         except StationError as exc:
@@ -322,8 +329,10 @@ def serve(settings: Settings) -> int:
     _raise_file_limit()
     link = StationLink(settings.station_socket, max_frame_bytes=settings.max_frame_bytes,
                        hello_timeout_s=settings.health_timeout_s,
-                       refusal_file=settings.station_refusal_file)
+                       refusal_file=settings.station_refusal_file,
+                       buffer_bytes=settings.stream_buffer_bytes)
     app = create_app(settings, link, keyring)
+    http_server.install(settings.stream_stall_timeout_s, app.gnosis_metrics.stalled.inc)
     config = HypercornConfig()
     config.bind = [_bind(settings)]
     config.backlog = settings.listen_backlog

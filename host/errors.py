@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from gnosis_daemon.client import StationError
+from gnosis_daemon.client import StationError, StreamOverflow
 from gnosis_daemon.logs import get_logger
 from gnosis_daemon.protocol import ErrorCode
 from host.station_link import StationRefused
@@ -120,6 +120,9 @@ def from_station(exc: StationError, prompt_param: str) -> ApiError:
     if code in (ErrorCode.CAPACITY, ErrorCode.SHUTTING_DOWN):
         return ApiError(503, exc.message or "The server is busy; retry shortly.",
                         SERVICE_UNAVAILABLE, None, str(code), {"Retry-After": str(RETRY_AFTER_S)})
+    if code == StreamOverflow.CODE:
+        # Only a stream can fall behind: its client reads too slowly (stream_buffer_bytes).
+        return ApiError(408, exc.message, INVALID_REQUEST, None, StreamOverflow.CODE)
     if code == ErrorCode.UNKNOWN_OP:
         return ApiError(503, f"The model station does not support this operation: {exc.message}",
                         SERVICE_UNAVAILABLE, None, "station_unsupported",

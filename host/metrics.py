@@ -175,6 +175,12 @@ class Metrics:
                                               MODEL, registry=r)
         self.vllm_success = Counter("vllm:request_success", "Finished requests by finish reason",
                                     ("model_name", "finished_reason"), registry=r)
+        # Clients that stopped reading: a response ended after stream_stall_timeout_s without
+        # a byte taken, and a stream ended for falling stream_buffer_bytes behind.
+        self.stalled = Counter("gnosis_stalled_responses", "Responses ended because their "
+                               "client took no byte for stream_stall_timeout_s", registry=r)
+        self.overflows = Counter("gnosis_stream_buffer_overflows", "Streams ended because "
+                                 "their client fell stream_buffer_bytes behind", registry=r)
 
     def touch(self, model: str) -> None:
         """Give ``model``'s labelled series their zero values before its first request."""

@@ -84,23 +84,48 @@ def current() -> RequestRecord:
 
 
 class Admission:
-    """Completions and embeddings in flight in this host, bounded by ``limit``."""
+    """Completions and embeddings in flight in this host, bounded by ``limit`` and, for each
+    tenant, by ``tenant_limit``. A request is counted once its body is read (a client that
+    sends its body slowly holds a connection, never a slot), until its task ends (streams
+    included)."""
 
-    def __init__(self, limit: int) -> None:
+    def __init__(self, limit: int, tenant_limit: int | None = None) -> None:
         assert limit >= 1
         self.limit = limit
+        self.tenant_limit = limit if tenant_limit is None else max(1, min(limit, tenant_limit))
         self.inflight = 0
+        self.by_tenant: dict[str, int] = {}
 
-    def admit(self, record: RequestRecord) -> None:
-        """Count the request in until its task ends (streams included), or raise 429."""
+    def admit(self, record: RequestRecord, tenant: str) -> None:
+        """Count the request in until its task ends, or raise 429."""
+        held = self.by_tenant.get(tenant, 0)
         if self.inflight >= self.limit:
-            raise ApiError(429, f"The server is at its limit of {self.limit} requests in "
-                           f"flight; retry shortly.", "requests", None, "rate_limit_exceeded",
-                           {"Retry-After": str(errors.RETRY_AFTER_S)})
+            raise _busy(f"The server is at its limit of {self.limit} requests in flight; "
+                        f"retry shortly.")
+        if held >= self.tenant_limit:
+            raise _busy(f"This API key's tenant is at its share of {self.tenant_limit} "
+                        f"requests in flight; retry shortly.")
         self.inflight += 1
+        self.by_tenant[tenant] = held + 1
         record.admitted = time.monotonic()
 
         async def release() -> None:
             self.inflight -= 1
+            left = self.by_tenant[tenant] - 1
+            if left:
+                self.by_tenant[tenant] = left
+            else:
+                del self.by_tenant[tenant]
 
         record.closers.append(release)
+
+
+def tenant_limit(limit: int, share: float, tenants: int) -> int:
+    """Slots one tenant may hold: ``share`` of ``limit`` (at least one) where several tenants
+    share the host, the whole limit for one tenant alone."""
+    return limit if tenants <= 1 else max(1, int(limit * share))
+
+
+def _busy(message: str) -> ApiError:
+    return ApiError(429, message, "requests", None, "rate_limit_exceeded",
+                    {"Retry-After": str(errors.RETRY_AFTER_S)})

@@ -28,6 +28,7 @@ from typing import Any, Awaitable, Callable
 import trio
 
 from gnosis_daemon.client import (
+    DEFAULT_BUFFER_BYTES,
     StationConnection,
     StationError,
     StationUnavailable,
@@ -58,10 +59,14 @@ class StationLink:
     def __init__(self, socket_path: str | os.PathLike[str], *, max_frame_bytes: int,
                  hello_timeout_s: float = 5.0, backoff_initial_s: float = 0.1,
                  backoff_max_s: float = 2.0, on_connect: OnConnect | None = None,
-                 refusal_file: str | os.PathLike[str] | None = None) -> None:
+                 refusal_file: str | os.PathLike[str] | None = None,
+                 buffer_bytes: int = DEFAULT_BUFFER_BYTES) -> None:
         assert 0 < backoff_initial_s <= backoff_max_s
         self.socket_path = os.fspath(socket_path)
         self.max_frame_bytes = max_frame_bytes
+        self.buffer_bytes = buffer_bytes  # how far one request may fall behind its frames
+        self.on_overflow: Callable[[], None] | None = None  # a request ended for it
+        self._peak_request_bytes = 0  # of the connections before this one
         self.hello_timeout_s = hello_timeout_s
         self.backoff_initial_s = backoff_initial_s
         self.backoff_max_s = backoff_max_s
@@ -108,6 +113,15 @@ class StationLink:
             self._refusal_read = (key, read_refusal(self.refusal_file))
         return self._refusal_read[1]
 
+    def buffered(self) -> dict[str, float]:
+        """Station frames waiting in this host for their requests' readers (/metrics)."""
+        conn = self._conn
+        if conn is not None:
+            self._peak_request_bytes = max(self._peak_request_bytes, conn.peak_request_bytes)
+        return {"station_buffered_bytes": float(conn.buffered_bytes if conn else 0),
+                "station_buffered_frames": float(conn.buffered_frames if conn else 0),
+                "station_request_buffer_peak_bytes": float(self._peak_request_bytes)}
+
     def current(self) -> StationConnection:
         conn = self._conn
         if conn is None or conn.closed:
@@ -124,7 +138,9 @@ class StationLink:
         while True:
             try:
                 async with open_station_client(self.socket_path, hello=False,
-                                               max_frame_bytes=self.max_frame_bytes) as conn:
+                                               max_frame_bytes=self.max_frame_bytes,
+                                               buffer_bytes=self.buffer_bytes) as conn:
+                    conn.on_overflow = self.on_overflow
                     with trio.fail_after(self.hello_timeout_s):
                         hello = await conn.request("hello")
                     conn.hello = hello

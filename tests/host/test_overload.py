@@ -50,7 +50,9 @@ def loaded(tmp_path_factory, tiny_llama):
     station = spawn("station", runtime_dir, root / "station.log", "--model", str(tiny_llama))
     port = free_port()
     host = spawn("host", runtime_dir, root / "host.log", "--port", str(port),
+                 # One tenant may take every slot here (test_hostile_clients tests the share).
                  env={"GNOSIS_MAX_INFLIGHT_REQUESTS": str(MAX_INFLIGHT),
+                      "GNOSIS_MAX_INFLIGHT_TENANT_SHARE": "1",
                       "GNOSIS_API_KEYS": ",".join(KEYS), "THOTH_LIQUID_MEMORY": "0"})
     base = f"http://127.0.0.1:{port}"
 
