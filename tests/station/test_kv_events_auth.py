@@ -115,3 +115,45 @@ def test_curve_settings_are_checked_at_start(certs):
     z85 = zmq.auth.load_certificate(path / "allowed" / "router.key")[0].decode()
     Settings(**base, api_keys="sk-one", kv_events_curve_secret_file=str(path / "station.key_secret"),
              kv_events_curve_client_keys=f"{z85}, {path / 'stranger.key'}")
+
+
+def test_the_local_relay_serves_a_plain_subscriber_on_loopback(curve_publisher, certs):
+    """deploy/kv_events_relay.py: a router without CURVE (vllm-router 0.1.17) reads the
+    events on loopback through the relay, which proves the allowed client key upstream."""
+    import importlib.util
+
+    from tests.support.procs import REPO
+
+    spec = importlib.util.spec_from_file_location("kv_events_relay",
+                                                  REPO / "deploy" / "kv_events_relay.py")
+    relay = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(relay)
+    pub, ctx, keys, port, rport = curve_publisher
+    listen, rlisten = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
+    relay_ctx = zmq.Context()
+    with pytest.raises(ValueError, match="not a loopback endpoint"):
+        relay.relay(relay_ctx, keys["station"][0], keys["router"], f"tcp://127.0.0.1:{port}",
+                    "tcp://0.0.0.0:1")
+    relay.relay(relay_ctx, keys["station"][0], keys["router"], f"tcp://127.0.0.1:{port}",
+                listen, f"tcp://127.0.0.1:{rport}", rlisten)
+    try:
+        sub = _socket(ctx, zmq.SUB, keys)  # plain ZMQ, as the router speaks it
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        sub.connect(listen)
+        time.sleep(0.5)
+        pub.listener.stored(11, None, (9, 9, 9, 9))
+        pub.flush()
+        frames = _recv_or_none(sub)
+        assert frames is not None and msgpack.unpackb(frames[2])[1][0]["token_ids"] == [9] * 4
+        dealer = _socket(ctx, zmq.DEALER, keys)
+        dealer.connect(rlisten)
+        dealer.send_multipart([b"", (0).to_bytes(8, "big")])
+        answers = []
+        while (frames := _recv_or_none(dealer)) is not None:
+            answers.append(frames)
+            if int.from_bytes(frames[1], "big", signed=True) == -1:
+                break
+        assert len(answers) >= 2 and int.from_bytes(answers[0][1], "big") == 0
+        assert int.from_bytes(answers[-1][1], "big", signed=True) == -1
+    finally:
+        relay_ctx.term()
