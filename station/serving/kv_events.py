@@ -242,9 +242,8 @@ class KVEventPublisher:
         self._pub = self._ctx.socket(zmq.PUB)
         self._pub.set_hwm(100_000)
         self._replay = self._ctx.socket(zmq.ROUTER) if replay_endpoint else None
-        for sock in (self._pub, self._replay) if curve else ():
-            if sock is not None:
-                kv_events_auth.secure(sock, curve)
+        for sock in filter(None, (self._pub, self._replay) if curve else ()):
+            kv_events_auth.secure(sock, curve)
         self._pub.bind(endpoint)
         if self._replay is not None:
             self._replay.bind(replay_endpoint)
