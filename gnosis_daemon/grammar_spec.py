@@ -54,8 +54,23 @@ class GrammarSpecError(ValueError):
     """A grammar the station cannot enforce; the message names the problem."""
 
 
-def check_grammar(value: Any) -> dict[str, Any]:
-    """``value`` as a grammar spec (see the module docstring), or ``GrammarSpecError``."""
+def count_nodes(value: Any, limit: int) -> int:
+    """The JSON values in ``value`` (every map, list and scalar, keys not counted), counted
+    up to ``limit + 1``: what a grammar's compile time grows with (superlinearly)."""
+    count, stack = 0, [value]
+    while stack and count <= limit:
+        item = stack.pop()
+        count += 1
+        if isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return count
+
+
+def check_grammar(value: Any, max_nodes: int | None = None) -> dict[str, Any]:
+    """``value`` as a grammar spec (see the module docstring), or ``GrammarSpecError``;
+    ``max_nodes``: the most JSON values it may hold (the ``grammar_max_nodes`` setting)."""
     if not isinstance(value, dict) or not isinstance(value.get("type"), str):
         raise GrammarSpecError("must be a map with a string 'type'")
     kind = value["type"]
@@ -77,6 +92,9 @@ def check_grammar(value: Any) -> dict[str, Any]:
                                "strings, finite numbers, booleans, null)") from None
     if len(text) > MAX_GRAMMAR_CHARS:
         raise GrammarSpecError(f"is larger than {MAX_GRAMMAR_CHARS} characters as JSON")
+    if max_nodes is not None and count_nodes(value, max_nodes) > max_nodes:
+        raise GrammarSpecError(f"holds more than {max_nodes} JSON values (the grammar_max_nodes "
+                               f"bound: compiling a grammar grows faster than its size)")
     if kind == "json_schema":
         schema = value["schema"]
         if not isinstance(schema, dict):

@@ -113,11 +113,9 @@ class Settings:
     tenant_salt: str = ""  # server-side secret mixed into prefix-cache keys
     max_waiting_requests: int = 256  # station: queued sequences; past it, generate gets capacity
     disable_capabilities: str = ""  # GNOSIS_STATION_DISABLE: stale-station drill
-    # Which parser reads tool calls out of the model's output: auto (from the chat template;
-    # generic, docs/api.md "Tools", when it renders none), hermes, mistral, llama3, none (no tools).
-    tool_parser: str = "auto"
-    # A grammar (response_format, forced tool calls) past grammar_max_nodes JSON values, or
-    # compiling past grammar_compile_timeout_s (in a killable process), is refused.
+    # The tool-call parser: auto (from the chat template; generic where it renders no tools),
+    tool_parser: str = "auto"  # ...or hermes, mistral, llama3, generic, none (no tools)
+    # A grammar past grammar_max_nodes JSON values, or compiling past the timeout, is refused.
     grammar_max_nodes: int = 4096
     grammar_compile_timeout_s: float = 10.0
     # -- liquid memory

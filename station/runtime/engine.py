@@ -2,8 +2,8 @@
 
 One engine thread loops like nano-vllm's ``LLMEngine.step``: schedule -> run -> postprocess.
 Every running sequence decodes in the same forward; prompts are prefilled in chunks beside
-them; a prompt whose leading full blocks are in the prefix cache skips those tokens. A
-finished sequence's full blocks stay cached (evictable, LRU) after its blocks are released.
+them; a prompt whose leading full blocks are in the prefix cache skips those tokens. A finished
+sequence's full blocks stay cached (evictable, LRU).
 
 Resource handling: requests and aborts arrive under a lock and are applied at the next step
 boundary (never mid-forward); an aborted or finished sequence frees its blocks at once.
@@ -22,8 +22,7 @@ bounded share of one call's inputs after the batched step. ``cancel_call`` drops
 (queued, in progress, or waiting for its sequence's step).
 
 Backpressure: at most ``max_waiting_requests`` sequences wait for admission; a ``generate``
-or a ``forward`` that would make a new one past that is refused at once with the
-retryable ``capacity`` error.
+or a ``forward`` that would make one more is refused at once (the retryable ``capacity``).
 """
 
 from __future__ import annotations
@@ -311,8 +310,7 @@ class PagedEngine:
         except Exception as exc:  # one bad step must not take the engine down
             log.exception("engine_step_failed")
             for seq in [*out.decodes, *(s for s, _ in out.prefills), *out.forked]:
-                sched.finish(seq, "error")
-                self._end(seq, ErrorCode.INTERNAL, f"model step failed: {type(exc).__name__}: {exc}")
+                self._end(seq, ErrorCode.INTERNAL, f"model step failed: {type(exc).__name__}: {exc}", "error")
             return
         for seq, row in held:
             self.calls.on_logits(seq, logits[row])
@@ -345,6 +343,8 @@ class PagedEngine:
                 seq.seq_id, seq.num_prompt_tokens, seq.num_cached_tokens,
                 (time.perf_counter() - client.arrival) * 1000, **session_fields(seq),
                 saved=saved, save_error=save_error, prompt_logprobs=prompt_logprobs_of(seq)))
+        if (failure := seq.sampling.failure) is not None:  # a grammar no token continues
+            return self._end(seq, ErrorCode.BAD_REQUEST, f"argument 'grammar' {failure}", "error")
         seq.token_ids.append(token)
         self._emit(seq, Token(seq.seq_id, token, logprobs))
         if token in client.stop_ids or seq.sampling.finished:  # eos, or the grammar's end
@@ -373,8 +373,9 @@ class PagedEngine:
                                  seq.num_completion_tokens, seq.num_cached_tokens,
                                  final_saved, final_error))
 
-    def _end(self, seq: Sequence, code: ErrorCode, message: str) -> None:
-        """End a sequence with an error (its blocks are already released)."""
+    def _end(self, seq: Sequence, code: ErrorCode, message: str, finish: str = "") -> None:
+        """End a sequence with an error; ``finish``: release its blocks first, with that reason."""
+        self.scheduler.finish(seq, finish) if finish else None
         if seq.kind is SequenceKind.HELD:
             self.calls.fail(seq, OpError(code, message))
             return
@@ -396,5 +397,4 @@ class PagedEngine:
 
 def _makes_sequence(handler: EngineCallHandler, kwargs: dict[str, Any]) -> bool:
     """An engine call that adds a new sequence to the waiting queue."""
-    return (handler is EngineCalls.forward and kwargs.get("seq_id") is None
-            and not kwargs.get("release"))
+    return handler is EngineCalls.forward and kwargs.get("seq_id") is None and not kwargs.get("release")

@@ -5,8 +5,11 @@ bitmask applied to a step's grammar rows.
 (``gnosis_daemon.grammar_spec``) against the model's tokenizer: its ``TokenizerInfo`` is
 built from the tokenizer already loaded, with the model's logits vocabulary size, so nothing
 is downloaded. Compiled grammars are cached by the spec's canonical JSON text (LRU,
-``MAX_CACHED``); compiling runs on a worker thread (the ``generate`` parser's
-``Tokenizing``), never on the socket's trio thread or the engine thread.
+``MAX_CACHED``); compiling runs on the grammar thread after the spec compiled in time in a
+grammar worker process (``station.runtime.grammar_compile``), never on the socket's trio
+thread, a tokenizer thread or the engine thread. The model's special tokens other than its
+stop tokens are never allowed (``tokenizer_info``), and a grammar no token can start is
+refused when it is compiled.
 
 ``SequenceGrammar`` is one sequence's state: its ``GrammarMatcher`` (made on the engine
 thread at its first step), advanced with every token the sequence accepts. ``apply_masks``
@@ -14,7 +17,10 @@ fills the bitmask of every grammar row of a step in one batched call
 (``BatchGrammarMatcher.batch_fill_next_token_bitmask``) and applies it to those rows of the
 logits in place (``apply_token_bitmask_inplace``): tokens the grammar forbids become -inf.
 Rows without a grammar are not touched. The matcher terminates when the grammar is complete
-and a stop token (eos) was accepted; the engine then ends the sequence with ``stop``.
+and a stop token (eos) was accepted; the engine then ends the sequence with ``stop``. A row
+whose mask allows no token at all (the vocabulary cannot spell what the grammar needs next)
+is a dead end: the engine ends that sequence with an error instead of sampling a forbidden
+token, so an incomplete output never ends as ``stop``.
 
 JSON is generated compact (``any_whitespace=False``: ``{"a": 1, "b": [2, 3]}``), so a small
 model cannot spend its tokens on whitespace; ``json_object`` is any object
@@ -25,7 +31,6 @@ schema does not name is never generated, whatever ``additionalProperties`` says)
 from __future__ import annotations
 
 import collections
-import json
 import threading
 from typing import Any, Sequence
 
@@ -34,6 +39,7 @@ import torch
 from gnosis_daemon.grammar_spec import canonical
 from gnosis_daemon.logs import get_logger
 from gnosis_daemon.protocol import ErrorCode, OpError
+from station.runtime.grammar_worker import compile_spec, message
 
 log = get_logger(__name__)
 
@@ -52,62 +58,77 @@ class Grammars:
 
     def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: Sequence[int],
                  max_cached: int = MAX_CACHED) -> None:
-        xgr = _xgr()
         self.vocab_size = vocab_size
-        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
-                                                  stop_token_ids=list(stop_token_ids))
+        self.info = tokenizer_info(tokenizer, vocab_size, stop_token_ids)
         # Our own cache bounds what is kept; xgrammar's would grow without one.
-        self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+        self._compiler = _xgr().GrammarCompiler(self.info, max_threads=1, cache_enabled=False)
         self._cache: collections.OrderedDict[str, Any] = collections.OrderedDict()
         self._lock = threading.Lock()
         self._max = max_cached
         self.compiled = 0  # grammars compiled (cache misses)
 
-    def compile(self, spec: dict[str, Any]) -> Any:
-        """A checked spec -> xgrammar ``CompiledGrammar``; ``OpError`` bad_request when the
-        engine cannot compile it (the message names the problem)."""
+    def cached(self, spec: dict[str, Any]) -> Any:
+        """The spec's compiled grammar if it is in the cache, else None."""
         key = canonical(spec)
         with self._lock:
             found = self._cache.get(key)
             if found is not None:
                 self._cache.move_to_end(key)
-                return found
+            return found
+
+    def serialized_info(self) -> str:
+        """The tokenizer info as xgrammar serializes it (for the grammar worker)."""
+        return self.info.serialize_json()
+
+    def compile(self, spec: dict[str, Any]) -> Any:
+        """A checked spec -> xgrammar ``CompiledGrammar``; ``OpError`` bad_request when the
+        engine cannot compile it, or when no token of the vocabulary can start the output
+        it describes (the message names the problem)."""
+        found = self.cached(spec)
+        if found is not None:
+            return found
         try:
-            compiled = self._compile(spec)
+            compiled = compile_spec(self._compiler, spec)
         except Exception as exc:  # xgrammar raises RuntimeError with its C++ message
             raise OpError(ErrorCode.BAD_REQUEST,
-                          f"argument 'grammar' cannot be compiled: {_message(exc)}") from None
+                          f"argument 'grammar' cannot be compiled: {message(exc)}") from None
+        if not _startable(compiled):
+            raise OpError(ErrorCode.BAD_REQUEST, "argument 'grammar' cannot be generated by "
+                          "this model: no token of its vocabulary can start the output the "
+                          "grammar describes")
         with self._lock:
             self.compiled += 1
-            self._cache[key] = compiled
+            self._cache[canonical(spec)] = compiled
             while len(self._cache) > self._max:
                 self._cache.popitem(last=False)
         return compiled
 
-    def _compile(self, spec: dict[str, Any]) -> Any:
-        kind, compiler = spec["type"], self._compiler
-        if kind == "json_object":
-            return compiler.compile_json_schema({"type": "object"}, any_whitespace=False,
-                                                strict_mode=False)
-        if kind == "json_schema":
-            return compiler.compile_json_schema(json.dumps(spec["schema"]),
-                                                any_whitespace=False, strict_mode=True)
-        if kind == "structural_tag":
-            return compiler.compile_structural_tag(json.dumps(spec["structural_tag"]))
-        if kind == "regex":
-            return compiler.compile_regex(spec["regex"])
-        return compiler.compile_grammar(spec["ebnf"])
+
+def tokenizer_info(tokenizer: Any, vocab_size: int, stop_token_ids: Sequence[int]) -> Any:
+    """xgrammar's view of the vocabulary, with the model's special tokens (``<|im_start|>``,
+    ``<|endoftext|>``...) other than the stop tokens made unreachable: xgrammar reads a
+    byte-level special token as its literal text and would let it into a JSON string, where
+    the detokenizer (special tokens skipped) would drop it from what the client receives."""
+    xgr = _xgr()
+    stops = [int(t) for t in stop_token_ids]
+    base = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
+                                              stop_token_ids=stops)
+    added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
+    special = {int(i) for i, t in added.items() if t.special} - set(stops)
+    if not special:
+        return base
+    vocab = [b"" if i in special else piece for i, piece in enumerate(base.decoded_vocab)]
+    return xgr.TokenizerInfo(vocab, xgr.VocabType.RAW, vocab_size=vocab_size,
+                             stop_token_ids=stops, add_prefix_space=base.add_prefix_space)
 
 
-def _message(exc: Exception) -> str:
-    """xgrammar's message without its ``[time] file.cc:line:`` prefix, on one line."""
-    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
-    text = lines[0] if lines else type(exc).__name__
-    if text.startswith("[") and ": " in text:
-        text = text.split(": ", 1)[1]
-        if ".cc:" in text.split(" ", 1)[0]:
-            text = text.split(": ", 1)[-1]
-    return text[:500]
+def _startable(compiled: Any) -> bool:
+    """Some token (a stop token included, for a grammar that matches nothing) is allowed
+    in the grammar's first state."""
+    xgr = _xgr()
+    bitmask = xgr.allocate_token_bitmask(1, compiled.tokenizer_info.vocab_size)
+    xgr.GrammarMatcher(compiled).fill_next_token_bitmask(bitmask)
+    return bool(bitmask.ne(0).any())
 
 
 def grammars_for(loaded: Any) -> Grammars:
@@ -121,14 +142,18 @@ def grammars_for(loaded: Any) -> Grammars:
 
 
 class SequenceGrammar:
-    """One sequence's grammar state (engine thread only, but for construction)."""
+    """One sequence's grammar state (engine thread only, but for construction).
+    ``failure``: why the sequence cannot go on (no token continues the grammar, or the
+    grammar refused the sampled token); the engine then ends it with an error."""
 
-    __slots__ = ("compiled", "matcher", "terminated")
+    __slots__ = ("compiled", "matcher", "terminated", "dead", "failure")
 
     def __init__(self, compiled: Any) -> None:
         self.compiled = compiled
         self.matcher: Any = None
         self.terminated = False
+        self.dead = False  # the last mask allowed no token at all
+        self.failure: str | None = None
 
     def matcher_now(self) -> Any:
         if self.matcher is None:
@@ -136,12 +161,15 @@ class SequenceGrammar:
         return self.matcher
 
     def accept(self, token: int) -> None:
-        """Advance with the sequence's new token; a token the grammar refuses (it cannot be,
-        the mask forbade it) ends the sequence rather than the engine."""
+        """Advance with the sequence's new token. A dead end (the mask allowed nothing, so
+        the token is no choice at all) or a token the grammar refuses is a failure."""
         matcher = self.matcher_now()
-        if not matcher.accept_token(int(token)):
+        if self.dead:
+            self.failure = ("cannot be continued by this model: no token of its vocabulary "
+                            "continues the output the grammar describes")
+        elif not matcher.accept_token(int(token)):
             log.warning("grammar_rejected_token", token=int(token))
-            self.terminated = True
+            self.failure = f"refused token {int(token)}, which its own mask allowed"
         elif matcher.is_terminated():
             self.terminated = True
 
@@ -160,6 +188,8 @@ def apply_masks(logits: torch.Tensor, rows: list[int], grammars: list[SequenceGr
     vocab = grammars[0].compiled.tokenizer_info.vocab_size
     bitmask = xgr.allocate_token_bitmask(logits.shape[0], vocab)
     _batch.batch_fill_next_token_bitmask([g.matcher_now() for g in grammars], bitmask, rows)
+    for grammar, dead in zip(grammars, bitmask[rows].eq(0).all(dim=1).tolist()):
+        grammar.dead = dead  # every token masked: the sampled one is no choice
     global _backend
     mask = bitmask.to(logits.device, non_blocking=True)
     width = min(vocab, logits.shape[-1])

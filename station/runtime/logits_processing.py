@@ -30,7 +30,8 @@ class SequenceSampling:
     ids that end it (eos unless ``ignore_eos``, ``stop_token_ids``), masked by
     ``min_tokens``; ``grammar``: the compiled grammar of structured output
     (``station.runtime.grammar``), which then decides where the output ends (``min_tokens``
-    does not hold its stop tokens back). Made on the server's thread, so it makes no tensor
+    does not hold its stop tokens back, and stop ids that are not the grammar's own are
+    always masked: they would end the output before it is complete). Made on the server's thread, so it makes no tensor
     there: each is built on the engine thread at the sequence's first step."""
 
     __slots__ = ("params", "generator", "num_generated", "counts", "_device", "_prompt",
@@ -47,17 +48,25 @@ class SequenceSampling:
         self._prompt = list(prompt_ids) if params.repetition_penalty != 1.0 else []
         self._prompt_seen: torch.Tensor | None = None  # [V] bool
         self._stops = sorted(set(stop_ids)) if params.min_tokens and grammar is None else []
+        if grammar is not None:  # only the grammar's own stop tokens may end its output
+            self._stops = sorted(set(stop_ids) - set(grammar.tokenizer_info.stop_token_ids))
         self._stop_tensor: torch.Tensor | None = None
         self._bias: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def masks_stops(self) -> bool:
-        return bool(self._stops) and self.num_generated < self.params.min_tokens
+        return bool(self._stops) and (self.grammar is not None
+                                      or self.num_generated < self.params.min_tokens)
 
     @property
     def finished(self) -> bool:
         """The grammar is complete (its stop token accepted): the sequence ends (stop)."""
         return self.grammar is not None and self.grammar.terminated
+
+    @property
+    def failure(self) -> str | None:
+        """Why the grammar cannot go on (the engine ends the sequence with an error)."""
+        return self.grammar.failure if self.grammar is not None else None
 
     def touches_logits(self) -> bool:
         return (bool(self.params.logit_bias) or self.params.penalized or self.masks_stops

@@ -51,9 +51,14 @@ class OpContext(Protocol):
 @dataclass(frozen=True, slots=True)
 class Tokenizing:
     """A parser's answer when the checked arguments need the tokenizer first: ``work()``
-    runs on a worker thread and returns them (raising ``OpError`` as a parser would)."""
+    runs on a worker thread and returns them (raising ``OpError`` as a parser would). With
+    ``finish``, ``work()`` returns what ``finish(result, compiled)`` turns into them once
+    ``grammar`` (a checked spec, or None) is compiled (``station.runtime.grammar_compile``:
+    in bounded time, off the tokenizer threads)."""
 
     work: Callable[[], Any]
+    grammar: dict[str, Any] | None = None
+    finish: Callable[[Any, Any], Any] | None = None
 
 
 def bad(message: str) -> OpError:
@@ -242,15 +247,11 @@ class GeneratePlan:
         assert self.prompt is not None
         return codec(loaded).encode(self.prompt, self.add_special_tokens)
 
-    def finish(self, loaded: LoadedModel, prompt_ids: list[int]) -> GenerateArgs:
+    def finish(self, loaded: LoadedModel, prompt_ids: list[int], grammar: Any = None) -> GenerateArgs:
+        """``grammar``: the compiled ``self.grammar`` (None without one)."""
         # max_tokens is capped by the context left; whether the prompt fits at all is the
         # engine's one check (SequenceLimits), with the same codes for every op.
         room = max(1, loaded.max_model_len - len(prompt_ids))
-        grammar = None
-        if self.grammar is not None:  # a worker thread: compiling takes time
-            from station.runtime.grammar import grammars_for
-
-            grammar = grammars_for(loaded).compile(self.grammar)
         return GenerateArgs(
             prompt_ids=prompt_ids, params=replace(self.params, max_tokens=min(self.max_tokens, room)),
             stop=self.stop, tenant=self.tenant, load_session=self.load_session,
@@ -322,7 +323,8 @@ def plan_generate(loaded: LoadedModel, settings: Settings, args: dict[str, Any])
         match_session=arg(args, "match_session", bool, False),
         save_session=arg(args, "save_session", str, None, nullable=True),
         save_final_session=arg(args, "save_final_session", str, None, nullable=True),
-        tools=tools, grammar=grammar_arg(args), choices=choices_args(args),
+        tools=tools, grammar=grammar_arg(args, settings.grammar_max_nodes, stop),
+        choices=choices_args(args),
     )
 
 
@@ -341,14 +343,21 @@ def choices_args(args: dict[str, Any]) -> dict[str, Any] | None:
     return out if n > 1 or out["logprobs"] is not None or out["prompt_logprobs"] is not None else None
 
 
-def grammar_arg(args: dict[str, Any]) -> dict[str, Any] | None:
-    """``grammar``: None, or a spec ``gnosis_daemon.grammar_spec.check_grammar`` accepts."""
+def grammar_arg(args: dict[str, Any], max_nodes: int | None = None,
+                stop: list[str] | tuple[str, ...] = ()) -> dict[str, Any] | None:
+    """``grammar``: None, or a spec ``gnosis_daemon.grammar_spec.check_grammar`` accepts
+    holding at most ``max_nodes`` JSON values. A grammar with stop strings is refused: a
+    stop string would end the output before the grammar is complete."""
     if args.get("grammar") is None:
         return None
     try:
-        return check_grammar(args["grammar"])
+        spec = check_grammar(args["grammar"], max_nodes)
     except GrammarSpecError as exc:
         raise bad(f"argument 'grammar' {exc}") from None
+    if any(stop):
+        raise bad("argument 'stop' cannot be used with 'grammar': a stop string would end "
+                  "the output before the grammar is complete")
+    return spec
 
 
 def parse_generate(ctx: OpContext, args: dict[str, Any]) -> GenerateArgs | Tokenizing:
@@ -366,5 +375,6 @@ def parse_generate(ctx: OpContext, args: dict[str, Any]) -> GenerateArgs | Token
     if not plan.needs_encoding:
         assert plan.prompt_ids is not None
         return plan.finish(loaded, plan.prompt_ids)
-    # The prompt's encoding and the grammar's compiling run on a worker thread.
-    return Tokenizing(lambda: plan.finish(loaded, plan.encode(loaded)))
+    # The prompt is encoded on a worker thread; the grammar is compiled after, off it.
+    return Tokenizing(lambda: plan.encode(loaded), plan.grammar,
+                      lambda ids, compiled: plan.finish(loaded, ids, compiled))

@@ -46,6 +46,7 @@ from gnosis_daemon.unix_sockets import bind_socket, remove_socket
 from station.serving import engine_ops, ops
 from station.serving.connection import Connection, Preparing
 from station.core.requests import Failed
+from station.runtime.grammar_compile import GrammarCompiles
 from station.runtime.model_loader import LoadedModel
 from station.serving.op_registry import STATION_OPS, OpRegistry, OpSpec, RunsOn
 from station.serving.ops import Tokenizing
@@ -80,6 +81,7 @@ class StationServer:
         self.shutting_down = False
         self.text_threads = TEXT_THREADS
         self._text_limiter = trio.CapacityLimiter(TEXT_THREADS)
+        self.grammar_compiles = GrammarCompiles(loaded, settings.grammar_compile_timeout_s)
         # The tokenizer jobs running on worker threads now, with when each began (health's
         # ``serving`` figures: every worker on an old job is a stuck station).
         self.text_jobs: dict[object, float] = {}
@@ -116,6 +118,7 @@ class StationServer:
                 nursery.cancel_scope.cancel()
         finally:
             listener.close()
+            self.grammar_compiles.close()
             remove_socket(path, identity)
 
     async def _drain(self) -> None:
@@ -241,24 +244,33 @@ class StationServer:
             self._prepare(conn, req, nursery, functools.partial(spec.handler, self.loaded, args))
         elif isinstance(args, Tokenizing):
             self._prepare(conn, req, nursery, args.work,
-                          then=functools.partial(self._submit, spec, conn, req, nursery))
+                          then=functools.partial(self._submit, spec, conn, req, nursery),
+                          tokenizing=args)
         else:
             self._submit(spec, conn, req, nursery, args)
         return None
 
     # -- worker threads (tokenizer work)
     def _prepare(self, conn: Connection, req: Request, nursery: trio.Nursery,
-                 work: Callable[[], Any], then: Callable[[Any], None] | None = None) -> None:
-        """Run ``work()`` on a worker thread; its result is the reply, or goes on to
-        ``then``. Until then the request is in ``conn.preparing`` (cancellable there)."""
+                 work: Callable[[], Any], then: Callable[[Any], None] | None = None,
+                 tokenizing: Tokenizing | None = None) -> None:
+        """Run ``work()`` on a worker thread (then its ``tokenizing.finish``, after its
+        grammar is compiled); the result is the reply, or goes on to ``then``. Until then
+        the request is in ``conn.preparing`` (cancellable there, its compile with it)."""
         prep = conn.preparing[req.id] = Preparing()
-        nursery.start_soon(self._run_prepared, conn, req, prep, work, then)
+        nursery.start_soon(self._run_prepared, conn, req, prep, work, then, tokenizing)
 
     async def _run_prepared(self, conn: Connection, req: Request, prep: Preparing,
-                            work: Callable[[], Any], then: Callable[[Any], None] | None) -> None:
+                            work: Callable[[], Any], then: Callable[[Any], None] | None,
+                            tokenizing: Tokenizing | None = None) -> None:
         async def prepared() -> dict[str, Any] | None:
             with prep.scope:
                 result = await self._text_work(work)
+                if tokenizing is not None and tokenizing.finish is not None:
+                    compiled = None
+                    if tokenizing.grammar is not None:  # never on the tokenizer threads
+                        compiled = await self.grammar_compiles.compile(tokenizing.grammar)
+                    result = tokenizing.finish(result, compiled)
             if prep.error is not None:  # cancelled, or the station is stopping
                 raise OpError(*prep.error)
             del conn.preparing[req.id]
