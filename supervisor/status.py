@@ -188,6 +188,23 @@ def _kv_tier_lines(tier: Any) -> list[str]:
         detail = ", ".join(f"{k} {v}" for k, v in sorted((reasons or {}).items()))
         lines.append(f"  QUARANTINED {tier['quarantined']} file(s) ({detail}): kept intact in "
                      f"{tier.get('path')}/quarantine; inspect, then delete them")
+    if tier.get("quarantine_kept") or tier.get("quarantine_deleted"):
+        why = ", ".join(f"{k} {v}" for k, v in sorted((tier.get("quarantine_kept_reasons") or {}).items()))
+        lines.append(f"  quarantine keeps {tier.get('quarantine_kept') or 0} file(s) ({why or '-'}), "
+                     f"{_size(tier.get('quarantine_kept_bytes'))} of "
+                     f"{_size(tier.get('quarantine_budget_bytes'))}; "
+                     f"{tier.get('quarantine_deleted') or 0} deleted past its budget")
+    if tier.get("disk_full"):
+        lines.append(f"  DISK FULL {tier['disk_full']} time(s): {tier.get('disk_full_evicted') or 0} "
+                     f"session(s) evicted to make room; free space or lower kv_disk_bytes")
+    if tier.get("root_lost"):
+        lines.append(f"  TIER DIRECTORY DELETED {tier['root_lost']} time(s) while serving: recreated, "
+                     f"{tier.get('root_lost_sessions') or 0} session(s) lost")
+    if tier.get("write_error"):
+        lines.append(f"  last disk error: {tier['write_error']}")
+    if tier.get("other_layouts"):
+        lines.append(f"  set aside, untouched (another kv_block_size or KV layout): "
+                     f"{', '.join(tier['other_layouts'])}")
     if tier.get("lost"):
         lines.append(f"  {tier['lost']} session(s) evicted before the write-behind reached disk")
     if tier.get("legacy"):

@@ -24,7 +24,7 @@ import subprocess
 import sys
 import threading
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 from gnosis_daemon.logs import get_logger
 from gnosis_daemon.protocol import FrameDecoder, encode
@@ -47,11 +47,14 @@ class TierOpenFailed(RuntimeError):
 
 
 class KVIOProcess:
-    def __init__(self, log_level: str = "info", log_format: str = "auto", nice: int = 19) -> None:
+    def __init__(self, log_level: str = "info", log_format: str = "auto", nice: int = 19,
+                 launcher: Sequence[str] = ()) -> None:
+        """``launcher``: a command the process is started under (its arguments follow), e.g.
+        one that gives it a mount namespace of its own."""
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         self.sock = ours
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "station.runtime.kv_io_worker", str(theirs.fileno()),
+            [*launcher, sys.executable, "-m", "station.runtime.kv_io_worker", str(theirs.fileno()),
              log_level, log_format, str(nice)], pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL)
         theirs.close()
         self._decoder = FrameDecoder(MAX_FRAME_BYTES)
@@ -87,14 +90,17 @@ class KVIOProcess:
     def open(self, root: Path, fingerprint: str, block_size: int, block_shape: tuple[int, ...],
              dtype: Any, budget: int, area: Any, busy_wait_s: float,
              shared_scan_s: float | None = None, yield_s: float | None = None,
-             rise_s: float = 0.0) -> tuple[list[SessionRecord], dict[str, Any]]:
+             rise_s: float = 0.0, quarantine_budget: int = 1 << 30,
+             tenant_share: float = 1.0) -> tuple[list[SessionRecord], dict[str, Any]]:
         """Open the store at ``root`` in the process, on ``area`` (``kv_cache.SharedBlocks``).
         ``busy_wait_s``: how long to wait for another process's lock on the store (a station
         that just died may leave its I/O process finishing a job). ``shared_scan_s``: the
         root is a fleet's shared tier, rescanned for the other replicas' sessions that often
         (``discovered`` messages follow). ``rise_s``: a save older than that is written at
         the station's priority; ``yield_s`` (true): until then the writer also yields to the
-        engine's steps (``stamp``).
+        engine's steps (``stamp``). ``quarantine_budget``: the bytes damaged files may keep in
+        quarantine/; ``tenant_share``: the share of ``budget`` a tenant holds before its own
+        sessions are evicted first (``kv_store_pressure``).
         -> (its sessions, least recently used first; its stats). Raises ``TierOpenFailed``."""
         fds = (area.fd,)
         if yield_s is not None:
@@ -105,7 +111,8 @@ class KVIOProcess:
                    "dtype_bytes": dtype.itemsize,
                    "budget": budget, "busy_wait_s": busy_wait_s, "area_blocks": area.num_blocks,
                    "area_bytes": area.nbytes, "shared_scan_s": shared_scan_s, "yield_s": yield_s,
-                   "rise_s": rise_s},
+                   "rise_s": rise_s, "quarantine_budget": quarantine_budget,
+                   "tenant_share": tenant_share},
                   fds=fds)
         if self.beat is not None:  # the process has its own descriptor now; the mapping stays
             os.close(self.beat.fd)

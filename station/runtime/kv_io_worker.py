@@ -54,7 +54,8 @@ from gnosis_daemon.logs import configure_logging, get_logger
 from gnosis_daemon.protocol import FrameDecoder, encode
 from station.core.block_pool import BlockHash
 from station.runtime.kv_dtype import DTypeName
-from station.runtime.kv_store import KVStore, Quarantined, StoreBusy
+from station.runtime.kv_store import DiskFull, KVStore, Quarantined, StoreBusy
+from station.runtime.kv_store_pressure import ROOT_CHECK_S
 
 log = get_logger(__name__)
 
@@ -194,7 +195,9 @@ class Worker:
                     self.scan_s = message.get("shared_scan_s")
                     self.store = KVStore(message["root"], message["fingerprint"],
                                          message["block_size"], self.block_shape, dtype,
-                                         message["budget"], shared=self.scan_s is not None)
+                                         message["budget"], shared=self.scan_s is not None,
+                                         quarantine_budget_bytes=message.get("quarantine_budget", 1 << 30),
+                                         tenant_share=message.get("tenant_share", 1.0))
                     break
                 except StoreBusy:
                     if time.monotonic() > deadline:
@@ -215,21 +218,24 @@ class Worker:
 
     # -- writes, deletes, touches (writer thread)
     def _write_loop(self) -> None:
+        checked = time.monotonic()  # when the tier's directories were last looked for
         while True:
             with self._cond:
                 while not self._jobs and not self._eof:
-                    if self.scan_s is None:
-                        self._cond.wait()
-                        continue
-                    due = self._scanned + self.scan_s - time.monotonic()
-                    if due <= 0:
+                    due = checked + ROOT_CHECK_S
+                    if self.scan_s is not None:
+                        due = min(due, self._scanned + self.scan_s)
+                    if due <= time.monotonic():
                         break
-                    self._cond.wait(due)
+                    self._cond.wait(due - time.monotonic())
                 if not self._jobs and self._eof:  # EOF and nothing left
                     break
                 job = self._jobs.popleft() if self._jobs else None
             if self.scan_s is not None and time.monotonic() - self._scanned >= self.scan_s:
                 self._rescan()
+            if job is None or time.monotonic() - checked >= ROOT_CHECK_S:
+                checked = time.monotonic()
+                self._check_root()
             if job is None:
                 continue
             if job["op"] == "close":
@@ -244,6 +250,19 @@ class Worker:
             stats = self.stats()
             self.store.close()
             self.send({"kind": "closed", "stats": stats})
+
+    def _check_root(self) -> None:
+        """A tier directory deleted under the store: recreated, and the station told which
+        sessions went with it (the engine writes the ones its pool still holds again)."""
+        if self.store is None:
+            return
+        try:
+            self.store.check_root()
+        except OSError:
+            log.exception("kv_tier_root_check_failed")
+        lost = self.store.take_lost()
+        if lost:
+            self.send({"kind": "lost", "lost": lost, "stats": self.stats()})
 
     def _rescan(self) -> None:
         """A shared tier: tell the station what the other replicas wrote or removed."""
@@ -277,34 +296,47 @@ class Worker:
                 for i, (slot, block_hash) in enumerate(zip(job["slots"], job["hashes"])):
                     if not store.has_block(BlockHash(block_hash)):
                         self._write_block(store, BlockHash(block_hash), tokens[i * bs:(i + 1) * bs],
-                                          slot, job["saved_at"], bool(job.get("urgent")))
+                                          slot, job["saved_at"], bool(job.get("urgent")),
+                                          job.get("tenant"), job["session_id"])
                 session = job.get("session")
                 if session is not None:
                     store.write_session(session["session_id"], session["tenant"],
                                         session["token_ids"],
                                         [BlockHash(h) for h in session["hashes"]],
                                         session["last_used"])
-                    reply["evicted"] = list(store.evict_to_budget().sessions)
+                    reply["evicted"] = list(store.evict_to_budget(session["tenant"]).sessions)
             else:
                 raise ValueError(f"unknown job {job['op']!r}")
             reply["ok"] = True
-        except Exception as exc:  # a full or dead disk: the station keeps the session in the pool
+        except DiskFull as exc:  # counted and reported (disk_full, last_error): no traceback
+            log.warning("kv_tier_write_failed", op=job.get("op"), session_id=job.get("session_id"),
+                        error=str(exc))
+            reply["error"] = f"DiskFull: {exc}"
+        except Exception as exc:  # a dead disk: the station keeps the session in the pool
             log.exception("kv_tier_write_failed", op=job.get("op"), session_id=job.get("session_id"))
             reply["error"] = f"{type(exc).__name__}: {exc}"
+            if store is not None:
+                store.last_error, store.last_error_at = reply["error"], time.time()
+        if store is not None:  # what a full disk evicted, what a deleted directory lost
+            reply["evicted"] += store.take_evicted()
+            reply["lost"] = store.take_lost()
         reply["stats"] = self.stats()
         return reply
 
     def _write_block(self, store: KVStore, block_hash: BlockHash, tokens: list[int], slot: int,
-                     saved_at: float, urgent: bool) -> None:
+                     saved_at: float, urgent: bool, tenant: str | None, session_id: str) -> None:
         """Write one block: at the low priority while its save is young, else at full."""
+        def write() -> None:
+            store.write_block(block_hash, tokens, self._block(slot), tenant, session_id)
+
         if not urgent and self._low is not None:
             self._yield_to_decode(saved_at)
             if time.monotonic() - saved_at < self.rise_s:
-                self._low.submit(lambda: store.write_block(block_hash, tokens, self._block(slot))).result()
+                self._low.submit(write).result()
                 return
         if self._low is not None:
             self.risen_blocks += 1
-        store.write_block(block_hash, tokens, self._block(slot))
+        write()
 
     def _yield_to_decode(self, saved_at: float) -> None:
         """Wait while the engine is decoding (its beat is fresh), until ``rise_s`` after the

@@ -68,10 +68,12 @@ from gnosis_daemon.logs import get_logger
 from station.core.block_pool import BlockHash
 from station.runtime.kv_store_format import (
     KVLayout, KVStoreError, Missing, Quarantined, SessionRecord, Unreadable, block_relpath,
-    check_hash, decode_block, encode_block, encode_session, fsync_dir, session_name, write_atomic,
+    check_hash, decode_block, encode_block, encode_session, fsync_dir, session_name,
 )
 from station.runtime.kv_store_index import StoreIndex
+from station.runtime.kv_store_layouts import layout_root, tag_of
 from station.runtime.kv_store_listing import STALE_S, StoreListing, _unlink
+from station.runtime.kv_store_pressure import DiskFull, StorePressure
 
 if TYPE_CHECKING:
     import numpy
@@ -79,7 +81,7 @@ if TYPE_CHECKING:
 
     from station.runtime.kv_dtype import DTypeName
 
-__all__ = ["Evicted", "KVStore", "KVStoreError", "Missing", "Quarantined", "SessionRecord",
+__all__ = ["DiskFull", "Evicted", "KVStore", "KVStoreError", "Missing", "Quarantined", "SessionRecord",
            "STALE_S", "StoreBusy", "Unreadable"]
 
 log = get_logger()
@@ -96,34 +98,55 @@ class Evicted:
     bytes: int
 
 
-class KVStore(StoreListing):
+class KVStore(StoreListing, StorePressure):
     def __init__(self, root: str | os.PathLike[str], fingerprint: str, block_size: int,
                  block_shape: tuple[int, ...], dtype: torch.dtype | DTypeName, disk_budget_bytes: int,
-                 clock: Callable[[], float] = time.time, shared: bool = False) -> None:
+                 clock: Callable[[], float] = time.time, shared: bool = False,
+                 quarantine_budget_bytes: int = 1 << 30, tenant_share: float = 1.0) -> None:
         shape = tuple(int(d) for d in block_shape)
-        if block_size < 1 or not shape or min(shape) < 1 or disk_budget_bytes < 0:
-            raise ValueError("block_size and every block dimension must be positive, "
-                             "and the disk budget not negative")
-        self.root = Path(root)
+        if block_size < 1 or not shape or min(shape) < 1 or disk_budget_bytes < 0 \
+                or quarantine_budget_bytes < 0 or not 0 < tenant_share <= 1:
+            raise ValueError("block_size and every block dimension must be positive, the "
+                             "budgets not negative, and the tenant share in (0, 1]")
+        self.model_dir = Path(root)  # the model's tier; ``root``: this layout's, in it
         self.layout = KVLayout(fingerprint, block_size, shape, dtype)
         self.disk_budget_bytes = disk_budget_bytes
+        self.quarantine_budget_bytes = quarantine_budget_bytes
+        self.tenant_share = tenant_share
         self.clock = clock
-        self.blocks_dir = self.root / "blocks"
-        self.sessions_dir = self.root / "sessions"
-        self.quarantine_dir = self.root / "quarantine"
         self.index = StoreIndex()
         self.shared = shared
+        self._lock_fd: int | None = None
+        self.root, self.other_layouts = layout_root(self.model_dir, self.layout)
+        self._kept: dict[Path, tuple[int, str]] = {}  # quarantine/: path -> (bytes, reason)
+        self._verified: set[BlockHash] = set()  # blocks written or read whole by this store
+        self._evicted_now: list[str] = []  # see take_evicted
+        self._lost_now: list[str] = []  # see take_lost
+        self.last_error: str | None = None  # the last write error (a full disk, a lost root)
+        self.last_error_at: float | None = None
         # Manifest file name -> ((inode, mtime_ns), session id) as last read or written
         # here: what ``rescan`` compares the directory with. Every write is a rename, so a
         # replaced manifest has a new inode even where mtimes are coarse (NFS).
         self._seen: dict[str, tuple[tuple[int, int], str]] = {}
         self._mutate = threading.RLock()  # held by every change on disk (see module doc)
-        self._lock_fd: int | None = self._take_lock()
+        self._lock_fd = self._take_lock()
         try:
             self._open()
         except BaseException:
             self.close()
             raise
+
+    @property
+    def blocks_dir(self) -> Path:
+        return self.root / "blocks"
+
+    @property
+    def sessions_dir(self) -> Path:
+        return self.root / "sessions"
+
+    @property
+    def quarantine_dir(self) -> Path:
+        return self.root / "quarantine"
 
     # -- opening
     def _take_lock(self) -> int:
@@ -168,7 +191,10 @@ class KVStore(StoreListing):
         return self.index.sessions_lru()
 
     def stats(self) -> dict[str, object]:
-        return {**self.index.stats(), "budget_bytes": self.disk_budget_bytes}
+        return {**self.index.stats(), **self.quarantine_stats(), "budget_bytes": self.disk_budget_bytes,
+                "root": str(self.root), "layout": tag_of(self.layout),
+                "other_layouts": self.other_layouts, "last_error": self.last_error,
+                "last_error_at": self.last_error_at}
 
     # -- reading (the loader thread)
     def read_block(self, block_hash: BlockHash, expected_token_ids: Sequence[int],
@@ -195,16 +221,19 @@ class KVStore(StoreListing):
                     self.index.forget_block(block_hash)
             raise
         self.index.count(reads=1, bytes_read=size)
+        self._verified.add(block_hash)
         return tensor
 
     # -- writing (the writer thread)
     def write_block(self, block_hash: BlockHash, token_ids: Sequence[int],
-                    tensor: torch.Tensor | numpy.ndarray) -> bool:
+                    tensor: torch.Tensor | numpy.ndarray, tenant: str | None = None,
+                    session_id: str | None = None) -> bool:
         """Store one block (a CPU tensor of ``block_shape``/``dtype``, or its raw bytes as a
         uint8 array); False if present.
 
         Either way the block is pending (spared by eviction) until the next
-        ``write_session``."""
+        ``write_session``. ``tenant``/``session_id``: whose save it is, should a full
+        filesystem make room (``kv_store_pressure``)."""
         path = self.blocks_dir / block_relpath(block_hash)  # checks the hash
         tokens = [int(t) for t in token_ids]
         if len(tokens) != self.layout.block_size:
@@ -214,15 +243,13 @@ class KVStore(StoreListing):
                 return False
             try:
                 pieces = encode_block(self.layout, block_hash, tokens, tensor)
-                with contextlib.suppress(FileExistsError):
-                    path.parent.mkdir(mode=0o700)
-                    self.index.mark_dirty(self.blocks_dir)
-                size = write_atomic(path, pieces)
+                size = self._write_file(path, pieces, tenant, session_id)
             except BaseException:
                 self.index.unpend(block_hash)
                 raise
             self.index.add_block(block_hash, size)
-            self.index.mark_dirty(path.parent)
+            self._verified.add(block_hash)
+            self.index.mark_dirty(self.blocks_dir / block_relpath(block_hash).split("/")[0])
             self.index.count(writes=1, bytes_written=size)
         return True
 
@@ -249,7 +276,9 @@ class KVStore(StoreListing):
 
     def _put_session(self, record: SessionRecord) -> None:
         path = self.sessions_dir / session_name(record.session_id)
-        size = write_atomic(path, encode_session(self.layout, record))
+        size = self._write_file(path, encode_session(self.layout, record), record.tenant,
+                                record.session_id)
+        path = self.sessions_dir / path.name  # the directory may have been recreated
         with contextlib.suppress(FileNotFoundError):  # our own write: no news for rescan
             st = path.stat()
             self._seen[path.name] = ((st.st_ino, st.st_mtime_ns), record.session_id)
@@ -289,30 +318,50 @@ class KVStore(StoreListing):
             if not self.index.removable(h):  # named again, or pending
                 continue
             path = self.blocks_dir / block_relpath(h)
+            if h not in self._verified and self._damaged(path, h):
+                continue  # quarantined, intact: a damaged file is kept, never deleted
             _unlink(path)
             self.index.forget_block(h)
+            self._verified.discard(h)
             self.index.mark_dirty(path.parent)
             removed.append(h)
         return removed
 
-    def evict_to_budget(self) -> Evicted:
-        """Delete orphan blocks, then least recently used sessions (and the blocks only
-        they named) until the store fits ``disk_budget_bytes``. A block a remaining
-        session names, or a pending one, is never removed."""
+    def _damaged(self, path: Path, block_hash: BlockHash) -> bool:
+        """Check a block this store never wrote nor read before it is deleted: a damaged one
+        is quarantined (and forgotten) instead, so damage is kept and counted, never erased."""
+        try:
+            decode_block(path, self.layout, block_hash, raw=True)
+        except Quarantined as exc:
+            self._quarantine(path, exc)
+            self.index.forget_block(block_hash)
+            return True
+        except KVStoreError:  # gone, or unreadable: nothing to keep from here
+            return False
+        return False
+
+    def evict_to_budget(self, tenant: str | None = None) -> Evicted:
+        """Delete orphan blocks, then sessions (and the blocks only they named) until the
+        store fits ``disk_budget_bytes``: least recently used first, the over-share tenant's
+        first (``tenant``: the writer's; ``kv_store_pressure``). A block a remaining session
+        names, or a pending one, is never removed. ``sessions``: every session evicted since
+        the last call, a full disk's too."""
         with self._mutate:
             before = self.index.bytes
             orphans = self.index.orphans()
             if self.shared:  # a fresh one is another replica's, its manifest on the way
                 orphans = [h for h in orphans if self._stale(self.blocks_dir / block_relpath(h))]
             blocks = self._remove_blocks(orphans)
-            sessions: list[str] = []
-            for record in self.index.sessions_lru():
-                if self.index.bytes <= self.disk_budget_bytes:
+            n = 0
+            while self.index.bytes > self.disk_budget_bytes:
+                evicted = self._evict_one(tenant)
+                if evicted is None:
                     break
-                blocks += self._drop_session(record.session_id)
-                sessions.append(record.session_id)
+                blocks += evicted[1]
+                n += 1
+            sessions = self.take_evicted()
             freed = before - self.index.bytes
-            self.index.count(evicted_sessions=len(sessions), evicted_blocks=len(blocks))
+            self.index.count(evicted_sessions=n, evicted_blocks=len(blocks))
         if sessions or blocks:
             log.info("kv_store_evicted", sessions=len(sessions), blocks=len(blocks), bytes=freed)
         return Evicted(tuple(sessions), tuple(blocks), freed)

@@ -18,7 +18,8 @@ from station.core.block_pool import BlockHash
 from station.runtime.kv_store_format import SessionRecord
 
 _COUNTERS = ("writes", "reads", "bytes_written", "bytes_read", "evicted_sessions",
-             "evicted_blocks", "incomplete_sessions", "tmp_removed")
+             "evicted_blocks", "evicted_over_share", "incomplete_sessions", "tmp_removed",
+             "disk_full", "disk_full_evicted", "lost", "lost_sessions", "quarantine_deleted")
 
 
 class StoreIndex:
@@ -28,6 +29,10 @@ class StoreIndex:
         self._sessions: dict[str, SessionRecord] = {}
         self._session_bytes: dict[str, int] = {}
         self._refs: Counter[BlockHash] = Counter()  # hash -> manifest entries naming it
+        # tenant -> its manifests' entries naming each block, and its manifests' bytes: a
+        # tenant's share of the disk is its manifests and the distinct blocks they name.
+        self._tenant_refs: dict[str, Counter[BlockHash]] = {}
+        self._tenant_manifest_bytes: Counter[str] = Counter()
         # Written (or found present) since the writer's last session: no manifest names
         # them yet, but one is about to, so eviction must spare them.
         self._pending: set[BlockHash] = set()
@@ -74,6 +79,25 @@ class StoreIndex:
             return (block_hash in self._blocks and self._refs[block_hash] <= 0
                     and block_hash not in self._pending)
 
+    def tenant_bytes(self) -> dict[str, int]:
+        """Each tenant's bytes on disk: its manifests and the distinct blocks they name."""
+        with self._lock:
+            return {t: self._tenant_manifest_bytes[t] + sum(self._blocks.get(h, 0) for h in refs)
+                    for t, refs in self._tenant_refs.items()}
+
+    def tenant_share_bytes(self, tenant: str) -> int:
+        with self._lock:
+            refs = self._tenant_refs.get(tenant, ())
+            return self._tenant_manifest_bytes[tenant] + sum(self._blocks.get(h, 0) for h in refs)
+
+    def session_ids(self) -> list[str]:
+        with self._lock:
+            return list(self._sessions)
+
+    def block_hashes(self) -> list[BlockHash]:
+        with self._lock:
+            return list(self._blocks)
+
     @property
     def bytes(self) -> int:
         with self._lock:
@@ -117,6 +141,8 @@ class StoreIndex:
             self._session_bytes[record.session_id] = size
             self._bytes += size
             self._refs.update(record.block_hashes)
+            self._tenant_refs.setdefault(record.tenant, Counter()).update(record.block_hashes)
+            self._tenant_manifest_bytes[record.tenant] += size
 
     def remove_session(self, session_id: str) -> list[BlockHash]:
         """Forget a session; returns the blocks no manifest names any more."""
@@ -125,8 +151,17 @@ class StoreIndex:
 
     def _remove_session(self, session_id: str) -> list[BlockHash]:
         record = self._sessions.pop(session_id)
-        self._bytes -= self._session_bytes.pop(session_id)
+        size = self._session_bytes.pop(session_id)
+        self._bytes -= size
         self._refs.subtract(record.block_hashes)
+        refs = self._tenant_refs[record.tenant]
+        refs.subtract(record.block_hashes)
+        for h in record.block_hashes:
+            if refs.get(h, 1) <= 0:
+                del refs[h]
+        self._tenant_manifest_bytes[record.tenant] -= size
+        if not refs and self._tenant_manifest_bytes[record.tenant] <= 0:
+            del self._tenant_refs[record.tenant], self._tenant_manifest_bytes[record.tenant]
         freed = []
         for h in dict.fromkeys(record.block_hashes):
             if self._refs[h] <= 0:

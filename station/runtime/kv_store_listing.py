@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import time
 from pathlib import Path
 from typing import Sequence
@@ -20,6 +21,17 @@ from station.runtime.kv_store_format import (
 log = get_logger()
 
 STALE_S = 600.0  # shared tier: another replica's temp file or unnamed block is this old at most
+
+
+def _size_of(path: Path, st: os.stat_result | None = None) -> int:
+    """A quarantined file's bytes (a directory's: its files')."""
+    try:
+        st = st or path.stat(follow_symlinks=False)
+        if not path.is_dir() or path.is_symlink():
+            return st.st_size
+        return sum(p.stat(follow_symlinks=False).st_size for p in path.rglob("*"))
+    except OSError:
+        return 0
 
 
 def _utc_stamp() -> str:
@@ -57,6 +69,7 @@ class StoreListing:
             with contextlib.suppress(FileExistsError):
                 d.mkdir(mode=0o700)
                 self.index.mark_dirty(self.root)
+        self._list_quarantine()
         # Each listing is taken whole before its entries are removed or moved.
         with os.scandir(self.blocks_dir) as it:
             subdirs = sorted(it, key=lambda e: e.name)
@@ -178,7 +191,41 @@ class StoreListing:
                     removed.append(session_id)
         return added, removed
 
-    # -- quarantine
+    # -- quarantine: damaged files kept intact, under a budget of their own
+    def _list_quarantine(self) -> None:
+        """The files an earlier run quarantined, oldest first (a rename sets the ctime)."""
+        kept = []
+        with os.scandir(self.quarantine_dir) as it:
+            for entry in it:
+                with contextlib.suppress(FileNotFoundError):
+                    st = entry.stat(follow_symlinks=False)
+                    kept.append((st.st_ctime_ns, Path(entry.path), _size_of(Path(entry.path), st)))
+        self._kept = {path: (size, "earlier") for _t, path, size in sorted(kept)}
+        self._trim_quarantine()  # a smaller budget than the last run's
+
+    def _forget_quarantine_gone(self) -> None:
+        self._kept = {p: v for p, v in self._kept.items() if os.path.lexists(p)}
+
+    def quarantine_stats(self) -> dict[str, object]:
+        reasons: dict[str, int] = {}
+        for _size, reason in self._kept.values():
+            reasons[reason] = reasons.get(reason, 0) + 1
+        return {"quarantine_kept": len(self._kept), "quarantine_kept_reasons": reasons,
+                "quarantine_kept_bytes": sum(size for size, _r in self._kept.values()),
+                "quarantine_budget_bytes": self.quarantine_budget_bytes}
+
+    def _trim_quarantine(self) -> None:
+        """Past ``quarantine_budget_bytes``, delete the oldest quarantined files (counted)."""
+        while self._kept and sum(size for size, _r in self._kept.values()) > self.quarantine_budget_bytes:
+            path, (size, reason) = next(iter(self._kept.items()))
+            del self._kept[path]
+            with contextlib.suppress(FileNotFoundError):
+                shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else os.unlink(path)
+            self.index.count(quarantine_deleted=1)
+            self.index.mark_dirty(self.quarantine_dir)
+            log.warning("kv_store_quarantine_deleted", file=path.name, bytes=size, reason=reason,
+                        budget_bytes=self.quarantine_budget_bytes)
+
     def _quarantine(self, path: Path, exc: Quarantined) -> Quarantined:
         """Move ``path`` intact to quarantine/ and count it; returns ``exc``."""
         with self._mutate:
@@ -190,12 +237,14 @@ class StoreListing:
             try:
                 os.rename(path, target)
                 exc.moved_to = target
+                self._kept[target] = (_size_of(target), exc.reason)
             except FileNotFoundError:
                 pass  # evicted meanwhile: nothing left to keep
             except OSError as err:
                 log.error("kv_store_quarantine_failed", file=path.name, error=str(err))
             self.index.count_quarantined(exc.reason)
             self.index.mark_dirty(path.parent, self.quarantine_dir)
+            self._trim_quarantine()
         log.warning("kv_store_quarantined", file=path.name, reason=exc.reason,
                     detail=exc.detail, moved_to=str(exc.moved_to) if exc.moved_to else None)
         return exc

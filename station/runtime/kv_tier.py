@@ -37,11 +37,10 @@ from station.core.sessions import KVSession
 from station.runtime.kv_io_process import CLOSE_TIMEOUT_S, IOProcessGone, KVIOProcess
 from station.runtime.kv_tier_figures import TierFigures
 from station.runtime.kv_tier_jobs import STALL_BOUNDS, STALL_MIN_S, WRITER_WAIT_S, LoadJob, WriteJob
-from station.runtime.kv_tier_shared import apply_discovered
+from station.runtime.kv_tier_shared import apply_discovered, apply_lost
 from station.runtime.kv_tier_slots import PoolSlots, StagingSlots
 
 log = get_logger(__name__)
-
 
 
 class DiskTier:
@@ -232,7 +231,8 @@ class DiskTier:
     def _send_part(self, job: WriteJob) -> None:
         self._next_id += 1
         message: dict[str, Any] = {"op": job.op, "job": self._next_id, "session_id": job.session_id,
-                                   "age_s": time.perf_counter() - job.queued_at}  # since the save
+                                   "age_s": time.perf_counter() - job.queued_at,  # since the save
+                                   "tenant": job.session.tenant if job.session else None}
         job.slots = []
         self._part_sent_at = time.perf_counter()
         if job.op == "touch":
@@ -281,6 +281,8 @@ class DiskTier:
             self._load_part_done(self._load, answer)
         elif answer["kind"] == "discovered":
             apply_discovered(self, answer)
+        if answer is not None and answer.get("lost"):  # the tier's directory was deleted
+            apply_lost(self, answer["lost"])
         self._pump()
 
     def _load_part_done(self, load: LoadJob, answer: dict[str, Any]) -> None:
@@ -298,11 +300,11 @@ class DiskTier:
     def _write_answer(self, job: WriteJob, answer: dict[str, Any]) -> None:
         self.slots.written(job.slots, job.hashes, answer["ok"])
         job.slots = []
+        self._forget_evicted(evicted := answer.get("evicted", []))  # a full disk's too
         if answer["ok"] and not answer["final"] and not job.cancelled:
             self._send_part(job)
             return
         self._job, self.figures.queued_writes = None, len(self._jobs)
-        self._forget_evicted(evicted := answer.get("evicted", []))
         self._release(job)
         if job.op == "touch":
             self.figures.touches += answer["ok"]

@@ -1,4 +1,5 @@
-"""A fleet's shared disk tier, the engine side: what a rescan found (``discovered``)."""
+"""What the I/O process found on disk, the engine side: a fleet's shared tier's rescan
+(``discovered``), and sessions whose files were deleted under it (``lost``)."""
 
 from __future__ import annotations
 
@@ -38,3 +39,16 @@ def apply_discovered(tier: DiskTier, answer: dict[str, Any]) -> None:
             tier.kv.sessions.delete(sid)  # another replica saved a later turn of it
         tier.kv.disk.add(on_disk)
         tier.figures.shared_added += 1
+
+
+def apply_lost(tier: DiskTier, lost: list[str]) -> None:
+    """The tier's directory was deleted and recreated: its sessions leave the disk index,
+    and the ones the pool still holds are written again (durable once more when they land)."""
+    for session_id in lost:
+        on_disk = tier.kv.disk.get(session_id)
+        if on_disk is not None and not on_disk.loading:
+            tier.kv.disk.remove(session_id)
+        resident = tier.kv.sessions.get(session_id)
+        if resident is not None and not tier.writing(session_id):
+            resident.durable = False
+            tier._queue_write(resident)

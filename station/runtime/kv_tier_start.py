@@ -59,7 +59,9 @@ def open_tier(engine: Any, settings: Any, io: KVIOProcess | None = None) -> dict
                                  shape.dtype, settings.kv_disk_bytes, area, _BUSY_WAIT_S,
                                  shared_scan_s=settings.kv_shared_scan_s if shared else None,
                                  yield_s=yield_to_decode_s(settings, engine.kv_cache.device),
-                                 rise_s=settings.kv_write_behind_s / 2)
+                                 rise_s=settings.kv_write_behind_s / 2,
+                                 quarantine_budget=settings.kv_quarantine_bytes,
+                                 tenant_share=settings.kv_session_tenant_share)
     except Exception as exc:  # an unusable directory, or no process: serve without the tier
         log.exception("kv_tier_open_failed", path=str(root))
         report["error"] = str(exc) if isinstance(exc, TierOpenFailed) else f"{type(exc).__name__}: {exc}"
@@ -68,6 +70,9 @@ def open_tier(engine: Any, settings: Any, io: KVIOProcess | None = None) -> dict
         return report
     sessions = [s for s in (disk_session(engine.kv, r) for r in records) if s is not None]
     engine.attach_disk_tier(io, stats, slots, sessions)
+    # This layout's directory; another layout's tier beside it is set aside, never touched.
+    report.update(path=stats.get("root", str(root)), layout=stats.get("layout"),
+                  other_layouts=stats.get("other_layouts", []))
     report.update(start_sessions=len(sessions), start_bytes=stats["bytes"],
                   start_quarantined=stats["quarantined_total"],
                   start_incomplete=stats["incomplete_sessions"])
@@ -115,6 +120,16 @@ def tier_report(start: dict[str, Any], stats: dict[str, Any]) -> dict[str, Any]:
             disk_budget_bytes=stats.get("disk_budget_bytes"), disk_blocks=stats.get("disk_blocks"),
             quarantined=stats.get("disk_quarantined_total"),
             quarantine_reasons=stats.get("disk_quarantined"),
+            # what quarantine/ keeps now (earlier runs' files too), and what its budget deleted
+            quarantine_kept=stats.get("disk_quarantine_kept"),
+            quarantine_kept_reasons=stats.get("disk_quarantine_kept_reasons"),
+            quarantine_kept_bytes=stats.get("disk_quarantine_kept_bytes"),
+            quarantine_budget_bytes=stats.get("disk_quarantine_budget_bytes"),
+            quarantine_deleted=stats.get("disk_quarantine_deleted"),
+            evicted_over_share=stats.get("disk_evicted_over_share"),
+            disk_full=stats.get("disk_disk_full"), disk_full_evicted=stats.get("disk_disk_full_evicted"),
+            root_lost=stats.get("disk_lost"), root_lost_sessions=stats.get("disk_lost_sessions"),
+            write_error=stats.get("disk_last_error"), write_error_at=stats.get("disk_last_error_at"),
             offloaded=stats.get("kv_sessions_offloaded"), lost=stats.get("kv_sessions_lost"),
             write_behind_lag_ms_p99=stats.get("write_behind_lag_ms_p99"),
             write_behind_queued=stats.get("write_behind_queued"), io_down=stats.get("kv_io_down"))

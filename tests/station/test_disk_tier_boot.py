@@ -190,7 +190,8 @@ def test_tier_files_are_private_under_any_umask(tiny_dir, layout, tmp_path):
     finally:
         os.umask(old)
     files = [p for p in root.rglob("*") if p.is_file()]
-    assert sorted(p.suffix for p in files) == ["", ".kvb", ".kvb", ".kvb", ".kvs"]  # lock
+    assert sorted(p.name if p.suffix in ("", ".json", ".lock") else p.suffix for p in files) == [
+        ".kvb", ".kvb", ".kvb", ".kvs", "layout.json", "layout.lock", "lock"]
     assert {p: stat.S_IMODE(p.stat().st_mode) for p in files} == {p: 0o600 for p in files}
     dirs = [root, *(p for p in root.rglob("*") if p.is_dir())]
     assert {p: stat.S_IMODE(p.stat().st_mode) for p in dirs} == {p: 0o700 for p in dirs}
