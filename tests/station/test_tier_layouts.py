@@ -13,6 +13,8 @@ import pytest
 
 from station.core.requests import Prefill
 from station.runtime.kv_store_layouts import LAYOUT_FILE, LAYOUTS_DIR
+from station.runtime.kv_tier_start import tier_report
+from supervisor.status import _kv_tier_lines
 from tests.station.test_disk_tier import TierEngine, tier_model
 from tests.station.test_paged_engine import prompt_of, reference
 from tests.support.kv_tier import tier_dir
@@ -64,6 +66,8 @@ def test_a_block_size_change_and_back_finds_every_session_and_touches_no_file(ti
         assert tag8 != tag4 and tag8.startswith("bs8-") and tag4.startswith("bs4-")
         assert t.report["path"] == str(model_dir / LAYOUTS_DIR / tag8)
         assert t.report["other_layouts"] == [tag4]
+        lines = _kv_tier_lines(tier_report(t.report, t.engine.stats()))
+        assert f"  set aside, untouched (another kv_block_size or KV layout): {tag4}" in lines
         assert t.report["start_sessions"] == 0 and t.report["start_quarantined"] == 0
         first8 = save_all(t, eight, "alice.b8")
         stats = t.engine.stats()

@@ -24,6 +24,7 @@ from station.runtime.kv_io_process import KVIOProcess
 from station.runtime.kv_store_layouts import LAYOUT_FILE
 from station.runtime.kv_tier_start import tier_report
 from supervisor.status import _kv_tier_lines
+from tests.station.test_tier_quarantine import metrics
 from tests.station.test_disk_tier import TierEngine, tier_model
 from tests.station.test_paged_engine import prompt_of, reference
 from tests.support.kv_tier import tier_dir
@@ -71,9 +72,8 @@ def test_the_tenant_share_holds_on_disk_against_a_flood(tiny, tmp_path):
         assert stats["write_behind_errors"] == 0 and stats["write_behind_done"] == 600
         assert stats["disk_evicted_sessions"] > 400 and stats["disk_bytes"] <= budget
         assert stats["disk_evicted_over_share"] == stats["disk_evicted_sessions"]
-        print("share:", {k: stats[k] for k in ("disk_evicted_sessions", "disk_evicted_over_share",
-                                                "disk_sessions", "disk_bytes")}, "budget", budget)
         assert tier_report(t.report, stats)["evicted_over_share"] == stats["disk_evicted_sessions"]
+        assert metrics(stats)["gnosis_kv_tier_evicted_over_share_total"] == stats["disk_evicted_sessions"]
     with TierEngine(loaded, state, 64, kv_disk_bytes=budget) as t:  # bob's, all still there
         for i, prompt in enumerate(bobs):
             again = t.generate(prompt, 3, tenant="bob", match_session=True)
@@ -95,9 +95,10 @@ def mount_tmpfs_launcher(mount_point: Path, size: str) -> list[str]:
     return launcher
 
 
-def test_a_full_filesystem_evicts_the_least_recently_used_and_writes_on(tiny, tmp_path):
+def test_a_full_filesystem_evicts_the_least_recently_used_and_writes_on(tiny, tmp_path, capfd):
     """A real ENOSPC: the tier's directory is a 256 KiB tmpfs (about 64 files of a page)
-    that only the I/O process sees, far below ``kv_disk_bytes``."""
+    that only the I/O process sees, far below ``kv_disk_bytes``. Its log says so in a
+    warning a time, without a traceback."""
     path, loaded = tiny
     state = tmp_path / "state"
     launcher = mount_tmpfs_launcher(tier_dir(state, loaded.fingerprint), "256k")
@@ -115,8 +116,9 @@ def test_a_full_filesystem_evicts_the_least_recently_used_and_writes_on(tiny, tm
         assert "ENOSPC" in report["write_error"] and report["error"] is None
         assert report["disk_sessions"] == 30 - report["disk_full_evicted"]
         assert any("DISK FULL" in line for line in _kv_tier_lines(report))
-        print("disk full:", {k: report[k] for k in ("disk_full", "disk_full_evicted", "disk_sessions",
-                                                      "disk_bytes", "write_error")})
+        served = metrics(stats)
+        assert served["gnosis_kv_tier_disk_full_total"] == report["disk_full"]
+        assert served["gnosis_kv_tier_disk_full_evicted_total"] == report["disk_full_evicted"]
         last = prompts[-1]  # the newest is on disk (and in the pool: a pool hit)
         for prompt in prompts[-6:-4]:  # evicted from the pool, still on disk
             again = t.generate(prompt, 2, match_session=True)
@@ -125,6 +127,9 @@ def test_a_full_filesystem_evicts_the_least_recently_used_and_writes_on(tiny, tm
         old = t.generate(prompts[0], 2, match_session=True)  # the disk made room with it
         assert old.one(Prefill).session_loaded is False
         assert t.generate(last, 2, match_session=True).one(Prefill).session_loaded is True
+    err = capfd.readouterr().err
+    assert err.count('"event": "kv_store_disk_full"') == report["disk_full"]
+    assert "Traceback" not in err and "kv_tier_write_failed" not in err
 
 
 def test_a_tier_directory_deleted_while_serving_is_recreated_and_reported(tiny, tmp_path):
@@ -145,6 +150,7 @@ def test_a_tier_directory_deleted_while_serving_is_recreated_and_reported(tiny, 
         assert (report["disk_sessions"], report["disk_only_sessions"]) == (2, 0)
         assert "recreated" in report["write_error"]
         assert any("TIER DIRECTORY DELETED 1 time(s)" in line for line in _kv_tier_lines(report))
+        assert metrics(t.engine.stats())["gnosis_kv_tier_root_lost_sessions_total"] == 4
         assert (root / LAYOUT_FILE).is_file() and len(list((root / "sessions").glob("*.kvs"))) == 2
         gone = t.generate(prompts[0], 3, match_session=True)  # disk-only, deleted with it
         assert gone.one(Prefill).session_loaded is False

@@ -14,6 +14,7 @@ import pytest
 
 from station.core.requests import Prefill
 from station.runtime.kv_tier_start import tier_report
+from host.scrape_metrics import tier_families
 from supervisor.status import _kv_tier_lines
 from tests.station.test_disk_tier import TierEngine, tier_model
 from tests.station.test_paged_engine import prompt_of, reference
@@ -30,6 +31,12 @@ def tiny(tmp_path_factory):
 def tier_files(root: Path, pattern: str = "*") -> list[Path]:
     return sorted(p for p in (root / "blocks").rglob(pattern) if p.is_file()) + sorted(
         p for p in (root / "sessions").glob(pattern) if p.is_file())
+
+
+def metrics(stats: dict) -> dict[str, float]:
+    """The ``gnosis_kv_tier_*{tier="disk"}`` samples ``/metrics`` would serve for ``stats``."""
+    return {sample.name: sample.value for family in tier_families(stats)
+            for sample in family.samples if sample.labels == {"tier": "disk"}}
 
 
 def damage(files: list[Path]) -> dict[str, bytes]:
@@ -61,6 +68,10 @@ def test_every_file_damaged_is_kept_in_quarantine_byte_for_byte(tiny, tmp_path):
         assert sum(report["quarantine_kept_reasons"].values()) == len(damaged)
         assert set(report["quarantine_kept_reasons"]) <= {"truncated", "checksum"}
         assert report["quarantine_kept_bytes"] == sum(map(len, damaged.values()))
+        served = metrics(t.engine.stats())
+        assert served["gnosis_kv_tier_quarantine_kept"] == len(damaged)
+        assert served["gnosis_kv_tier_quarantine_kept_bytes"] == report["quarantine_kept_bytes"]
+        assert served["gnosis_kv_tier_quarantine_deleted_total"] == 0
         lines = _kv_tier_lines(report)
         assert any(f"QUARANTINED {len(damaged)} file(s)" in line for line in lines), lines
         assert any(f"quarantine keeps {len(damaged)} file(s)" in line for line in lines), lines
@@ -69,15 +80,19 @@ def test_every_file_damaged_is_kept_in_quarantine_byte_for_byte(tiny, tmp_path):
 
     # A restart finds them kept (reason: earlier) and under a smaller budget trims the oldest.
     keep = sum(map(len, damaged.values())) // 2
+    moved_at = {p.name.rsplit(".", 1)[0]: p.stat().st_ctime_ns for p in (root / "quarantine").iterdir()}
     with TierEngine(loaded, state, 64, kv_quarantine_bytes=keep) as t:
         report = tier_report(t.report, t.engine.stats())
         deleted = report["quarantine_deleted"]
         assert deleted > 0 and report["quarantine_kept"] == len(damaged) - deleted
         assert report["quarantine_kept_bytes"] <= keep
         assert report["quarantine_kept_reasons"] == {"earlier": len(damaged) - deleted}
+        assert metrics(t.engine.stats())["gnosis_kv_tier_quarantine_deleted_total"] == deleted
     left = quarantined(root)
     assert len(left) == len(damaged) - deleted
     assert all(damaged[name] == data for name, data in left.items())
+    gone = set(moved_at) - set(left)  # the oldest went: none kept was quarantined before them
+    assert len(gone) == deleted and max(moved_at[n] for n in gone) <= min(moved_at[n] for n in left)
 
 
 def test_damaged_blocks_of_a_sound_manifest_are_kept_when_its_read_back_fails(tiny, tmp_path):
