@@ -8,6 +8,14 @@ Layout under ``root`` (directories 0700, files 0600: they hold every tenant's to
     quarantine/<original name>.<UTC time>   files that failed a check, moved intact
     lock                                     flock'd while a store has the root open
 
+``root`` is the store's KV layout's directory in the model's (``kv_store_layouts``): the
+model directory itself for the layout that claimed it (``layout.json``), else
+``layouts/<tag>`` in it; another layout's files are never opened. Quarantine keeps damaged
+files byte for byte under ``quarantine_budget_bytes`` (oldest deleted first, counted), and a
+block this store never wrote nor read is checked before it is deleted (a damaged one is
+quarantined instead). Eviction, a full filesystem and a deleted directory:
+``kv_store_pressure``.
+
 A fleet's **shared** tier (``shared=True``: a read-write-many volume every replica's store
 opens) differs in four ways: the lock is shared, not exclusive (a private store still
 cannot open a shared root, nor the reverse); a temp file or a block no manifest names is

@@ -207,11 +207,12 @@ class StoreListing:
         self._kept = {p: v for p, v in self._kept.items() if os.path.lexists(p)}
 
     def quarantine_stats(self) -> dict[str, object]:
+        kept = list(self._kept.values())  # one step under the GIL: the loader may quarantine
         reasons: dict[str, int] = {}
-        for _size, reason in self._kept.values():
+        for _size, reason in kept:
             reasons[reason] = reasons.get(reason, 0) + 1
-        return {"quarantine_kept": len(self._kept), "quarantine_kept_reasons": reasons,
-                "quarantine_kept_bytes": sum(size for size, _r in self._kept.values()),
+        return {"quarantine_kept": len(kept), "quarantine_kept_reasons": reasons,
+                "quarantine_kept_bytes": sum(size for size, _r in kept),
                 "quarantine_budget_bytes": self.quarantine_budget_bytes}
 
     def _trim_quarantine(self) -> None:

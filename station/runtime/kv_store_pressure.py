@@ -111,7 +111,8 @@ class StorePressure:
                 self.last_error = f"{errno.errorcode.get(exc.errno, exc.errno)}: {exc.strerror} " \
                                   f"(writing {path.name}, {self.index.bytes} bytes in the tier)"
                 self.last_error_at = time.time()
-                evicted = self._evict_one(tenant, keep)
+                # The filesystem holds no more than the tier has now: shares are of that.
+                evicted = self._evict_one(tenant, keep, min(self.disk_budget_bytes, self.index.bytes))
                 log.warning("kv_store_disk_full", file=path.name, tier_bytes=self.index.bytes,
                             evicted=evicted[0] if evicted else None)
                 if evicted is None:

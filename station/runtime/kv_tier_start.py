@@ -21,12 +21,14 @@ log = get_logger(__name__)
 
 def tier_root(state_dir: Path, fingerprint: str, shared_dir: str = "") -> Path:
     """``<state_dir>/kv-tier/<first 16 hex of the model fingerprint>``, or
-    ``<shared_dir>/<first 16 hex>`` for a tier a fleet shares."""
+    ``<shared_dir>/<first 16 hex>`` for a tier a fleet shares: the model's directory, in
+    which the store finds its KV layout's (``kv_store_layouts``; the report's ``path``)."""
     if shared_dir:
         return Path(shared_dir) / fingerprint[:16]
     return state_dir / "kv-tier" / fingerprint[:16]
 
 
+RISE_SHARE = 0.25  # of kv_write_behind_s: a save younger than that is written at kv_io_nice
 _BUSY_WAIT_S = 10.0  # a station that just died may leave its I/O process finishing a job
 
 
@@ -59,7 +61,7 @@ def open_tier(engine: Any, settings: Any, io: KVIOProcess | None = None) -> dict
                                  shape.dtype, settings.kv_disk_bytes, area, _BUSY_WAIT_S,
                                  shared_scan_s=settings.kv_shared_scan_s if shared else None,
                                  yield_s=yield_to_decode_s(settings, engine.kv_cache.device),
-                                 rise_s=settings.kv_write_behind_s / 2,
+                                 rise_s=rise_s(settings),
                                  quarantine_budget=settings.kv_quarantine_bytes,
                                  tenant_share=settings.kv_session_tenant_share)
     except Exception as exc:  # an unusable directory, or no process: serve without the tier
@@ -79,14 +81,22 @@ def open_tier(engine: Any, settings: Any, io: KVIOProcess | None = None) -> dict
     return report
 
 
+def rise_s(settings: Any) -> float:
+    """How long after a save its blocks are written at ``kv_io_nice``; later ones are written
+    at the station's priority. A quarter of the write-behind bound: the rest is left for the
+    write itself, whose fsyncs alone took about 0.45 s for a 512-token save beside a
+    saturating decode here (docs/engine.md, "The writer's priority rises")."""
+    return settings.kv_write_behind_s * RISE_SHARE
+
+
 def yield_to_decode_s(settings: Any, device: Any) -> float | None:
     """How long the writer waits for decode steps to pause before it writes a block beside
     them: where decode runs on the CPU (its threads take every core) at ``kv_io_nice = 19``,
-    half the write-behind bound, so that a save of typical size still lands within it; None
-    (no waiting) on a GPU, whose decode leaves the cores idle, or at a higher priority."""
+    until the writer's priority rises (``rise_s``); None (no waiting) on a GPU, whose decode
+    leaves the cores idle, or at a higher priority."""
     if settings.kv_io_nice != 19 or device.type != "cpu":
         return None
-    return settings.kv_write_behind_s / 2
+    return rise_s(settings)
 
 
 def disk_session(kv: Any, record: Any) -> DiskSession | None:
