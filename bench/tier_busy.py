@@ -11,7 +11,7 @@ alternate, at least ``BUSY_MIN_ROUNDS`` of each (one round's noise here is 10-20
   (``BOUNDED_PROMPT_TOKENS``) every ``kv_write_behind_s`` through a longer decode, what
   a busy conversation host sees; decode busy / idle, and the lag p99 against twice the
   bound. Run at the default ``kv_io_nice`` (19: the writer yields to decode until half the
-  bound, then rises to the station's priority) and at 0 (it never yields): which design
+  bound's first quarter, then rises to the station's priority) and at 0 (it never yields): which design
   costs decode least, measured side by side.
 * **a saturated writer** (info rows): saves of ``--prompt-tokens`` prompts queued back to
   back, one always waiting: more than the disk can take beside decode, so every save is
@@ -195,7 +195,7 @@ def bounded_figures(report: Report, settings, args, root: Path, session_bytes: f
             f"({size / 1e6:.1f} MB) every {bound} s through {BOUNDED_DECODE_TOKENS}-token decodes")
     report.add("decode beside a writer that meets its bound / idle", run.pairs.ratio, ">=", 0.9,
                f"kv_io_nice {settings.kv_io_nice} (the default: the writer yields to decode steps "
-               f"until kv_write_behind_s / 2 after a save, {run.stats.get('disk_write_yield_s')} s "
+               f"until kv_write_behind_s / 4 after a save, {run.stats.get('disk_write_yield_s')} s "
                f"of waiting in all, then writes at the station's priority); {load}, {run.saves} "
                f"saves, {run.written / 1e6:.1f} MB written; busy {run.pairs.median(0):.1f} tok/s, "
                f"idle {run.pairs.median(1):.1f} tok/s; {run.cpu_share}; {run.pairs.spread()}")

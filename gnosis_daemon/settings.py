@@ -138,7 +138,7 @@ class Settings:
     kv_host_bytes: int = 0
     # The CPU priority (nice, 0-19) the I/O process writes a young save at. 19 (and
     # SCHED_IDLE): it takes the cores decode leaves idle, and on a CPU host the writer waits
-    # for decode steps to pause. From kv_write_behind_s / 2 after a save on (or with half the
+    # for decode steps to pause. From kv_write_behind_s / 4 after a save on (or with half the
     # pool queued) the rest is written at the station's own priority, so saves land while
     # decode keeps every core busy; reads back always run at the station's priority.
     # 0: every write at the station's priority at once.

@@ -55,8 +55,8 @@ class Decoders:
 
 def test_sessions_ten_times_the_pool_saved_beside_decoding_streams_all_hit(tiny, tmp_path):
     """30 sessions totalling 10x the pool, sent back to back while 2 other streams decode,
-    at the default priority (kv_io_nice 19: the writer yields to decode steps until half
-    kv_write_behind_s after each save, then rises): none is dropped or lost, and each one
+    at the default priority (kv_io_nice 19: the writer yields to decode steps until a
+    quarter of kv_write_behind_s after each save, then rises): none is dropped or lost, and each one
     hits when asked again, from the pool or the disk, with the first greedy output."""
     path, loaded = tiny
     num_blocks = 96
@@ -80,10 +80,10 @@ def test_sessions_ten_times_the_pool_saved_beside_decoding_streams_all_hit(tiny,
 
 def test_a_save_older_than_half_the_bound_is_written_at_the_stations_priority(tiny, tmp_path):
     """Steps that never pause (the beat stamped far ahead): the save's blocks are written
-    by the writer thread at the station's priority once half kv_write_behind_s has gone."""
+    by the writer thread at the station's priority once a quarter of kv_write_behind_s has gone."""
     _, loaded = tiny
     prompt = prompt_of(2200, 23)  # 5 full blocks
-    with TierEngine(loaded, tmp_path / "state", 64, kv_write_behind_s=0.4) as t:
+    with TierEngine(loaded, tmp_path / "state", 64, kv_write_behind_s=0.8) as t:  # rises 0.2 s after a save
         t.generate(prompt, 3)  # into the prefix cache, no save
         t.engine.tier.io.beat.stamp(10 ** 9)
         assert call(t.engine, EngineCalls.kv_save, session_id="alice.risen", prefix_len=20,
@@ -91,7 +91,7 @@ def test_a_save_older_than_half_the_bound_is_written_at_the_stations_priority(ti
         t.expected_writes = 1
         t.settle()
         stats = t.engine.stats()
-        assert stats["disk_write_risen_blocks"] == 5 and stats["disk_write_yield_s"] >= 0.15
+        assert stats["disk_write_risen_blocks"] == 5 and stats["disk_write_yield_s"] >= 0.1
         assert stats["write_behind_late"] == 0
 
 
