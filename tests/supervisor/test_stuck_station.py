@@ -2,9 +2,10 @@
 (answered inline on the socket's trio thread) still answers; the supervisor restarts it.
 
 Both stalls are made the real way, with legitimately slow work and small bounds, no test
-hook: the tokenizer workers are held by two huge JSON schemas compiling (what took every
-worker in production), the engine thread by one long prefill chunk on a model big enough
-for it to take seconds on a CPU. A stuck station and a slow one look the same from the
+hook: the tokenizer workers are held by two embedding requests whose texts take seconds to
+encode (each 256 texts near the size bound: huge inputs holding every worker, as two huge
+schemas did in production), the engine thread by one long prefill chunk on a model big
+enough for it to take seconds on a CPU. A stuck station and a slow one look the same from the
 health op: the engine loop has not turned while work is pending, every tokenizer worker is
 on an old job; the bounds (``engine_stall_s``, ``tokenizer_stall_s``) tell them apart.
 """
@@ -24,14 +25,9 @@ from tests.supervisor.conftest import both_running, start_daemon, stop_daemon
 FRAME = 16 * 1024 * 1024
 
 
-def huge_schema(tag: int, properties: int = 2500) -> dict:
-    """A JSON schema xgrammar takes seconds to compile (about 8 s for 2500 properties on
-    one idle core with the tiny tokenizer), distinct per ``tag`` (no cache hit)."""
-    return {"type": "json_schema", "schema": {
-        "type": "object", "required": [f"t{tag}p{i}" for i in range(properties)],
-        "properties": {f"t{tag}p{i}": {"type": "string", "pattern": f"[a-z]{{{i % 7 + 1},"
-                                                                    f"{i % 13 + 9}}}x{i}"}
-                       for i in range(properties)}}}
+# The most texts one embed takes (256), each within the size bound (max_model_len 2048 in
+# SUPERVISION_ENV x 13 characters a token): about 6 s of encoding on an idle machine.
+SLOW_TEXTS = [("lorem ipsum dolor sit amet, " * 1000)[:25_000]] * 256
 
 
 async def _until(conn, predicate, timeout: float) -> dict:
@@ -52,10 +48,9 @@ def test_stuck_tokenizer_workers_fail_the_probe_and_the_station_is_restarted(
         async def wedge() -> tuple[dict, str]:
             async with open_station_client(sock, max_frame_bytes=FRAME) as conn, \
                     contextlib.AsyncExitStack() as streams:
-                for tag in (1, 2):  # both workers: every other request would wait behind them
+                for _ in range(2):  # both workers: every other request waits behind them
                     await streams.enter_async_context(conn.open_stream(
-                        "generate", {"tokens": [5, 6, 7], "max_tokens": 2,
-                                     "grammar": huge_schema(tag)}))
+                        "embed", {"texts": SLOW_TEXTS}))
                 health = await _until(conn, lambda h: h["serving"]["stalled"], 30)
                 with pytest.raises(ProbeFailed) as failed:
                     await station_health(sock, FRAME, 60.0, 1.0)
