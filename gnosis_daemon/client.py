@@ -59,8 +59,8 @@ class StreamOverflow(StationError):
     CODE = "client_too_slow"
 
     def __init__(self, limit: int) -> None:
-        super().__init__(self.CODE, f"the request's client took its stream too slowly: more "
-                         f"than {limit} bytes of it waited in the server, so it was ended")
+        super().__init__(self.CODE, f"The stream's client read it too slowly: more than "
+                         f"{limit} bytes of it waited in the server, so it was ended.")
 
 
 # Bytes one request's frames may take while they wait for its reader (DEFAULT: callers other
@@ -78,7 +78,7 @@ class _Inbox:
         self.bytes = 0
         self.overflowed = False
         self.closed = False
-        self._waiter: trio.Event | None = None
+        self._waiters: set[trio.Event] = set()  # readers waiting for a frame
 
     def put(self, frame: dict[str, Any], size: int, last: bool) -> bool:
         """Hold ``frame``; False (and the inbox emptied) when it does not fit."""
@@ -108,10 +108,22 @@ class _Inbox:
         self._frames.clear()
         self.bytes = 0
 
+    @property
+    def ready(self) -> bool:
+        """A frame, or the inbox's end, is here: ``get`` would not wait."""
+        return bool(self._frames) or self.overflowed or self.closed
+
     def _wake(self) -> None:
-        if self._waiter is not None:
-            self._waiter.set()
-            self._waiter = None
+        for waiter in self._waiters:
+            waiter.set()
+        self._waiters.clear()
+
+    async def wait(self, waiter: trio.Event) -> None:
+        self._waiters.add(waiter)
+        try:
+            await waiter.wait()
+        finally:
+            self._waiters.discard(waiter)
 
     async def get(self) -> dict[str, Any] | None:
         """The next frame; None when the connection closed first."""
@@ -120,8 +132,7 @@ class _Inbox:
                 raise StreamOverflow(self.limit)
             if self.closed:
                 return None
-            self._waiter = waiter = trio.Event()
-            await waiter.wait()
+            await self.wait(trio.Event())
         frame, size = self._frames.popleft()
         self.bytes -= size
         self._conn.buffered_bytes -= size
@@ -162,6 +173,24 @@ class StationStream:
         err = frame.get("error") or {}
         raise StationError(err.get("code", "internal"), err.get("message", ""),
                            bool(err.get("retryable")))
+
+
+async def first_ready(streams: list[StationStream]) -> int:
+    """The position in ``streams`` of one whose next frame (or end) is here, waiting for the
+    first to get one: several streams are read in the order their frames arrive, so none of
+    them waits in its inbox for another to end."""
+    while True:
+        for i, stream in enumerate(streams):
+            if stream.done or stream._inbox.ready:
+                return i
+        waiter = trio.Event()
+        for stream in streams:
+            stream._inbox._waiters.add(waiter)
+        try:
+            await waiter.wait()
+        finally:
+            for stream in streams:
+                stream._inbox._waiters.discard(waiter)
 
 
 class StationConnection:

@@ -21,13 +21,14 @@ import json
 import time
 from contextlib import AsyncExitStack
 from dataclasses import replace
-from typing import Any, AsyncIterator
+from typing import Any
 
 import trio
 from quart import Response
 
-from gnosis_daemon.client import StationConnection, StationError, StationStream
+from gnosis_daemon.client import StationConnection, StationError
 from host.gather import gather
+from host.generic_tools import generic_messages
 from gnosis_daemon.settings import Settings
 from host import errors, formatting, liquid, openai_api, sse
 from host.choices import PromptChoices
@@ -36,7 +37,13 @@ from host.liquid import LiquidOutcome
 from host.liquid_memory import LiquidMemory, Prepared
 from host.metrics import RequestRecord
 from host.station_link import StationLink
-from host.tool_calls import ToolCallParser, forced_grammar, parse_tool_calls
+from host.sse_body import gnosis as _gnosis
+from host.sse_body import max_calls as _max_calls
+from host.sse_body import next_event as _next
+from host.sse_body import note_result as _note_result
+from host.sse_body import station_error, stream_body
+from host.sse_body import total as _total
+from host.tool_calls import forced_grammar, parse_tool_calls
 
 
 def json_response(obj: dict[str, Any], status: int = 200,
@@ -117,7 +124,7 @@ async def complete(settings: Settings, link: StationLink, memory: LiquidMemory,
             opened.append((stream, first, prepared, outcome, prompt))
     except StationError as exc:
         raise station_error(exc, req) from None
-    body = _stream_body(opened, fmt, memory, record, req, parser)
+    body = stream_body(opened, fmt, memory, record, req, parser)
     response = Response(body, 200, {**sse.HEADERS, **liquid.headers(opened[0][3])})
     response.timeout = None  # a generation may outlast RESPONSE_TIMEOUT (60 s)
     return response
@@ -143,14 +150,6 @@ async def _echo_text(conn: StationConnection, req: openai_api.CompletionRequest)
     return result["text"]
 
 
-def _total(results: list[dict[str, Any]]) -> dict[str, Any]:
-    """The results of every prompt as one: each prompt counted once, every choice's tokens."""
-    total = dict(results[0])
-    for key in ("prompt_tokens", "completion_tokens", "cached_tokens"):
-        total[key] = sum(r.get(key, 0) for r in results)
-    return total
-
-
 def with_tools(req: openai_api.CompletionRequest,
                model: dict[str, Any]) -> tuple[openai_api.CompletionRequest, str | None]:
     """A chat request with tools: (the request, with the grammar that forces a call for
@@ -158,13 +157,17 @@ def with_tools(req: openai_api.CompletionRequest,
     parser). A station whose chat template does not render tools, or that names no parser
     (``tool_parser``), cannot take them: 400 on ``tools``."""
     tools = req.tools
+    parser = model.get("tool_parser")
+    if parser == "generic" and "messages" in req.station_args:  # the host writes the tools
+        args = {k: v for k, v in req.station_args.items() if k != "tools"}
+        args["messages"] = generic_messages(args["messages"], tools.tools if tools else None)
+        req = replace(req, station_args=args)
     if tools is None:
         return req, None
-    parser = model.get("tool_parser")
-    if not model.get("chat_template_tools"):
+    if parser != "generic" and not model.get("chat_template_tools"):
         raise errors.unsupported("tools", "cannot be used with the served model: its chat "
                                  "template does not render tools.")
-    if parser not in ("hermes", "mistral", "llama3"):
+    if parser not in ("hermes", "mistral", "llama3", "generic"):
         raise errors.unsupported("tools", "cannot be used with the served model: no tool-call "
                                  "parser is known for it (set the tool_parser setting).")
     if tools.forced:
@@ -174,25 +177,14 @@ def with_tools(req: openai_api.CompletionRequest,
 
 
 def check_grammar_support(req: openai_api.CompletionRequest, capabilities: dict[str, Any]) -> None:
-    """A grammar needs a station with ``structured_output`` (an older one would ignore it)."""
+    """A grammar needs a station with ``structured_output`` (an older one would ignore it),
+    and no stop strings (one would cut the output short before the grammar is complete)."""
+    if "grammar" in req.station_args and req.station_args.get("stop"):
+        raise errors.invalid_value("stop", f"cannot be used with {req.grammar_param}: a stop "
+                                   f"string would end the output before it is complete.")
     if "grammar" in req.station_args and not capabilities.get("structured_output"):
         raise errors.unsupported(req.grammar_param or "response_format", "cannot be enforced "
                                  "by this server's model station (it lacks structured_output).")
-
-
-def _max_calls(req: openai_api.CompletionRequest) -> int | None:
-    tools = req.tools
-    return 1 if tools is not None and (tools.named or not tools.parallel) else None
-
-
-def station_error(exc: StationError, req: openai_api.CompletionRequest) -> ApiError:
-    """A station error frame; a refused grammar or tools are blamed on their field."""
-    param = req.prompt_param
-    if exc.code == "bad_request" and "argument 'grammar'" in exc.message and req.grammar_param:
-        param = req.grammar_param
-    elif exc.code == "bad_request" and "'tools'" in exc.message:
-        param = "tools"
-    return errors.from_station(exc, param)
 
 
 def check_prompt_fits(req: openai_api.CompletionRequest, model: dict[str, Any],
@@ -255,13 +247,6 @@ def _too_long(req: openai_api.CompletionRequest, message: str) -> ApiError:
                     "context_length_exceeded")
 
 
-async def _next(stream: StationStream) -> dict[str, Any] | None:
-    try:
-        return await stream.__anext__()
-    except StopAsyncIteration:
-        return None
-
-
 def _outcome(memory: LiquidMemory, prepared: Prepared, first: dict[str, Any] | None,
              record: RequestRecord) -> LiquidOutcome:
     prefill = first if first is not None and first.get("type") == "prefill" else None
@@ -297,99 +282,3 @@ async def _run(conn: StationConnection, memory: LiquidMemory,
         prompt.echo_text = await _echo_text(conn, req)
     assert stream.result is not None
     return prepared, outcome, stream.result, prompt
-
-
-async def _stream_body(opened: list, fmt: formatting.Formatter, memory: LiquidMemory,
-                       record: RequestRecord, req: openai_api.CompletionRequest,
-                       parser: str | None) -> AsyncIterator[bytes]:
-    """Every prompt's stream in turn (the station runs them all at once: the streams
-    buffer); a request with tools (``parser``) streams content as it is known not to start
-    a call, each call when it is complete."""
-    tools: dict[int, ToolCallParser] = {}
-    completion_tokens = 0
-    results = []
-
-    def chunks(index: int, text: str, lps: dict | None, calls: Any = ()) -> list[bytes]:
-        out = [sse.event(fmt.delta_chunk(text, index, lps))] if text or lps else []
-        for call in calls:
-            at = tools[index].calls.index(call) if index in tools else 0
-            out += [sse.event(c) for c in fmt.tool_call_chunks(at, call.openai(), index)]
-        return out
-
-    for stream, first, prepared, outcome, prompt in opened:
-        for choice in prompt.choices:
-            role = fmt.role_chunk(choice.index)
-            if role is not None:
-                yield sse.event(role)
-            if parser is not None:
-                tools[choice.index] = ToolCallParser(parser, _max_calls(req))
-        try:
-            event = first
-            while event is not None:
-                choice, entries = prompt.on_event(event)
-                if event.get("type") == "prefill" and req.echo:
-                    for c in prompt.choices:
-                        for chunk in chunks(c.index, *prompt.echo(req.kind, c)):
-                            yield chunk
-                if event.get("type") == "tokens":
-                    count = len(event.get("token_ids") or ())
-                    record.on_tokens(count)
-                    completion_tokens += count
-                    record.completion_tokens = completion_tokens
-                    text = event.get("text") or ""
-                    calls: list = []
-                    if text and choice.index in tools:
-                        text, calls = tools[choice.index].feed(text)
-                    lps = choice.logprobs(req.kind, entries)
-                    for chunk in chunks(choice.index, text, lps, calls):
-                        yield chunk
-                event = await _next(stream)
-        except StationError as exc:
-            # Headers are gone: the error travels as an event, the way OpenAI streams report it.
-            record.outcome = f"error:{exc.code}"
-            error = errors.for_client(station_error(exc, req), record.request_id)
-            yield sse.event(error.body())
-            return
-        result = stream.result
-        assert result is not None
-        memory.on_result(prepared, result)
-        results.append(result)
-        for choice, part in zip(prompt.choices, prompt.results(result)):
-            reason = None
-            if choice.index in tools:
-                text, calls = tools[choice.index].finish()
-                for chunk in chunks(choice.index, text, None, calls):
-                    yield chunk
-                reason = "tool_calls" if tools[choice.index].calls else None
-            last = choice is prompt.choices[-1] and prompt is opened[-1][4]
-            gnosis = None
-            if last:
-                total = _total(results)
-                _note_result(record, total)
-                gnosis = _gnosis(opened[0][3], total)
-            yield sse.event(fmt.finish_chunk(reason or part["finish_reason"],
-                                             None if fmt.include_usage or not last else gnosis,
-                                             choice.index))
-    if fmt.include_usage:
-        usage = formatting.usage(total["prompt_tokens"], total["completion_tokens"],
-                                 total.get("cached_tokens", 0))
-        yield sse.event(fmt.usage_chunk(usage, gnosis))
-    record.outcome = "ok"
-    yield sse.DONE
-
-
-def _note_result(record: RequestRecord, result: dict[str, Any]) -> None:
-    record.finished_at = time.monotonic()
-    record.finish_reason = result.get("finish_reason")
-    record.prompt_tokens = result.get("prompt_tokens")
-    record.completion_tokens = result.get("completion_tokens")
-    record.cached_tokens = result.get("cached_tokens", 0)
-    record.ttft_ms = result.get("ttft_ms")
-
-
-def _gnosis(outcome: LiquidOutcome, result: dict[str, Any]) -> dict[str, Any]:
-    return liquid.gnosis_block(
-        outcome, prompt_tokens=result["prompt_tokens"],
-        completion_tokens=result["completion_tokens"],
-        cached_tokens=result.get("cached_tokens", 0), ttft_ms=result.get("ttft_ms"),
-        tokens_per_second=result.get("decode_tokens_per_s"))

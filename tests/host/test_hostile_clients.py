@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import socket
-import time
 
 import httpx
 import pytest
@@ -184,6 +183,26 @@ def test_a_stalled_stream_is_ended_its_slot_and_sequence_freed_and_counted(hosts
     assert '"http_client_stalled"' in log
 
 
+def test_a_stream_whose_generation_ended_unread_gives_its_slot_back(hosts):
+    """The generation is over (its answer waits in the host and the socket's buffers): the
+    slot is still held by the unread body until the stall bound ends it."""
+    port, base = hosts["stall"]["port"], hosts["stall"]["base"]
+    wait_for(lambda: _metrics(base)["gnosis_model_requests_inflight"] == 0, 60, "idle slots")
+    before = _metrics(base)["gnosis_stalled_responses_total"]
+    sock, status = _stalled_stream(port, VICTIM, {**HEAVY, "max_tokens": 48})
+    try:
+        assert status == 200
+        wait_for(lambda: (m := _metrics(base))["gnosis_stalled_responses_total"] > before
+                 or (m["gnosis_requests_running"] == 0
+                     and m["gnosis_model_requests_inflight"] == 1), 60,
+                 "the generation over, its slot held by the unread answer")
+        wait_for(lambda: (m := _metrics(base))["gnosis_model_requests_inflight"] == 0
+                 and m["gnosis_stalled_responses_total"] == before + 1, 60,
+                 "the unread answer ended and counted")
+    finally:
+        sock.close()
+
+
 def test_a_stream_nobody_reads_holds_at_most_its_buffer_in_the_host(hosts):
     port, base = hosts["buffer"]["port"], hosts["buffer"]["base"]
     sock, status = _stalled_stream(port, VICTIM, HEAVY)
@@ -211,6 +230,42 @@ def test_a_stream_nobody_reads_holds_at_most_its_buffer_in_the_host(hosts):
         sock.close()
 
 
+def test_a_client_reading_several_prompts_streams_is_never_cut(hosts):
+    """The prompts' streams are read as their frames arrive, not one after another: each
+    later prompt's frames would otherwise wait in its buffer (far past BUFFER_BYTES here)."""
+    base = hosts["buffer"]["base"]
+    before = _metrics(base).get("gnosis_stream_buffer_overflows_total", 0.0)
+    body = {"prompt": [LONG_PROMPT, [70, 71], [72, 73, 74]], "n": 4, "logprobs": 5,
+            "max_tokens": 600, "ignore_eos": True, "temperature": 1.0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    raw = b""
+    with httpx.stream("POST", base + "/v1/completions", json=body, timeout=120,
+                      headers={"Authorization": f"Bearer {VICTIM}"}) as r:
+        assert r.status_code == 200
+        for data in r.iter_bytes():
+            raw += data
+    # Split on the events' blank lines only (sampled text may hold U+2028, a line break to
+    # str.splitlines).
+    events = [e[len(b"data: "):].decode() for e in raw.split(b"\n\n") if e]
+    assert events[-1] == "[DONE]", events[-3:]
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert not [c for c in chunks if "error" in c]
+    finished = {c["choices"][0]["index"] for c in chunks
+                if c["choices"] and c["choices"][0].get("finish_reason")}
+    assert finished == set(range(12))
+    assert chunks[-1]["usage"]["completion_tokens"] == 12 * 600
+    tokens: dict[int, int] = {}
+    for c in chunks:
+        for choice in c["choices"]:
+            if choice.get("logprobs"):
+                tokens[choice["index"]] = tokens.get(choice["index"], 0) + \
+                    len(choice["logprobs"]["tokens"])
+    assert tokens == {i: 600 for i in range(12)}
+    after = _metrics(base)
+    assert after.get("gnosis_stream_buffer_overflows_total", 0.0) == before
+    assert after["gnosis_station_buffered_bytes"] == 0
+
+
 def test_content_length_with_transfer_encoding_closes_after_the_response(hosts):
     port = hosts["stall"]["port"]
     body = json.dumps({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1})
@@ -235,7 +290,7 @@ def test_content_length_with_transfer_encoding_closes_after_the_response(hosts):
 def test_pipelined_requests_still_share_a_connection(hosts):
     """The framing guard closes only after an ambiguous request."""
     port = hosts["stall"]["port"]
-    one = f"GET /livez HTTP/1.1\r\nHost: x\r\n\r\n".encode()
+    one = b"GET /livez HTTP/1.1\r\nHost: x\r\n\r\n"
     sock = _connect(port)
     try:
         sock.sendall(one + one + b"GET /livez HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
