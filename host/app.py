@@ -13,8 +13,10 @@ requests only ``graceful_timeout`` on shutdown, so that is set to ``drain_grace_
 Overload gets an answer, never a reset: the listening socket's accept queue is
 ``listen_backlog`` (hypercorn's own default of 100 overflows under a burst), the process may
 hold as many sockets as its hard file limit allows, a body over ``max_request_bytes`` is a
-413, and past ``max_inflight_requests`` completions and embeddings a request is answered 429
-with ``Retry-After`` at once instead of queueing in the host.
+413, and past ``max_inflight_requests`` completions and embeddings (or a tenant's share of
+them), counted once a body is read, a request is answered 429 with ``Retry-After`` at once
+instead of queueing in the host. A client that stops reading is cut below the app
+(``host.http_server``), as are ambiguous framing and protocol switches.
 """
 
 from __future__ import annotations
