@@ -6,11 +6,12 @@ context, with a callback that lets in exactly the configured client public keys.
 authenticator must run before the first bind: a CURVE socket whose context has no ZAP
 handler accepts every client that knows the server's public key. A refused client's
 handshake fails, so it never receives a message (PUB) nor gets a request through (replay
-ROUTER); each refusal is logged by the authenticator at debug level, with the key.
+ROUTER); refusals are counted and logged (``kv_events_client_refused``, with the key).
 """
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from gnosis_daemon.kv_event_keys import ZAP_DOMAIN, CurveKeys
@@ -20,15 +21,26 @@ log = get_logger(__name__)
 
 
 class _AllowedKeys:
-    """pyzmq's credentials provider: ``callback(domain, z85 key) -> bool``."""
+    """pyzmq's credentials provider: ``callback(domain, z85 key) -> bool``. Refusals are
+    counted and logged at most once every ``LOG_EVERY_S`` (a peer retrying its handshake
+    in a loop must not flood the log)."""
+
+    LOG_EVERY_S = 10.0
 
     def __init__(self, keys: CurveKeys) -> None:
         self._clients = keys.clients
+        self.refused = 0
+        self._logged_at = -self.LOG_EVERY_S
 
     def callback(self, domain: str, key: bytes) -> bool:
         allowed = domain == ZAP_DOMAIN and key in self._clients
         if not allowed:
-            log.warning("kv_events_client_refused", client_key=key.decode(errors="replace"))
+            self.refused += 1
+            now = time.monotonic()
+            if now - self._logged_at >= self.LOG_EVERY_S:
+                self._logged_at = now
+                log.warning("kv_events_client_refused", refused=self.refused,
+                            client_key=key.decode(errors="replace"))
         return allowed
 
 
