@@ -6,6 +6,7 @@ Layout under ``root`` (directories 0700, files 0600: they hold every tenant's to
     blocks/<2 hex>/<block hash hex>.kvb   one KV block, named by its chained block hash
     sessions/<sha256(session id)[:32]>.kvs  one session manifest
     quarantine/<original name>.<UTC time>   files that failed a check, moved intact
+    quarantine.json                          why each file in quarantine/ is there
     lock                                     flock'd while a store has the root open
 
 ``root`` is the store's KV layout's directory in the model's (``kv_store_layouts``): the

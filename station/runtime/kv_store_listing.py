@@ -5,6 +5,7 @@ rescan that learns what the other replicas wrote or removed since."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import time
@@ -15,11 +16,12 @@ from gnosis_daemon.logs import get_logger
 from station.core.block_pool import BlockHash
 from station.runtime.kv_store_format import (
     BLOCK_DIR, BLOCK_NAME, HASH_BYTES, SESSION_NAME, TMP_SUFFIX, Missing, Quarantined,
-    SessionRecord, Unreadable, block_relpath, decode_session,
+    SessionRecord, Unreadable, block_relpath, decode_session, write_atomic,
 )
 
 log = get_logger()
 
+QUARANTINE_REASONS = "quarantine.json"  # beside quarantine/: kept file name -> reason
 STALE_S = 600.0  # shared tier: another replica's temp file or unnamed block is this old at most
 
 
@@ -200,8 +202,28 @@ class StoreListing:
                 with contextlib.suppress(FileNotFoundError):
                     st = entry.stat(follow_symlinks=False)
                     kept.append((st.st_ctime_ns, Path(entry.path), _size_of(Path(entry.path), st)))
-        self._kept = {path: (size, "earlier") for _t, path, size in sorted(kept)}
-        self._trim_quarantine()  # a smaller budget than the last run's
+        reasons = self._read_reasons()
+        self._kept = {path: (size, reasons.get(path.name, "earlier")) for _t, path, size in sorted(kept)}
+        if self._trim_quarantine():  # a smaller budget than the last run's
+            self._save_reasons()
+
+    def _read_reasons(self) -> dict[str, str]:
+        """``quarantine.json``: why each kept file was quarantined, as the runs that did it
+        wrote (a file it does not name is ``earlier``)."""
+        try:
+            raw = json.loads((self.root / QUARANTINE_REASONS).read_text())
+        except (OSError, ValueError):
+            return {}
+        if not isinstance(raw, dict):
+            return {}
+        return {k: v for k, v in raw.items() if isinstance(k, str) and isinstance(v, str)}
+
+    def _save_reasons(self) -> None:
+        data = json.dumps({p.name: r for p, (_size, r) in self._kept.items()}, sort_keys=True)
+        try:
+            write_atomic(self.root / QUARANTINE_REASONS, [data.encode()])
+        except OSError as exc:  # the reasons are a courtesy: the files are what is kept
+            log.warning("kv_store_quarantine_reasons_unsaved", error=str(exc))
 
     def _forget_quarantine_gone(self) -> None:
         self._kept = {p: v for p, v in self._kept.items() if os.path.lexists(p)}
@@ -215,8 +237,10 @@ class StoreListing:
                 "quarantine_kept_bytes": sum(size for size, _r in kept),
                 "quarantine_budget_bytes": self.quarantine_budget_bytes}
 
-    def _trim_quarantine(self) -> None:
-        """Past ``quarantine_budget_bytes``, delete the oldest quarantined files (counted)."""
+    def _trim_quarantine(self) -> bool:
+        """Past ``quarantine_budget_bytes``, delete the oldest quarantined files (counted);
+        -> whether any went."""
+        trimmed = False
         while self._kept and sum(size for size, _r in self._kept.values()) > self.quarantine_budget_bytes:
             path, (size, reason) = next(iter(self._kept.items()))
             del self._kept[path]
@@ -226,6 +250,8 @@ class StoreListing:
             self.index.mark_dirty(self.quarantine_dir)
             log.warning("kv_store_quarantine_deleted", file=path.name, bytes=size, reason=reason,
                         budget_bytes=self.quarantine_budget_bytes)
+            trimmed = True
+        return trimmed
 
     def _quarantine(self, path: Path, exc: Quarantined) -> Quarantined:
         """Move ``path`` intact to quarantine/ and count it; returns ``exc``."""
@@ -246,6 +272,8 @@ class StoreListing:
             self.index.count_quarantined(exc.reason)
             self.index.mark_dirty(path.parent, self.quarantine_dir)
             self._trim_quarantine()
+            if exc.moved_to is not None:
+                self._save_reasons()
         log.warning("kv_store_quarantined", file=path.name, reason=exc.reason,
                     detail=exc.detail, moved_to=str(exc.moved_to) if exc.moved_to else None)
         return exc

@@ -117,3 +117,8 @@ def test_quarantine_deletes_its_oldest_files_past_its_budget(tmp_path):
         assert stats["quarantine_kept_bytes"] == sizes[2] + sizes[3]
     kept = sorted(p.name.split(".")[0] for p in (root / "quarantine").iterdir())
     assert kept == sorted(h.hex() for h in hashes[2:])  # the two read last
+    with open_store(root) as store:  # a restart still knows why (quarantine.json)
+        assert store.stats()["quarantine_kept_reasons"] == {"checksum": 2}
+    (root / "quarantine.json").unlink()
+    with open_store(root) as store:  # without it, the files are kept all the same
+        assert store.stats()["quarantine_kept_reasons"] == {"earlier": 2}

@@ -4,10 +4,12 @@ in ``quarantine/`` byte for byte as the damage left it, whether the start found 
 manifest), the budget's sweep of unnamed blocks did (the blocks of a quarantined
 manifest) or a read-back and the deletion of its session did; none is deleted. Past
 ``kv_quarantine_bytes`` the oldest quarantined files go, counted, and the report says how
-many files quarantine keeps and why (real engine, real I/O process, real files)."""
+many files quarantine keeps and why, across restarts too (real engine, real I/O process, real files)."""
 
 from __future__ import annotations
 
+import json
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -81,12 +83,16 @@ def test_every_file_damaged_is_kept_in_quarantine_byte_for_byte(tiny, tmp_path):
     # A restart finds them kept (reason: earlier) and under a smaller budget trims the oldest.
     keep = sum(map(len, damaged.values())) // 2
     moved_at = {p.name.rsplit(".", 1)[0]: p.stat().st_ctime_ns for p in (root / "quarantine").iterdir()}
+    why = {name.rsplit(".", 1)[0]: reason  # quarantine.json: each kept file's reason
+           for name, reason in json.loads((root / "quarantine.json").read_text()).items()}
+    assert sorted(why) == sorted(damaged)
     with TierEngine(loaded, state, 64, kv_quarantine_bytes=keep) as t:
         report = tier_report(t.report, t.engine.stats())
         deleted = report["quarantine_deleted"]
         assert deleted > 0 and report["quarantine_kept"] == len(damaged) - deleted
         assert report["quarantine_kept_bytes"] <= keep
-        assert report["quarantine_kept_reasons"] == {"earlier": len(damaged) - deleted}
+        kept_now = sorted(p.name.rsplit(".", 1)[0] for p in (root / "quarantine").iterdir())
+        assert report["quarantine_kept_reasons"] == dict(Counter(why[n] for n in kept_now))
         assert metrics(t.engine.stats())["gnosis_kv_tier_quarantine_deleted_total"] == deleted
     left = quarantined(root)
     assert len(left) == len(damaged) - deleted
