@@ -52,6 +52,10 @@ def test_station_disable_list():
         ({"GNOSIS_KV_IO_NICE": "20"}, "'kv_io_nice'"),
         ({"GNOSIS_KV_HOST_BYTES": "-1"}, "'kv_host_bytes'"),
         ({"GNOSIS_TOOL_PARSER": "xml"}, "'tool_parser'"),
+        ({"GNOSIS_MAX_INFLIGHT_TENANT_SHARE": "0"}, "'max_inflight_tenant_share'"),
+        ({"GNOSIS_MAX_INFLIGHT_TENANT_SHARE": "1.5"}, "'max_inflight_tenant_share'"),
+        ({"GNOSIS_STREAM_STALL_TIMEOUT_S": "0"}, "'stream_stall_timeout_s'"),
+        ({"GNOSIS_STREAM_BUFFER_BYTES": "0"}, "'stream_buffer_bytes'"),
     ],
 )
 def test_bad_values_name_the_setting(environ, needle):
