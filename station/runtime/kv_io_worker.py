@@ -258,8 +258,8 @@ class Worker:
             return
         try:
             self.store.check_root()
-        except OSError:
-            log.exception("kv_tier_root_check_failed")
+        except OSError as exc:  # could not make it again (yet): the next look tries again
+            log.warning("kv_tier_root_check_failed", error=str(exc))
         lost = self.store.take_lost()
         if lost:
             self.send({"kind": "lost", "lost": lost, "stats": self.stats()})

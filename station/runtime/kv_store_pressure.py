@@ -124,7 +124,7 @@ class StorePressure:
         """Recreate the tier's directories if they are gone; True if they were. The sessions
         whose manifests went with them leave the index (``take_lost``)."""
         with self._mutate:
-            if self.blocks_dir.is_dir() and self.sessions_dir.is_dir():
+            if not self._gone():
                 return False
             self.root, self.other_layouts = layout_root(self.model_dir, self.layout)
             for d in (self.blocks_dir, self.sessions_dir, self.quarantine_dir):
@@ -148,6 +148,17 @@ class StorePressure:
             log.error("kv_store_root_recreated", root=str(self.root), lost_sessions=len(lost),
                       marker=(self.model_dir / LAYOUT_FILE).exists())
             return True
+
+    def _gone(self) -> bool:
+        """A tier directory is not there (a volume that fails to answer is not gone)."""
+        for d in (self.blocks_dir, self.sessions_dir):
+            try:
+                os.stat(d)
+            except FileNotFoundError:
+                return True
+            except OSError:
+                return False
+        return False
 
     def take_lost(self) -> list[str]:
         """Sessions whose files were found gone since the last call."""
