@@ -52,7 +52,9 @@ class SessionFiles:
 def tier_dir(state_dir: Path, fingerprint: str) -> Path:
     """The disk tier of the model with ``fingerprint`` (hello's ``model.fingerprint``,
     ``model_layout(...).fingerprint``) under a station's state dir (``<runtime_dir>/state``
-    by default): the directory ``kv_tier_start.open_tier`` opens."""
+    by default): the directory ``kv_tier_start.open_tier`` opens, which holds the tier of
+    the KV layout that opened it first (``layout.json``; another layout's sits in
+    ``layouts/<tag>`` inside it, ``station.runtime.kv_store_layouts``)."""
     from station.runtime.kv_tier_start import tier_root
 
     return tier_root(Path(state_dir), fingerprint)
