@@ -173,6 +173,10 @@ def _keyword_problem(key: str, value: Any, schema: dict[str, Any], where: str) -
         return f"'{key}' with more than one schema at {where} is not supported (use 'anyOf')"
     elif key == "format" and (not isinstance(value, str) or value not in FORMATS):
         return f"'format': {value!r} at {where} is not supported"
+    elif key == "pattern" and ("minLength" in schema or "maxLength" in schema):
+        # xgrammar keeps the pattern and drops the lengths (with only a warning).
+        return (f"'pattern' with 'minLength' or 'maxLength' at {where} is not supported "
+                f"(put the lengths in the pattern: {{m,n}})")
     elif key == "multipleOf" and schema.get("type") != "integer":
         return f"'multipleOf' at {where} is supported only with \"type\": \"integer\""
     elif key == "$ref" and not (isinstance(value, str) and value.startswith("#")):

@@ -188,8 +188,6 @@ def apply_masks(logits: torch.Tensor, rows: list[int], grammars: list[SequenceGr
     vocab = grammars[0].compiled.tokenizer_info.vocab_size
     bitmask = xgr.allocate_token_bitmask(logits.shape[0], vocab)
     _batch.batch_fill_next_token_bitmask([g.matcher_now() for g in grammars], bitmask, rows)
-    for grammar, dead in zip(grammars, bitmask[rows].eq(0).all(dim=1).tolist()):
-        grammar.dead = dead  # every token masked: the sampled one is no choice
     global _backend
     mask = bitmask.to(logits.device, non_blocking=True)
     width = min(vocab, logits.shape[-1])
@@ -203,5 +201,9 @@ def apply_masks(logits: torch.Tensor, rows: list[int], grammars: list[SequenceGr
         _backend = "torch_native"
         xgr.apply_token_bitmask_inplace(logits, mask, vocab_size=width, indices=rows,
                                         backend=_backend)
+    index = torch.tensor(rows, device=logits.device)
     if logits.shape[-1] > vocab:  # logits past the tokenizer's ids are never grammatical
-        logits[torch.tensor(rows, device=logits.device), vocab:] = float("-inf")
+        logits[index, vocab:] = float("-inf")
+    dead = logits.index_select(0, index).amax(dim=-1) == float("-inf")
+    for grammar, none_left in zip(grammars, dead.tolist()):
+        grammar.dead = none_left  # every token masked: the sampled one is no choice

@@ -9,7 +9,9 @@ with the xgrammar ``CompiledGrammar`` of a checked spec:
    killed and the request is refused (``bad_request`` naming the setting); when the
    request is cancelled meanwhile (its client left, the station stops) the worker is killed
    too, so no compile outlives its request. Up to ``WORKERS`` compile at once; a killed one
-   is replaced at the next compile;
+   is replaced at the next compile. A worker starts in about 3 s (``import xgrammar``
+   imports torch), at the first grammar that is not cached; the bound counts from its
+   start's end;
 3. a spec that compiled in time is compiled in the station on the grammar thread
    (``trio.to_thread`` with a limiter of its own, never the tokenizer threads' limiter);
    xgrammar releases the GIL meanwhile.
@@ -135,7 +137,8 @@ class GrammarCompiles:
         except trio.TooSlowError:
             raise OpError(ErrorCode.INTERNAL, "the grammar compile worker did not start") from None
         finally:
-            if not ready:
+            if not ready:  # cancelled (its request went away) or broken
+                self.killed += 1
                 worker.kill()
         return worker
 

@@ -24,7 +24,7 @@ from station.runtime.model_loader import LoadedModel
 from station.runtime.tokenizing import Codec
 
 MAX_TOOLS = 128
-TOOL_PARSERS = ("hermes", "mistral", "llama3")
+TOOL_PARSERS = ("hermes", "mistral", "llama3", "generic")
 MESSAGE_KEYS = ("tool_calls", "tool_call_id", "name")
 
 
@@ -118,12 +118,15 @@ def template_text(loaded: LoadedModel) -> str:
 def tool_format(loaded: LoadedModel, setting: str = "auto") -> dict[str, Any]:
     """``{"chat_template_tools": bool, "tool_parser": name | None}`` for ``hello``: whether
     the template renders ``tools``, and the parser of its calls (``setting`` when it is not
-    ``auto``; ``none``: no parser, tools are refused)."""
+    ``auto``; ``none``: no parser, tools are refused). A template that renders no tools
+    gets the ``generic`` parser: the host writes the tools into the messages instead."""
     text = template_text(loaded)
     renders = "tools" in text
     if setting != "auto":
         return {"chat_template_tools": renders,
                 "tool_parser": None if setting == "none" else setting}
+    if not renders:  # the host describes the tools in the system prompt (host.generic_tools)
+        return {"chat_template_tools": False, "tool_parser": "generic" if text else None}
     parser = None
     if "<tool_call>" in text:
         parser = "hermes"

@@ -67,8 +67,8 @@ async def test_hello_fields(station, tiny_dir):
     assert model["eos_token_ids"] == [258]
     assert model["max_token_chars"] == len("<|endoftext|>")  # the longest token's string
     assert (model["device"], model["dtype"]) == ("cpu", "float32")
-    # ChatML without tools: no tools, no parser (the host refuses tools for this model)
-    assert (model["chat_template_tools"], model["tool_parser"]) == (False, None)
+    # ChatML without tools: the host writes them in the generic format (host.generic_tools)
+    assert (model["chat_template_tools"], model["tool_parser"]) == (False, "generic")
     caps = hello["capabilities"]
     assert caps["generate"] is True and set(caps.values()) == {True}  # absent, never false
     assert set(caps) == {"generate", "forward", "decode_next", "embed", "kv_session", "paged_kv",

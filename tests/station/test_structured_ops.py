@@ -59,7 +59,9 @@ def test_tool_format_from_the_template_or_the_setting():
         return SimpleNamespace(tokenizer=SimpleNamespace(chat_template=template))
 
     assert tool_format(loaded(CHATML_TEMPLATE)) == {"chat_template_tools": False,
-                                                     "tool_parser": None}
+                                                     "tool_parser": "generic"}
+    assert tool_format(loaded(CHATML_TEMPLATE), "none")["tool_parser"] is None
+    assert tool_format(loaded(None)) == {"chat_template_tools": False, "tool_parser": None}
     assert tool_format(loaded("{{ tools }}[TOOL_CALLS]"))["tool_parser"] == "mistral"
     assert tool_format(loaded("{{ tools }}<|python_tag|>"))["tool_parser"] == "llama3"
     assert tool_format(loaded(TOOLS_TEMPLATE), "llama3")["tool_parser"] == "llama3"
