@@ -157,14 +157,10 @@ class Settings:
     kv_events_endpoint: str = ""
     # An optional ZMQ ROUTER endpoint answering replay requests from the last batches.
     kv_events_replay_endpoint: str = ""
-    # CURVE (gnosis_daemon/kv_event_keys.py; with API keys, needed for a non-loopback
-    # endpoint): the station's secret key (a zmq.auth .key_secret file) and the clients let
-    # in (comma-separated Z85 public keys, public certificate files or directories of them).
-    kv_events_curve_secret_file: str = ""
-    kv_events_curve_client_keys: str = ""
-    # The host name /kv_event_sources advertises for an endpoint bound to a wildcard
-    # (tcp://*:5557); empty: this machine's host name. Never taken from a request.
-    kv_events_advertise_host: str = ""
+    # CURVE on both (gnosis_daemon/kv_event_keys.py): with API keys, needed off loopback.
+    kv_events_curve_secret_file: str = ""  # the station's secret: a zmq.auth .key_secret file
+    kv_events_curve_client_keys: str = ""  # clients let in: Z85 keys, .key files, dirs of them
+    kv_events_advertise_host: str = ""  # /kv_event_sources' host for a wildcard (else hostname)
     kv_events_queue: int = 10000  # events waiting for the sender; past it they are dropped
     kv_events_buffer_steps: int = 10000  # batches kept for replay
     # -- timeouts and supervision (seconds)
@@ -180,9 +176,8 @@ class Settings:
     max_fast_failures: int = 5
     drain_grace_s: float = 30.0
     stop_timeout_s: float = 10.0
-    # A stuck station fails its health check (restarted like a hung one): its engine loop has
-    # not turned for engine_stall_s with work pending, or every tokenizer worker has been
-    # on its job for tokenizer_stall_s.
+    # A stuck station fails its health check (restarted like a hung one): its engine loop not
+    # turned with work pending, or every tokenizer worker on one job, for this long.
     engine_stall_s: float = 60.0
     tokenizer_stall_s: float = 60.0
     # -- systemd (read from NOTIFY_SOCKET / WATCHDOG_USEC; never passed to children)
