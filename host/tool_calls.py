@@ -9,7 +9,9 @@ Families (the station's ``hello`` names the one its chat template teaches, or th
 - ``mistral``: ``[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]`` (the marker is a
   special token, so the text may start at ``[``), or ``[TOOL_CALLS]name[ARGS]{...}``;
 - ``llama3``: the output is a JSON object ``{"name": ..., "parameters": {...}}`` (or
-  several, separated by ``;``), optionally after ``<|python_tag|>``.
+  several, separated by ``;``), optionally after ``<|python_tag|>``;
+- ``generic`` (a template that renders no tools, ``host.generic_tools``): the output is one
+  JSON object ``{"tool_calls": [{"name": ..., "arguments": {...}}, ...]}``.
 
 ``ToolCallParser`` reads the output as it streams: text that cannot be the start of a call
 is content at once; text that may be (a prefix of a marker) is held back until it is known;
@@ -25,11 +27,12 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-PARSERS = ("hermes", "mistral", "llama3")
-_MARKER = {"hermes": "<tool_call>", "mistral": "[TOOL_CALLS]", "llama3": "<|python_tag|>"}
+PARSERS = ("hermes", "mistral", "llama3", "generic")
+_MARKER = {"hermes": "<tool_call>", "mistral": "[TOOL_CALLS]", "llama3": "<|python_tag|>",
+           "generic": '{"tool_calls"'}
 _HERMES_END = "</tool_call>"
 # The JSON forms may start the output without a marker (it is a special token, skipped).
-_BARE_JSON = {"hermes": "", "mistral": "[", "llama3": "{"}
+_BARE_JSON = {"hermes": "", "mistral": "[", "llama3": "{", "generic": "{"}
 MAX_WHITESPACE = 4  # consecutive whitespace characters a forced call's JSON may hold
 
 
@@ -140,9 +143,9 @@ class ToolCallParser:
         """Final: the whole rest is the mistral / llama3 calls, or content if it is not."""
         text, self._pending = self._pending, ""
         body = text.strip()
-        if body.startswith(self.marker):
+        if body.startswith(self.marker) and self.family != "generic":
             body = body[len(self.marker):].strip()
-        found = (_mistral(body) if self.family == "mistral" else _llama3(body))
+        found = {"mistral": _mistral, "llama3": _llama3, "generic": _generic}[self.family](body)
         if not found:
             return text
         for name, arguments in found:
@@ -197,6 +200,15 @@ def _llama3(body: str) -> list[tuple[Any, Any]] | None:
     return calls or None
 
 
+def _generic(body: str) -> list[tuple[Any, Any]] | None:
+    value = _loads(body)
+    calls = value.get("tool_calls") if isinstance(value, dict) and len(value) == 1 else None
+    if isinstance(calls, list) and calls and all(isinstance(c, dict) and "name" in c
+                                                 for c in calls):
+        return [(c["name"], c.get("arguments", {})) for c in calls]
+    return None
+
+
 def parse_tool_calls(text: str, family: str,
                      max_calls: int | None = None) -> tuple[str | None, list[ToolCall]]:
     """A whole completion -> (content, or None when it is only whitespace; the calls)."""
@@ -212,6 +224,7 @@ _FORCED = {  # family -> (prefix, call begin with {name}, call end, separator, s
     "hermes": ("", '<tool_call>\n{{"name": "{name}", "arguments": ', "}\n</tool_call>", "\n", ""),
     "mistral": ("[", '{{"name": "{name}", "arguments": ', "}", ", ", "]"),
     "llama3": ("", '{{"name": "{name}", "parameters": ', "}", "; ", ""),
+    "generic": ('{"tool_calls": [', '{{"name": "{name}", "arguments": ', "}", ", ", "]}"),
 }
 
 
