@@ -93,6 +93,26 @@ def test_status_text_shows_quarantined_files_loudly():
         HEALTHY, "  2 session(s) evicted before the write-behind reached disk"]
 
 
+def test_status_text_says_what_quarantine_keeps_a_full_disk_a_lost_directory_and_layouts():
+    kept = tier_report(quarantine_kept=7, quarantine_kept_reasons={"checksum": 4, "earlier": 3},
+                       quarantine_kept_bytes=3 * 1024 ** 2, quarantine_budget_bytes=1024 ** 3,
+                       quarantine_deleted=2)
+    assert tier_lines(kept) == [
+        HEALTHY, "  quarantine keeps 7 file(s) (checksum 4, earlier 3), 3.0 MiB of 1.0 GiB; "
+        "2 deleted past its budget"]
+    full = tier_report(disk_full=3, disk_full_evicted=5, write_error="ENOSPC: No space left on device")
+    assert tier_lines(full) == [
+        HEALTHY, "  DISK FULL 3 time(s): 5 session(s) evicted to make room; free space or lower "
+        "kv_disk_bytes", "  last disk error: ENOSPC: No space left on device"]
+    gone = tier_report(root_lost=1, root_lost_sessions=40, other_layouts=["bs8-float32-2x2x8x2x3"])
+    assert tier_lines(gone) == [
+        HEALTHY, "  TIER DIRECTORY DELETED 1 time(s) while serving: recreated, 40 session(s) lost",
+        "  set aside, untouched (another kv_block_size or KV layout): bs8-float32-2x2x8x2x3"]
+    quiet = tier_report(quarantine_kept=0, quarantine_deleted=0, disk_full=0, root_lost=0,
+                        write_error=None, other_layouts=[])
+    assert tier_lines(quiet) == [HEALTHY]
+
+
 def test_status_text_shows_a_disk_tier_that_could_not_be_opened():
     error = "FileExistsError: [Errno 17] File exists: '/s/kv-tier'"
     assert tier_lines(no_disk(error=error)) == [
