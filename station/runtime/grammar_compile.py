@@ -140,6 +140,8 @@ class GrammarCompiles:
             if not ready:  # cancelled (its request went away) or broken
                 self.killed += 1
                 worker.kill()
+                with trio.CancelScope(shield=True):
+                    await worker.process.wait()
         return worker
 
     def close(self) -> None:

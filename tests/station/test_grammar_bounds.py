@@ -167,8 +167,16 @@ def test_a_grammar_no_token_can_continue_ends_with_an_error(letters):
 
 # -- the time bound and cancellation (the worker process)
 def workers_of(pid: int) -> list[psutil.Process]:
-    return [p for p in psutil.Process(pid).children()
-            if "station.runtime.grammar_worker" in " ".join(p.cmdline())]
+    """The grammar workers still alive among ``pid``'s children (a zombie is dead)."""
+    alive = []
+    for child in psutil.Process(pid).children():
+        try:
+            if "station.runtime.grammar_worker" in " ".join(child.cmdline()) \
+                    and child.status() != psutil.STATUS_ZOMBIE:
+                alive.append(child)
+        except (psutil.ZombieProcess, psutil.NoSuchProcess):
+            pass
+    return alive
 
 
 def test_a_compile_past_the_time_bound_is_refused_and_its_worker_killed(tiny):
@@ -182,7 +190,7 @@ def test_a_compile_past_the_time_bound_is_refused_and_its_worker_killed(tiny):
         assert "grammar_compile_timeout_s" in info.value.message
         assert time.monotonic() - started < 30  # the worker's start, then 0.5 s
         assert compiles.killed == 1 and not workers_of(psutil.Process().pid)
-        small = await compiles.compile(check_grammar({"type": "json_object"}))  # a new worker
+        small = await compiles.compile(check_grammar({"type": "regex", "regex": "t[0-9]"}))
         assert small is not None and len(workers_of(psutil.Process().pid)) == 1
         compiles.close()
 
@@ -194,7 +202,7 @@ def test_a_cancelled_compile_kills_its_worker(tiny):
     compiles = GrammarCompiles(loaded, timeout_s=300)
 
     async def main():
-        await compiles.compile(check_grammar({"type": "json_object"}))  # the worker is up
+        await compiles.compile(check_grammar({"type": "regex", "regex": "c[0-9]"}))  # one is up
         assert len(workers_of(psutil.Process().pid)) == 1
         with trio.move_on_after(1) as scope:  # the client leaves while it compiles (~40 s)
             await compiles.compile(check_grammar(wide_schema(4000)))
@@ -202,6 +210,50 @@ def test_a_cancelled_compile_kills_its_worker(tiny):
         assert not workers_of(psutil.Process().pid)
 
     trio.run(main)
+
+
+def test_slow_compiles_leave_the_tokenizer_threads_free_and_die_with_their_connection(
+        tiny, tmp_path):
+    """Two slow compiles (about 10 s each) once held both tokenizer threads: now a tokenize
+    is answered while they run, and closing their connection kills their workers."""
+    path, _ = tiny
+    station = start_station(path, tmp_path / "rt")
+    try:
+        async def main():
+            ended, leaving = [], trio.CancelScope()
+
+            async def slow(conn, k: int):
+                async with conn.open_stream("generate", {
+                        "tokens": [1, 2], "max_tokens": 2,
+                        "grammar": wide_schema(1990 + k)}) as stream:
+                    async for _ in stream:
+                        pass
+                ended.append(k)
+
+            async def client():
+                with leaving:  # cancelled: the connection closes, as a host's would
+                    async with open_station_client(station.socket) as conn:
+                        async with trio.open_nursery() as inner:
+                            inner.start_soon(slow, conn, 0)
+                            inner.start_soon(slow, conn, 1)
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(client)
+                with trio.fail_after(60):
+                    while len(workers_of(station.proc.pid)) < 2:
+                        await trio.sleep(0.1)
+                async with open_station_client(station.socket) as other:
+                    with trio.fail_after(10):
+                        got = await other.request("tokenize", {"text": "hello"})
+                assert len(got["tokens"]) == 5 and not ended  # still compiling
+                leaving.cancel()
+            with trio.fail_after(10):
+                while workers_of(station.proc.pid):
+                    await trio.sleep(0.1)
+
+        trio.run(main)
+    finally:
+        assert station.stop() == 0
 
 
 def test_over_the_node_bound_is_refused_at_once_while_others_are_served(tiny, tmp_path):
