@@ -21,6 +21,7 @@ from gnosis_daemon.settings import Settings
 from host import errors, openai_api, sse
 from host.completions import json_response
 from host.errors import ApiError
+from host.generic_tools import generic_messages
 from host.fields import as_object, check_known, default_only, is_bool, is_list, present
 from host.request_scope import current
 from host.station_link import StationLink
@@ -151,7 +152,13 @@ def render_args(body: Any) -> dict[str, Any]:
 
 async def station_tokens(link: StationLink, args: dict[str, Any], param: str,
                          request_id: str) -> list[int]:
-    """The station's ``tokenize`` answer; errors as OpenAI's."""
+    """The station's ``tokenize`` answer; errors as OpenAI's. On a model with the generic
+    tool format the tools, calls and results are written into the messages, as a chat
+    completion's are (``host.generic_tools``)."""
+    if "messages" in args and ((link.hello or {}).get("model") or {}).get("tool_parser") == "generic":
+        tools = args.get("tools")
+        args = {k: v for k, v in args.items() if k != "tools"}
+        args["messages"] = generic_messages(args["messages"], tools)
     try:
         result = await link.current().request("tokenize", args, rid=request_id)
     except StationError as exc:

@@ -163,3 +163,13 @@ def test_a_9000_property_schema_is_a_quick_400_while_another_chat_is_served(clie
     assert results["huge"]["param"] == "response_format"
     assert "grammar_max_nodes" in results["huge"]["message"]
     assert results["other"] in ("stop", "length")
+
+
+def test_tokenize_with_tools_counts_the_prompt_a_completion_prefills(client):
+    import httpx
+
+    base = str(client.base_url).rstrip("/").removesuffix("/v1")
+    got = httpx.post(f"{base}/tokenize", json={"messages": USER, "tools": TOOLS}, timeout=60)
+    assert got.status_code == 200, got.text
+    resp = create(client, tools=TOOLS, temperature=0, max_tokens=1)
+    assert got.json()["count"] == resp.usage.prompt_tokens
