@@ -53,7 +53,20 @@ def message(exc: BaseException) -> str:
     return text[:500]
 
 
+def _die_with_parent() -> None:
+    """SIGKILL this worker when the station dies (Linux ``PR_SET_PDEATHSIG``): an orphan
+    would go on compiling; elsewhere stdin's end stops it after the compile."""
+    try:
+        import ctypes
+        import signal
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)
+    except (OSError, AttributeError):
+        pass
+
+
 def main() -> None:
+    _die_with_parent()
     import xgrammar
 
     stdin, stdout = sys.stdin.buffer, sys.stdout
