@@ -14,8 +14,8 @@ GOOD_SCHEMA = {
                         "required": ["x"]}},
     "type": "object", "title": "T", "description": "d",
     "properties": {"p": {"$ref": "#/$defs/point"},
-                   "s": {"type": "string", "pattern": "^[a-z]+$", "minLength": 1,
-                         "format": "date"},
+                   "s": {"type": "string", "pattern": "^[a-z]+$", "format": "date"},
+                   "l": {"type": "string", "minLength": 1, "maxLength": 9},
                    "n": {"type": "integer", "minimum": 0, "multipleOf": 2},
                    "m": {"type": ["integer", "null"]},
                    "a": {"type": "array", "items": {"enum": [1, "x", None]}, "maxItems": 3},
@@ -49,6 +49,8 @@ def test_good_specs_pass():
     ({"type": "strin"}, "'type' at / must name JSON types, got 'strin'"),
     ({"$defs": {"d": {"anyOf": [{"not": {}}]}}}, "'not' at /$defs/d/anyOf/0"),
     ({"required": "a"}, "'required' at / must be an array of strings"),
+    # xgrammar keeps the pattern and drops the lengths, with only a warning
+    ({"type": "string", "pattern": "^a+$", "maxLength": 3}, "'pattern' with 'minLength' or"),
 ])
 def test_unenforceable_schema_features_are_named(schema, problem):
     assert problem in schema_problem(schema)
@@ -81,3 +83,15 @@ def test_bad_specs_are_named(spec, words):
     with pytest.raises(GrammarSpecError, match=None) as info:
         check_grammar(spec)
     assert words in str(info.value)
+
+
+def test_the_node_bound_counts_every_json_value():
+    from gnosis_daemon.grammar_spec import count_nodes
+
+    assert count_nodes({"a": [1, 2, {"b": None}]}, 100) == 6  # the map, list, 1, 2, map, null
+    assert count_nodes(list(range(10**6)), 50) == 51  # stops past the limit
+    wide = {"type": "json_schema", "schema": {"type": "object", "properties": {
+        f"p{i}": {"type": "integer"} for i in range(9000)}}}
+    assert check_grammar(wide) is wide
+    with pytest.raises(GrammarSpecError, match="more than 4096 JSON values .*grammar_max_nodes"):
+        check_grammar(wide, 4096)

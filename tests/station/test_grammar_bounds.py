@@ -89,6 +89,24 @@ def test_200_samples_at_temperature_1_all_parse_and_validate(tiny):
         jsonschema.validate(json.loads(text), SCHEMA)
 
 
+def test_at_temperature_2_too_and_max_tokens_cuts_short_with_length(tiny):
+    _, loaded = tiny
+    compiled = grammars_for(loaded).compile(check_grammar({"type": "json_schema", "schema": SCHEMA}))
+    with engine_for(loaded, num_blocks=512) as engine:
+        events = run_all(engine, [
+            ("hot", prompt_of(7, 6), SamplingParams(max_tokens=120, temperature=2.0, seed=2),
+             compiled, 10),
+            ("short", prompt_of(8, 6), SamplingParams(max_tokens=5, temperature=1.0, seed=3),
+             compiled, 1)])
+    for rid, choice in events.items():
+        tokens = [e.token_id for e in choice if isinstance(e, Token)]
+        if rid == "short":
+            assert choice[-1].finish_reason == "length" and len(tokens) == 5
+            continue
+        assert choice[-1].finish_reason == "stop" and tokens[-1] == 258
+        jsonschema.validate(json.loads(loaded.tokenizer.decode(tokens[:-1])), SCHEMA)
+
+
 def test_special_tokens_are_never_grammatical(tiny):
     _, loaded = tiny
     import xgrammar as xgr
