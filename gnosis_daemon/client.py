@@ -177,12 +177,15 @@ class StationStream:
 
 async def first_ready(streams: list[StationStream]) -> int:
     """The position in ``streams`` of one whose next frame (or end) is here, waiting for the
-    first to get one: several streams are read in the order their frames arrive, so none of
-    them waits in its inbox for another to end."""
+    first to get one. Of several, the one with the most bytes waiting (an end first): when
+    frames come faster than they are taken, every stream falls behind alike, and none
+    waits in its inbox for another to end."""
     while True:
-        for i, stream in enumerate(streams):
-            if stream.done or stream._inbox.ready:
-                return i
+        ready = [i for i, stream in enumerate(streams) if stream.done or stream._inbox.ready]
+        if ready:
+            return max(ready, key=lambda i: (streams[i].done or streams[i]._inbox.overflowed
+                                             or streams[i]._inbox.closed,
+                                             streams[i]._inbox.bytes))
         waiter = trio.Event()
         for stream in streams:
             stream._inbox._waiters.add(waiter)

@@ -63,10 +63,11 @@ class Settings:
     # socket's buffers are full) is ended, its connection closed and its station request
     # cancelled, so its slot is free again; counted in gnosis_stalled_responses_total.
     stream_stall_timeout_s: float = 30.0
-    # Station frames (bytes on the station socket) the host holds for one request that its
-    # client has not taken yet; past it that request alone is ended (its station request
-    # cancelled, an error event to its stream), the station link reads on for the others.
-    stream_buffer_bytes: int = 4 * 1024 * 1024
+    # Station frames (bytes on the station socket; decoded, about 7 times that in memory)
+    # the host holds for one request that its client has not taken yet; past it that request
+    # alone is ended (its station request cancelled, an error event to its stream), the
+    # station link reads on for the others.
+    stream_buffer_bytes: int = 1024 * 1024
     # -- API keys: when either is set every /v1 route needs "Authorization: Bearer <key>"
     api_keys: str = ""  # comma-separated (a list in TOML); GNOSIS_API_KEYS
     # Sent as X-Gnosis-Replica on every response, so a client behind a router (and the

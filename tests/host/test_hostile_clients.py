@@ -44,7 +44,8 @@ def hosts(tmp_path_factory, tiny_llama):
     station = spawn("station", runtime_dir, root / "station.log", "--model", str(tiny_llama))
     common = {"GNOSIS_MAX_INFLIGHT_REQUESTS": str(LIMIT), "THOTH_LIQUID_MEMORY": "0",
               "GNOSIS_API_KEYS": f"{ATTACKER},{VICTIM}"}
-    settings = {"stall": {"GNOSIS_STREAM_STALL_TIMEOUT_S": str(STALL_S)},
+    settings = {"stall": {"GNOSIS_STREAM_STALL_TIMEOUT_S": str(STALL_S),
+                          "GNOSIS_STREAM_BUFFER_BYTES": str(64 * 1024 * 1024)},
                 "buffer": {"GNOSIS_STREAM_BUFFER_BYTES": str(BUFFER_BYTES),
                            "GNOSIS_STREAM_STALL_TIMEOUT_S": "600"}}
     procs, out = [station], {"station": station, "root": root}
@@ -235,8 +236,8 @@ def test_a_client_reading_several_prompts_streams_is_never_cut(hosts):
     later prompt's frames would otherwise wait in its buffer (far past BUFFER_BYTES here)."""
     base = hosts["buffer"]["base"]
     before = _metrics(base).get("gnosis_stream_buffer_overflows_total", 0.0)
-    body = {"prompt": [LONG_PROMPT, [70, 71], [72, 73, 74]], "n": 4, "logprobs": 5,
-            "max_tokens": 600, "ignore_eos": True, "temperature": 1.0, "stream": True,
+    body = {"prompt": [LONG_PROMPT, [70, 71], [72, 73, 74]], "n": 8, "max_tokens": 600,
+            "ignore_eos": True, "temperature": 1.0, "stream": True,
             "stream_options": {"include_usage": True}}
     raw = b""
     with httpx.stream("POST", base + "/v1/completions", json=body, timeout=120,
@@ -252,15 +253,8 @@ def test_a_client_reading_several_prompts_streams_is_never_cut(hosts):
     assert not [c for c in chunks if "error" in c]
     finished = {c["choices"][0]["index"] for c in chunks
                 if c["choices"] and c["choices"][0].get("finish_reason")}
-    assert finished == set(range(12))
-    assert chunks[-1]["usage"]["completion_tokens"] == 12 * 600
-    tokens: dict[int, int] = {}
-    for c in chunks:
-        for choice in c["choices"]:
-            if choice.get("logprobs"):
-                tokens[choice["index"]] = tokens.get(choice["index"], 0) + \
-                    len(choice["logprobs"]["tokens"])
-    assert tokens == {i: 600 for i in range(12)}
+    assert finished == set(range(24))
+    assert chunks[-1]["usage"]["completion_tokens"] == 24 * 600
     after = _metrics(base)
     assert after.get("gnosis_stream_buffer_overflows_total", 0.0) == before
     assert after["gnosis_station_buffered_bytes"] == 0
