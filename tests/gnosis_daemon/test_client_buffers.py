@@ -111,3 +111,23 @@ async def test_first_ready_reads_streams_as_their_frames_arrive(socket_path):
                 assert counts == {one.request_id: 100, two.request_id: 100}
                 assert conn.overflows == 0
         nursery.cancel_scope.cancel()
+
+
+async def test_first_ready_takes_the_fullest_stream_first():
+    """Frames coming faster than they are taken: the stream with the most bytes waiting is
+    read next, so every stream falls behind alike (never prompt 0 alone, in turn)."""
+    from types import SimpleNamespace
+
+    from gnosis_daemon.client import _Inbox
+
+    conn = SimpleNamespace(buffered_bytes=0, buffered_frames=0, peak_request_bytes=0)
+    streams = [StationStream(i, _Inbox(conn, LIMIT)) for i in range(3)]  # type: ignore[arg-type]
+    for _ in range(3):
+        streams[0]._inbox.put({"kind": "event"}, 100, last=False)
+    streams[1]._inbox.put({"kind": "event"}, 1000, last=False)
+    assert await first_ready(streams) == 1
+    await streams[1].__anext__()
+    assert await first_ready(streams) == 0
+    streams[2]._inbox.close()  # an end is read before any frame
+    assert await first_ready(streams) == 2
+    assert conn.buffered_bytes == 300 and conn.buffered_frames == 3
