@@ -134,7 +134,7 @@ def create_app(settings: Settings, link: StationLink,
         if settings.replica_name:  # which replica of a fleet answered (behind a router)
             response.headers["X-Gnosis-Replica"] = settings.replica_name
         if _body_unread():
-            # Answered before the body was read (401, 413, 429...): the rest of the body is
+            # Answered before the body was read (401, 413, a 404...): the rest of the body is
             # still coming, and a client reusing the connection would wait behind it.
             response.headers["Connection"] = "close"
         return response

@@ -30,7 +30,7 @@ class RequestConnection(TrioASGIHTTPConnection):
 
     quart-trio cancels the request's task as soon as the ASGI server reports the client
     gone, and hypercorn reports that from inside the response's last send when it closes
-    the connection (a response sent before the request body was read: 401, 413, 429). A
+    the connection (a response sent before the request body was read: 401, 413). A
     cancel there aborts hypercorn's close and leaves the socket open and unread, so once the
     last body message is being sent the disconnect no longer cancels: the task ends by itself.
     """
