@@ -10,7 +10,9 @@ handler and says where the handler runs. The trio thread only decodes frames, ru
 chat-template work (``tokenize``, ``detokenize``, a text or chat prompt, ``embed`` texts)
 runs on worker threads (``_text_work``, at most ``TEXT_THREADS`` at once), and the model runs
 on the engine thread. A request whose arguments are being tokenized is in
-``Connection.preparing`` and can be cancelled there.
+``Connection.preparing`` and can be cancelled there; so is one whose grammar is being
+compiled (``station.runtime.grammar_compile``: in a worker process, then on the grammar
+thread, never on the tokenizer threads), and cancelling it kills its compile's process.
 
 Error handling: a frame that decodes but breaks the protocol gets an error frame and the
 connection keeps working; a frame that cannot be decoded (or is too big) gets an error
