@@ -77,6 +77,8 @@ class GrammarCompiles:
         self._thread = trio.CapacityLimiter(1)
         self._info: str | None = None  # the tokenizer info, serialized once
         self.killed = 0  # workers killed (past the bound, or their request cancelled)
+        self.timed_out = 0  # of which past the bound
+        self.probed = 0  # specs compiled in a worker in time
 
     async def _grammars(self) -> Grammars:
         """The model's ``Grammars``: made once on a thread (building xgrammar's view of the
@@ -106,6 +108,7 @@ class GrammarCompiles:
                 reply = await worker.receive()
                 kept = True
             if not kept:
+                self.timed_out += 1
                 log.warning("grammar_compile_timeout", timeout_s=self.timeout_s,
                             waited_s=round(time.monotonic() - started, 3))
                 raise OpError(ErrorCode.BAD_REQUEST, f"argument 'grammar' did not compile "
@@ -119,6 +122,7 @@ class GrammarCompiles:
                 worker.kill()
                 with trio.CancelScope(shield=True):
                     await worker.process.wait()
+        self.probed += 1
         if not reply.get("ok"):
             raise OpError(ErrorCode.BAD_REQUEST,
                           f"argument 'grammar' cannot be compiled: {reply.get('error')}")
@@ -145,6 +149,11 @@ class GrammarCompiles:
                 with trio.CancelScope(shield=True):
                     await worker.process.wait()
         return worker
+
+    def figures(self) -> dict[str, int]:
+        """For the station's ``stats``: compiles in a worker, past the bound, workers killed."""
+        return {"probed": self.probed, "timed_out": self.timed_out, "workers_killed": self.killed,
+                "workers_idle": len(self._idle)}
 
     def close(self) -> None:
         """Kill the idle workers (the station stops)."""

@@ -58,7 +58,8 @@ def health(server: StationServer, conn: Connection, args: None) -> dict[str, Any
 def stats(server: StationServer, conn: Connection, args: None) -> dict[str, Any]:
     stats = server.engine.stats()
     return {**stats, "connections": server.num_connections,
-            "kv_tier": tier_report(server.kv_tier or {}, stats)}
+            "kv_tier": tier_report(server.kv_tier or {}, stats),
+            "grammar_compiles": server.grammar_compiles.figures()}
 
 
 def parse_cancel(ctx: OpContext, args: dict[str, Any]) -> int | str:

@@ -210,6 +210,8 @@ def test_a_compile_past_the_time_bound_is_refused_and_its_worker_killed(tiny):
         assert compiles.killed == 1 and not workers_of(psutil.Process().pid)
         small = await compiles.compile(check_grammar({"type": "regex", "regex": "t[0-9]"}))
         assert small is not None and len(workers_of(psutil.Process().pid)) == 1
+        assert compiles.figures() == {"probed": 1, "timed_out": 1, "workers_killed": 1,
+                                      "workers_idle": 1}
         compiles.close()
 
     trio.run(main)

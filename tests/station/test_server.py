@@ -85,6 +85,8 @@ async def test_health_and_stats(station):
     assert health["status"] == "ok" and health["pid"] == station.proc.pid
     assert health["uptime_s"] > 0 and health["running"] == 0 and health["waiting"] == 0
     assert stats["running"] == 0 and stats["connections"] >= 1
+    assert set(stats["grammar_compiles"]) == {"probed", "timed_out", "workers_killed",
+                                              "workers_idle"}
 
 
 async def test_tokenize_detokenize(station, tok):
