@@ -173,7 +173,12 @@ def _keyword_problem(key: str, value: Any, schema: dict[str, Any], where: str) -
         return f"'{key}' with more than one schema at {where} is not supported (use 'anyOf')"
     elif key == "format" and (not isinstance(value, str) or value not in FORMATS):
         return f"'format': {value!r} at {where} is not supported"
-    elif key == "pattern" and ("minLength" in schema or "maxLength" in schema):
+    elif key == "format" and any(k in schema for k in ("pattern", "minLength", "maxLength")):
+        # xgrammar enforces the format and drops the others (the lengths with a warning).
+        return (f"'format' with 'pattern', 'minLength' or 'maxLength' at {where} is not "
+                f"supported (use one 'pattern' for all of it)")
+    elif key == "pattern" and ("minLength" in schema or "maxLength" in schema) \
+            and "format" not in schema:
         # xgrammar keeps the pattern and drops the lengths (with only a warning).
         return (f"'pattern' with 'minLength' or 'maxLength' at {where} is not supported "
                 f"(put the lengths in the pattern: {{m,n}})")

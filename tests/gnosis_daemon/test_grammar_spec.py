@@ -14,7 +14,8 @@ GOOD_SCHEMA = {
                         "required": ["x"]}},
     "type": "object", "title": "T", "description": "d",
     "properties": {"p": {"$ref": "#/$defs/point"},
-                   "s": {"type": "string", "pattern": "^[a-z]+$", "format": "date"},
+                   "s": {"type": "string", "pattern": "^[a-z]+$"},
+                   "d": {"type": "string", "format": "date"},
                    "l": {"type": "string", "minLength": 1, "maxLength": 9},
                    "n": {"type": "integer", "minimum": 0, "multipleOf": 2},
                    "m": {"type": ["integer", "null"]},
@@ -51,6 +52,8 @@ def test_good_specs_pass():
     ({"required": "a"}, "'required' at / must be an array of strings"),
     # xgrammar keeps the pattern and drops the lengths, with only a warning
     ({"type": "string", "pattern": "^a+$", "maxLength": 3}, "'pattern' with 'minLength' or"),
+    ({"type": "string", "format": "email", "maxLength": 5}, "'format' with 'pattern', 'min"),
+    ({"type": "string", "format": "date", "pattern": "^a+$"}, "'format' with 'pattern', 'min"),
 ])
 def test_unenforceable_schema_features_are_named(schema, problem):
     assert problem in schema_problem(schema)
