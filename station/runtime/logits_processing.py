@@ -31,7 +31,8 @@ class SequenceSampling:
     ``min_tokens``; ``grammar``: the compiled grammar of structured output
     (``station.runtime.grammar``), which then decides where the output ends (``min_tokens``
     does not hold its stop tokens back, and stop ids that are not the grammar's own are
-    always masked: they would end the output before it is complete). Made on the server's thread, so it makes no tensor
+    always masked: they would end the output before it is complete; so are the grammar's
+    ``forbidden_ids``, the control-character tokens of a JSON grammar). Made on the server's thread, so it makes no tensor
     there: each is built on the engine thread at the sequence's first step."""
 
     __slots__ = ("params", "generator", "num_generated", "counts", "_device", "_prompt",
@@ -49,7 +50,8 @@ class SequenceSampling:
         self._prompt_seen: torch.Tensor | None = None  # [V] bool
         self._stops = sorted(set(stop_ids)) if params.min_tokens and grammar is None else []
         if grammar is not None:  # only the grammar's own stop tokens may end its output
-            self._stops = sorted(set(stop_ids) - set(grammar.tokenizer_info.stop_token_ids))
+            self._stops = sorted(set(stop_ids) - set(grammar.tokenizer_info.stop_token_ids)
+                                 | set(getattr(grammar, "forbidden_ids", ())))
         self._stop_tensor: torch.Tensor | None = None
         self._bias: tuple[torch.Tensor, torch.Tensor] | None = None
 
