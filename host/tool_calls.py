@@ -162,8 +162,10 @@ def _partial_suffix(text: str, marker: str) -> int:
 
 
 def _loads(text: str) -> Any:
+    """JSON, raw control characters in strings allowed (a forced call's grammar can let one
+    into a string with minLength/maxLength); the arguments are written back escaped."""
     try:
-        return json.loads(text)
+        return json.loads(text, strict=False)
     except ValueError:
         return None
 
@@ -186,7 +188,7 @@ def _mistral(body: str) -> list[tuple[Any, Any]] | None:
 
 
 def _llama3(body: str) -> list[tuple[Any, Any]] | None:
-    decoder, calls, pos = json.JSONDecoder(), [], 0
+    decoder, calls, pos = json.JSONDecoder(strict=False), [], 0
     while pos < len(body):
         try:
             value, pos = decoder.raw_decode(body, pos)

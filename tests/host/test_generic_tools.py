@@ -190,3 +190,10 @@ def test_tokenize_with_tools_counts_the_prompt_a_completion_prefills(client):
     assert got.status_code == 200, got.text
     resp = create(client, tools=TOOLS, temperature=0, max_tokens=1)
     assert got.json()["count"] == resp.usage.prompt_tokens
+
+
+def test_a_raw_control_character_in_forced_arguments_is_written_back_escaped():
+    content, calls = parse_tool_calls('{"tool_calls": [{"name": "a", "arguments": {"s": "x\ny"}}]}',
+                                      "generic")
+    assert content is None and calls[0].arguments == '{"s": "x\\ny"}'
+    assert json.loads(calls[0].arguments) == {"s": "x\ny"}
