@@ -8,7 +8,7 @@ blocks. Idle rounds poll ``stats`` at the same rate and save nothing; busy and i
 alternate, at least ``BUSY_MIN_ROUNDS`` of each (one round's noise here is 10-20%).
 
 * **a writer that must meet its bound** (the goal rows): a save of a chat-sized prompt
-  (``BOUNDED_PROMPT_TOKENS``) every ``kv_write_behind_s`` through a longer decode, what
+  (``BOUNDED_PROMPT_TOKENS``) every ``kv_write_behind_s`` through longer decodes, what
   a busy conversation host sees; decode busy / idle, and the lag p99 against twice the
   bound. Run at the default ``kv_io_nice`` (19: the writer yields to decode until half the
   bound's first quarter, then rises to the station's priority) and at 0 (it never yields): which design
@@ -33,8 +33,8 @@ from gnosis_daemon.client import open_station_client
 
 SEED = 1500  # prompt seeds of these figures: apart from the other figures'
 BUSY_MIN_ROUNDS = 5
-BOUNDED_PROMPT_TOKENS = 512  # a conversation's saved prefix, a few turns in
-BOUNDED_DECODE_TOKENS = 256  # about 3 s here: several paced saves inside each busy decode
+BOUNDED_PROMPT_TOKENS = 512  # a conversation's saved prefix, a few turns in (at most --prompt-tokens)
+BOUNDED_DECODES = 4  # x --decode-tokens (256: about 3 s here, several paced saves in each)
 
 
 @dataclasses.dataclass
@@ -185,14 +185,15 @@ def bounded_figures(report: Report, settings, args, root: Path, session_bytes: f
     """The goal rows: a save every ``kv_write_behind_s`` beside a saturating decode, at the
     default ``kv_io_nice`` and at 0 (``session_bytes``: a ``--prompt-tokens`` session's)."""
     bound = settings.kv_write_behind_s
-    size = session_bytes * BOUNDED_PROMPT_TOKENS / args.prompt_tokens
+    tokens, decode = min(BOUNDED_PROMPT_TOKENS, args.prompt_tokens), BOUNDED_DECODES * args.decode_tokens
+    size = session_bytes * tokens / args.prompt_tokens
     other = 0 if settings.kv_io_nice else 19
     runs = {nice: _run(dataclasses.replace(settings, kv_io_nice=nice), args, root / f"nice{nice}",
-                       BOUNDED_PROMPT_TOKENS, BOUNDED_DECODE_TOKENS, size, bound)
+                       tokens, decode, size, bound)
             for nice in (settings.kv_io_nice, other)}
     run = runs[settings.kv_io_nice]
-    load = (f"a kv_session.save of a {BOUNDED_PROMPT_TOKENS}-token prefix-cached prompt "
-            f"({size / 1e6:.1f} MB) every {bound} s through {BOUNDED_DECODE_TOKENS}-token decodes")
+    load = (f"a kv_session.save of a {tokens}-token prefix-cached prompt "
+            f"({size / 1e6:.1f} MB) every {bound} s through {decode}-token decodes")
     report.add("decode beside a writer that meets its bound / idle", run.pairs.ratio, ">=", 0.9,
                f"kv_io_nice {settings.kv_io_nice} (the default: the writer yields to decode steps "
                f"until kv_write_behind_s / 4 after a save, {run.stats.get('disk_write_yield_s')} s "

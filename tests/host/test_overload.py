@@ -270,8 +270,6 @@ HI = [{"role": "user", "content": "hi"}]
      "messages[0].content"),
     ("/v1/chat/completions", {"messages": HI, "max_tokens": 2, "stop": ["\udc00"]}, "stop[0]"),
     ("/v1/embeddings", {"input": "\udfff"}, "input"),
-    ("/v1/chat/completions", {"messages": HI, "tools": [
-        {"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
     ("/v1/chat/completions", {"messages": HI, "logit_bias": "vocab"}, "logit_bias"),
     ("/v1/completions", {"prompt": "a", "stop_token_ids": "vocab"}, "stop_token_ids"),
 ])
@@ -292,6 +290,17 @@ def test_values_that_once_answered_500_are_400_naming_the_field(loaded, path, bo
     assert (r.status_code, error["type"], error["param"]) == (400, "invalid_request_error",
                                                                 param), r.text
     assert error["code"] in ("invalid_value", "unsupported_value")
+
+
+def test_tools_that_once_answered_500_are_served_in_the_generic_format(loaded):
+    """Tools on this tiny model, whose template renders none, once answered 500, then 400;
+    now they go through the generic tool format (docs/api.md): a 200, never a 5xx."""
+    body = {"messages": HI, "max_tokens": 4,
+            "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}
+    r = httpx.post(loaded["base"] + "/v1/chat/completions", json=body, timeout=60,
+                   headers=_auth("sk-load"))
+    assert r.status_code == 200, r.text
+    assert r.json()["object"] == "chat.completion"
 
 
 def test_deep_nesting_through_real_http_is_a_400(loaded):
