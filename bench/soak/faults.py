@@ -14,6 +14,9 @@ import trio
 
 from bench.soak.daemon import Daemon, kill_quietly
 from bench.soak.measures import Fault, Record
+from gnosis_daemon.api_keys import tenant_key
+from gnosis_daemon.client import open_station_client
+from host.session_names import save_ids
 
 PROBE_KEY = "soak-probe-key"
 PROBE_SESSIONS = 2
@@ -42,19 +45,20 @@ class Faults:
         for name, child, sig in plan:
             await trio.sleep(max(self.warm_s, gap * (len(self.faults) + 1) - self.now()))
             fault = Fault(name, child)
-            written = await self._tier_writes()  # (writes done, queued) when the probes are saved
             probes = await self._save_probes(len(self.faults))
-            # Past the write-behind bound, the probes are on disk: a station fault keeps them.
-            # Under load the I/O process (nice 19 by default) writes when decode leaves a core
-            # idle, so the fault also waits for the writes queued by then (the wait is reported).
+            # Past the write-behind bound the probes should be on disk, and a station fault
+            # keeps them. Under a load that saves faster than the disk writes, the queue runs
+            # behind, so the fault waits until the station lists both probes as durable (the
+            # wait past the bound is reported: the write-behind's lag under this load).
             await trio.sleep(WRITE_BEHIND_WAIT_S)
-            fault.durable_wait_s = await self._await_written(written)
+            fault.durable_wait_s = await self._await_durable(
+                [save_ids(tenant_key(PROBE_KEY), None, p["id"]).save_session for p in probes])
             fault.old_pid = self.daemon.pids().get(child)
             fault.at, wall_at = self.now(), time.time()
             os.kill(fault.old_pid, sig)
             self.faults.append(fault)
-            wait = ("write-behind figures unreadable" if fault.durable_wait_s is None else
-                    f"the probes' writes were done {fault.durable_wait_s:.1f} s after the bound")
+            wait = ("the probes were not durable 120 s after the bound" if fault.durable_wait_s is None
+                    else f"the probes were durable {fault.durable_wait_s:.1f} s after the bound")
             print(f"  {fault.at:6.1f} s  {name} (pid {fault.old_pid}; {wait})", flush=True)
             try:
                 await self._await_replacement(fault, wall_at)
@@ -96,32 +100,22 @@ class Faults:
                 return
             await trio.sleep(0.1)
 
-    async def _tier_writes(self) -> tuple[float, float] | None:
-        """(write-behind jobs done, queued) from the host's /metrics; None when unreadable."""
-        try:
-            from prometheus_client.parser import text_string_to_metric_families
-
-            response = await self.http.get("/metrics")
-            found = {s.name: s.value for family in text_string_to_metric_families(response.text)
-                     for s in family.samples}
-            return (found["gnosis_kv_tier_writes_total"], found["gnosis_kv_tier_write_behind_queued"])
-        except (httpx.HTTPError, KeyError, ValueError):
-            return None
-
-    async def _await_written(self, before: tuple[float, float] | None,
-                             limit_s: float = 60.0) -> float | None:
-        """Wait until the writes queued at ``before`` (and the probes' own) are done -> seconds
-        (None: the host's /metrics did not say)."""
+    async def _await_durable(self, session_ids: list[str], limit_s: float = 120.0) -> float | None:
+        """Wait until the station lists every one of ``session_ids`` (the station's ids of
+        the probes' named sessions) as durable -> seconds
+        (None: not within ``limit_s``; the fault goes ahead and the report says so)."""
         start = self.now()
-        if before is None:
-            return None
-        target = before[0] + before[1] + PROBE_SESSIONS
         while self.now() - start < limit_s:
-            now = await self._tier_writes()
-            if now is not None and now[0] >= target:
-                break
+            try:
+                async with open_station_client(self.daemon.station_socket) as conn:
+                    listed = (await conn.request("kv_session.list", {}))["sessions"]
+            except Exception:  # noqa: BLE001 - a busy or restarting station: asked again
+                listed = []
+            durable = {s["session_id"] for s in listed if s.get("durable")}
+            if all(sid in durable for sid in session_ids):
+                return self.now() - start
             await trio.sleep(0.25)
-        return self.now() - start
+        return None
 
     # -- probe sessions: saved before a fault, asked again after it
     def _probe_body(self, tag: int, i: int) -> dict[str, Any]:

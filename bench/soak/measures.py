@@ -32,7 +32,7 @@ class Fault:
     failed_during: int = 0  # requests that did not succeed, started between fault and recovery
     cut: int = 0  # requests in flight at the fault that did not succeed
     sessions: list[dict[str, Any]] = field(default_factory=list)
-    durable_wait_s: float | None = None  # after the write-behind bound, until the writes queued were done
+    durable_wait_s: float | None = None  # after the write-behind bound, until the probes were durable
 
 
 @dataclass

@@ -23,10 +23,9 @@ from bench.soak.measures import Fault, Record, Sample
 BEGIN, END = "<!-- soak:begin -->", "<!-- soak:end -->"
 SESSIONS_WHY_STATION = (
     "The probes were saved more than `kv_write_behind_s` before the fault, and the drill "
-    "waited for the writes queued by then to be done (the wait is printed with the fault: the "
-    "I/O process runs at `kv_io_nice` 19, after decode, on a loaded machine), so the "
-    "write-behind had them on disk; the restarted station finds them in its disk tier, so "
-    "these must all be hits.")
+    "waited until the station listed both as durable (the wait past the bound is in the "
+    "table: the write-behind's lag under this load), so the write-behind had them on disk; "
+    "the restarted station finds them in its disk tier, so these must all be hits.")
 SESSIONS_WHY_HOST = (
     "Sessions live in the station, which kept running, and the station matches them; "
     "these must all be hits.")
@@ -123,9 +122,9 @@ class Result:
                                      or "none") + ".", ""]
         lines += ["Faults (times from the start of the load; recovery: from the fault to the end "
                   "of the first successful request started after it):", "",
-                  "| fault | at s | pid old → new | detected after s | recovery s | in flight, not ok "
-                  "| not ok before recovery | probe sessions after recovery |",
-                  "|---|---:|---|---:|---:|---:|---:|---|"]
+                  "| fault | at s | probes durable, s past the bound | pid old → new | detected after s "
+                  "| recovery s | in flight, not ok | not ok before recovery | probe sessions after recovery |",
+                  "|---|---:|---:|---|---:|---:|---:|---:|---|"]
         for f in self.faults:
             sessions = "; ".join(f"{s['id']}: saved {'yes' if s.get('saved') else 'no'}, "
                                  f"{s.get('after')} ({s.get('cached', '-')}"
@@ -133,7 +132,8 @@ class Result:
                                  for s in f.sessions) or "-"
             detected = f"{f.detected_s:.1f} ({f.exit_reason})" if f.detected_s is not None else "-"
             recovery = f"{f.recovery_s:.1f}" if f.recovery_s is not None else "**not recovered**"
-            lines.append(f"| {f.name} | {f.at:.1f} | {f.old_pid} → {f.new_pid} | {detected} | "
+            durable = f"{f.durable_wait_s:.1f}" if f.durable_wait_s is not None else "**not durable**"
+            lines.append(f"| {f.name} | {f.at:.1f} | {durable} | {f.old_pid} → {f.new_pid} | {detected} | "
                          f"{recovery} | {f.cut} | {f.failed_during} | {sessions} |")
         lines += ["", "Sessions: before each fault the probe tenant saved "
                   f"{PROBE_SESSIONS} named sessions (distinct prompts, `session_id`), and asked the "

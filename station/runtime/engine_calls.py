@@ -190,7 +190,7 @@ class EngineCalls:
             for s in tier_sessions:
                 item: dict[str, Any] = {"session_id": s.session_id, "tenant": s.tenant,
                                         "num_tokens": s.num_tokens, "last_used": s.last_used,
-                                        "tier": tier}
+                                        "tier": tier, "durable": tier == "disk" or s.durable}
                 if include_tokens:
                     item["tokens"] = list(s.token_ids)
                 listed.append(item)

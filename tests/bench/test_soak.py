@@ -29,8 +29,8 @@ def test_quick_soak_on_a_tiny_model(tmp_path):
         cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=600)
     report = out.read_text()
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-3000:]
-    # before each station fault the drill saw the probes' writes done (from the host's /metrics)
-    assert proc.stdout.count("the probes' writes were done") == 3, proc.stdout[-4000:]
+    # before each fault the station listed both probes as durable (kv_session.list)
+    assert proc.stdout.count("the probes were durable") == 3, proc.stdout[-4000:]
     assert report.startswith("# Reliability\n\nHand-written text stays.\n\n" + BEGIN)
     assert report.endswith(END + "\n\nTail.\n") and "\nold\n" not in report
 
@@ -42,9 +42,10 @@ def test_quick_soak_on_a_tiny_model(tmp_path):
     assert "Hangs: **0**." in report
     faults = ["station SIGKILL", "station SIGSTOP (hung)", "host SIGKILL"]
     for fault in faults:
-        assert re.fullmatch(r"\d+\.\d", rows[fault][4]), rows[fault]  # recovery seconds
-    assert rows["station SIGSTOP (hung)"][3].endswith("(unresponsive: 2 failed health checks)")
-    assert rows["host SIGKILL"][7].count("hit (") == 2  # the station kept both probe sessions
+        assert re.fullmatch(r"\d+\.\d", rows[fault][2]), rows[fault]  # probes durable after
+        assert re.fullmatch(r"\d+\.\d", rows[fault][5]), rows[fault]  # recovery seconds
+    assert rows["station SIGSTOP (hung)"][4].endswith("(unresponsive: 2 failed health checks)")
+    assert rows["host SIGKILL"][8].count("hit (") == 2  # the station kept both probe sessions
     assert re.search(r"leaked \(held − pinned\) = 0\*\*", report)
     assert "Restarts counted by the supervisor: host 1, station 2." in report
     assert "Verdict: **pass**" in report
