@@ -19,9 +19,11 @@ never waits on a disk (docs/engine.md, "The disk tier"):
   the scheduler while its blocks are read, checked and copied into fresh pool blocks;
   others keep decoding. A file that fails a check is quarantined, the request a miss.
 
-One write (or delete, or touch) and one load are in flight at a time, in parts of at most
-half a staging area. If the I/O process dies the tier is down: jobs in flight fail (a
-load's request runs as a miss), sessions stay in the pool only, ``stats`` says why.
+Write jobs (writes, deletes, touches) go ``WRITES_IN_FLIGHT`` at once on a CPU pool the
+process maps (a long engine step on a loaded host still hands the writer all it can do),
+one at a time in parts of at most half a staging area, beside one load. If the I/O process
+dies the tier is down: jobs in flight fail (a load's request runs as a miss), sessions stay
+in the pool only, ``stats`` says why.
 """
 
 from __future__ import annotations
@@ -36,7 +38,8 @@ from station.core.kv_manager import KVCacheManager, LoadPlan, SessionOutcome
 from station.core.sessions import KVSession
 from station.runtime.kv_io_process import CLOSE_TIMEOUT_S, IOProcessGone, KVIOProcess
 from station.runtime.kv_tier_figures import TierFigures
-from station.runtime.kv_tier_jobs import STALL_BOUNDS, STALL_MIN_S, WRITER_WAIT_S, LoadJob, WriteJob
+from station.runtime import kv_tier_jobs as jobs
+from station.runtime.kv_tier_jobs import LoadJob, WriteJob
 from station.runtime.kv_tier_shared import apply_discovered, apply_lost
 from station.runtime.kv_tier_slots import PoolSlots, StagingSlots
 
@@ -50,8 +53,7 @@ class DiskTier:
                  slots: PoolSlots | StagingSlots, wake: Callable[[], None],
                  on_load_done: Callable[[LoadPlan, SessionOutcome | None], None], write_behind_s: float = 1.0) -> None:
         self.io, self.kv, self.slots, self.write_behind_s = io, kv, slots, write_behind_s
-        self.stall_s = max(STALL_MIN_S, STALL_BOUNDS * write_behind_s)
-        self._part_sent_at = 0.0  # when the write part in flight was handed over
+        self.stall_s = max(jobs.STALL_MIN_S, jobs.STALL_BOUNDS * write_behind_s)
         self._wake = wake  # tells the engine thread an answer is waiting
         self._on_load_done = on_load_done  # the scheduler's: admit the load's waiters
         self.figures = TierFigures()
@@ -60,7 +62,8 @@ class DiskTier:
         self._lock = threading.Condition()
         self._answers: collections.deque[dict[str, Any] | None] = collections.deque()
         self._jobs: collections.OrderedDict[tuple[str, str], WriteJob] = collections.OrderedDict()
-        self._job: WriteJob | None = None  # in flight
+        self._inflight: dict[int, WriteJob] = {}  # write parts handed over, by message id
+        self._max_inflight = jobs.WRITES_IN_FLIGHT if isinstance(slots, PoolSlots) else 1
         self._loads: collections.deque[LoadJob] = collections.deque()
         self._load: LoadJob | None = None  # in flight
         self._next_id = 0
@@ -101,14 +104,15 @@ class DiskTier:
 
     def writing(self, session_id: str) -> bool:
         """A write of ``session_id`` is queued or in flight."""
-        return ("write", session_id) in self._jobs or (self._job is not None and self._job.session_id == session_id)
+        return ("write", session_id) in self._jobs or any(
+            j.op == "write" and j.session_id == session_id for j in self._inflight.values())
 
     def holds_blocks(self) -> bool:
         """Write jobs reference pool blocks: they come free as the writer gets through them."""
-        return bool(self._job is not None and self._job.block_ids) or any(
+        return any(j.block_ids for j in self._inflight.values()) or any(
             j.block_ids for j in self._jobs.values())
 
-    def wait_for_writer(self, timeout_s: float = WRITER_WAIT_S) -> None:
+    def wait_for_writer(self, timeout_s: float = jobs.WRITER_WAIT_S) -> None:
         """Sleep until the I/O process answers (or ``timeout_s``): work that waits for blocks
         the writer holds waits here, leaving the cores to the writer, instead of spinning."""
         with self._lock:
@@ -131,8 +135,9 @@ class DiskTier:
             job = self._jobs.pop((op, session_id), None)
             if job is not None:
                 self._release(job)
-        if self._job is not None and self._job.session_id == session_id:
-            self._job.cancelled = True
+        for job in self._inflight.values():
+            if job.session_id == session_id:
+                job.cancelled = True
         self._queue(WriteJob("delete", session_id, time.perf_counter()))
         self._pump()
 
@@ -145,10 +150,10 @@ class DiskTier:
             for job in self._jobs.values():
                 self._release(job)
             self._jobs.clear()
-        while not self.down and (self._jobs or self._job is not None) and time.monotonic() < deadline:
+        while not self.down and (self._jobs or self._inflight) and time.monotonic() < deadline:
             self.before_step()
             with self._lock:
-                if not self._answers and (self._jobs or self._job is not None):
+                if not self._answers and (self._jobs or self._inflight):
                     self._lock.wait(0.5)
         self._closed = True
         try:
@@ -172,16 +177,16 @@ class DiskTier:
     def _pressed(self) -> bool:
         """Queued writes (the one in flight included) hold more than half the pool."""
         held = sum(len(j.block_ids) for j in self._jobs.values())
-        held += len(self._job.block_ids) if self._job is not None else 0
+        held += sum(len(j.block_ids) for j in self._inflight.values())
         return held > self.kv.pool.num_blocks // 2
 
     def _drop_if_stalled(self) -> None:
         """A stalled disk must not pin the pool for ever: with half of it queued and no write
         part in flight for ``stall_s``, the oldest queued writes go (never the newest), each
         counted and logged by name; an evicted one is lost (``kv_sessions_lost`` counts it)."""
-        if self._job is None:
+        if not self._inflight:
             return
-        waited = time.perf_counter() - self._part_sent_at
+        waited = time.perf_counter() - min(j.sent_at for j in self._inflight.values())
         while self._pressed() and waited > self.stall_s:
             key = next((k for k, j in self._jobs.items() if j.block_ids), None)  # the oldest
             if key is None or key == next(reversed(self._jobs)):
@@ -202,7 +207,7 @@ class DiskTier:
         self._jobs[(job.op, job.session_id)] = job
         if old is not None:  # superseded before it was sent
             self._release(old)
-        self.figures.queued_writes = len(self._jobs) + (self._job is not None)
+        self.figures.queued_writes = len(self._jobs) + len(self._inflight)
 
     def _release(self, job: WriteJob) -> None:  # drop the references a write job held
         if job.block_ids:
@@ -210,12 +215,12 @@ class DiskTier:
             job.block_ids = []
 
     def _pump(self) -> None:
-        """Hand the next write part and the next load part over, when none is in flight."""
+        """Hand queued jobs over (up to ``_max_inflight``), and a load part when none is."""
         if self.down or self._closed:
             return
-        if self._job is None and self._jobs:
-            _key, self._job = self._jobs.popitem(last=False)
-            self._send_part(self._job)
+        while self._jobs and len(self._inflight) < self._max_inflight and not self.down and \
+                jobs.may_send(list(self._inflight.values()), next(iter(self._jobs.values())), self.kv.pool.num_blocks):
+            self._send_part(self._jobs.popitem(last=False)[1])
         if self._load is None and self._loads:
             with self._lock:
                 self._load = self._loads.popleft()
@@ -234,7 +239,8 @@ class DiskTier:
                                    "age_s": time.perf_counter() - job.queued_at,  # since the save
                                    "tenant": job.session.tenant if job.session else None}
         job.slots = []
-        self._part_sent_at = time.perf_counter()
+        job.sent_at = time.perf_counter()
+        self._inflight[self._next_id] = job
         if job.op == "touch":
             message["last_used"] = job.last_used
         elif job.op == "write":
@@ -275,8 +281,8 @@ class DiskTier:
     def _apply(self, answer: dict[str, Any] | None) -> None:
         if answer is None:
             self._io_gone("the KV I/O process exited")
-        elif answer["kind"] == "written" and self._job is not None:
-            self._write_answer(self._job, answer)
+        elif answer["kind"] == "written" and answer.get("job") in self._inflight:
+            self._write_answer(self._inflight.pop(answer["job"]), answer)
         elif answer["kind"] == "loaded" and self._load is not None:
             self._load_part_done(self._load, answer)
         elif answer["kind"] == "discovered":
@@ -304,7 +310,7 @@ class DiskTier:
         if answer["ok"] and not answer["final"] and not job.cancelled:
             self._send_part(job)
             return
-        self._job, self.figures.queued_writes = None, len(self._jobs)
+        self.figures.queued_writes = len(self._jobs) + len(self._inflight)
         self._release(job)
         if job.op == "touch":
             self.figures.touches += answer["ok"]
@@ -356,10 +362,11 @@ class DiskTier:
         self.down = why
         if not self._closed:
             log.error("kv_tier_down", reason=why)
-        job, self._job = self._job, None
-        if job is not None:
+        inflight = list(self._inflight.values())
+        self._inflight.clear()
+        for job in inflight:
             self.slots.written(job.slots, job.hashes, False)
-        for pending in ([job] if job is not None else []) + list(self._jobs.values()):
+        for pending in inflight + list(self._jobs.values()):
             self._release(pending)
             self.figures.write_errors += pending.op == "write"
         self._jobs.clear()

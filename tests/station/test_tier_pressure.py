@@ -48,7 +48,7 @@ def wait_for(predicate, what: str, timeout: float = 30.0) -> None:
 def settled(t: TierEngine) -> None:
     """Every save handed to the writer and answered (written or failed)."""
     wait_for(lambda: not t.engine.kv.to_write and t.engine.stats()["write_behind_queued"] == 0
-             and t.engine.tier._job is None, "the write-behind to settle")
+             and not t.engine.tier._inflight, "the write-behind to settle")
 
 
 def test_the_tenant_share_holds_on_disk_against_a_flood(tiny, tmp_path):
