@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import shutil
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
@@ -26,6 +25,7 @@ from station.runtime.kv_tier_start import tier_report
 from supervisor.status import _kv_tier_lines
 from tests.station.test_tier_quarantine import metrics
 from tests.station.test_disk_tier import TierEngine, tier_model
+from tests.station.test_disk_tier_io import wait_for
 from tests.station.test_paged_engine import prompt_of, reference
 from tests.support.kv_tier import tier_dir
 
@@ -37,12 +37,6 @@ def tiny(tmp_path_factory):
     return tier_model(tmp_path_factory)
 
 
-def wait_for(predicate, what: str, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.02)
 
 
 def settled(t: TierEngine) -> None:
