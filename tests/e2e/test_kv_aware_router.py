@@ -42,6 +42,24 @@ def _chat_count(port: int) -> float:
         return 0.0
 
 
+def start_router(stack: ExitStack, model_dir: Path, workers: list[tuple[int, int]],
+                 log_path: Path) -> int:
+    """vllm-router in kv_aware mode over ``workers`` ((HTTP port, KV events port) each), on
+    loopback, stopped with ``stack``; -> its port once its /health answers."""
+    rport = free_port()
+    argv = [ROUTER, "--policy", "kv_aware", "--host", "127.0.0.1", "--port", str(rport),
+            "--worker-urls", *[f"http://127.0.0.1:{p}" for p, _ in workers],
+            "--kv-event-block-size", str(BLOCK), "--kv-event-model", str(model_dir),
+            "--log-level", "debug"]
+    for port, zport in workers:
+        argv += ["--kv-event-source", f"http://127.0.0.1:{port}=tcp://127.0.0.1:{zport}"]
+    with open(log_path, "ab") as log:
+        router = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    stack.callback(stop_process, router)
+    wait_for(lambda: _router_ready(rport), 60, "vllm-router /health", router)
+    return rport
+
+
 def _router_ready(port: int) -> bool:
     try:
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
@@ -64,18 +82,7 @@ def fleet(tmp_path_factory):
             stack.enter_context(run_daemon(model_dir, root / f"run-{name}", port, env=env,
                                            log_path=root / f"daemon-{name}.log"))
             replicas.append((port, zport))
-        rport = free_port()
-        argv = [ROUTER, "--policy", "kv_aware", "--host", "127.0.0.1", "--port", str(rport),
-                "--worker-urls", *[f"http://127.0.0.1:{p}" for p, _ in replicas],
-                "--kv-event-block-size", str(BLOCK), "--kv-event-model", str(model_dir),
-                "--log-level", "debug"]
-        for port, zport in replicas:
-            argv += ["--kv-event-source", f"http://127.0.0.1:{port}=tcp://127.0.0.1:{zport}"]
-        with open(root / "router.log", "ab") as log:
-            router = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
-                                      start_new_session=True)
-        stack.callback(stop_process, router)
-        wait_for(lambda: _router_ready(rport), 60, "vllm-router /health", router)
+        rport = start_router(stack, model_dir, replicas, root / "router.log")
         time.sleep(1.0)  # the router's SUB sockets connect to both publishers
         yield replicas, rport, root
 

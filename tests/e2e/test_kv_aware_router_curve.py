@@ -8,9 +8,6 @@ plain subscriber on a daemon's own endpoint gets nothing."""
 from __future__ import annotations
 
 import importlib.util
-import shutil
-import subprocess
-import sys
 import time
 from contextlib import ExitStack
 from pathlib import Path
@@ -20,13 +17,11 @@ import zmq
 import zmq.auth
 from openai import OpenAI
 
-from tests.e2e.test_kv_aware_router import _chat_count, _router_ready
-from tests.support.procs import REPO, child_env, free_port, run_daemon, stop_process, wait_for
+from tests.e2e.test_kv_aware_router import BLOCK, ROUTER, _chat_count, start_router
+from tests.support.procs import REPO, child_env, free_port, run_daemon
 from tests.support.tiny_models import build_tiny_model
 
-BLOCK = 16
 KEY = "sk-router"
-ROUTER = shutil.which("vllm-router") or str(Path(sys.executable).with_name("vllm-router"))
 pytestmark = pytest.mark.skipif(not Path(ROUTER).exists(), reason="vllm-router is not installed")
 
 
@@ -63,18 +58,8 @@ def test_a_keyed_fleet_routes_by_prefix_through_the_relay(tmp_path):
             relay.relay(ctx, server_key, relay_pair, f"tcp://127.0.0.1:{zport}",
                         f"tcp://127.0.0.1:{local}")
             replicas.append((port, zport, local))
-        rport = free_port()
-        argv = [ROUTER, "--policy", "kv_aware", "--host", "127.0.0.1", "--port", str(rport),
-                "--worker-urls", *[f"http://127.0.0.1:{p}" for p, _, _ in replicas],
-                "--kv-event-block-size", str(BLOCK), "--kv-event-model", str(model_dir),
-                "--log-level", "debug"]
-        for port, _, local in replicas:
-            argv += ["--kv-event-source", f"http://127.0.0.1:{port}=tcp://127.0.0.1:{local}"]
-        with open(tmp_path / "router.log", "ab") as log:
-            router = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
-                                      start_new_session=True)
-        stack.callback(stop_process, router)
-        wait_for(lambda: _router_ready(rport), 60, "vllm-router /health", router)
+        rport = start_router(stack, model_dir, [(port, local) for port, _, local in replicas],
+                             tmp_path / "router.log")
         plain = ctx.socket(zmq.SUB)  # no credentials, straight at replica A's endpoint
         stack.callback(plain.close, 0)
         plain.setsockopt(zmq.SUBSCRIBE, b"")

@@ -9,9 +9,8 @@ import json
 
 import openai
 import pytest
-from openai import OpenAI
 
-from tests.support.procs import free_port, run_daemon
+from tests.support.procs import openai_on_daemon
 from tests.support.tiny_models import TOOLS_TEMPLATE, build_tiny_model
 
 SCHEMA = {"type": "object",
@@ -35,11 +34,7 @@ MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
 def client(tmp_path_factory):
     root = tmp_path_factory.mktemp("structured")
     model_dir = build_tiny_model(root / "tiny-tools", "qwen2", chat_template=TOOLS_TEMPLATE)
-    port = free_port()
-    with run_daemon(model_dir, root / "run", port, log_path=root / "daemon.log"):
-        client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused",
-                        max_retries=0, timeout=120)
-        client.model_id = client.models.list().data[0].id
+    with openai_on_daemon(model_dir, root) as client:
         yield client
 
 

@@ -12,13 +12,12 @@ import jsonschema
 import openai
 import pytest
 import trio
-from openai import OpenAI
 
 from host.completions import with_tools
 from host.generic_tools import CALL_RULES, generic_messages
 from host.openai_api import parse_chat
 from host.tool_calls import forced_grammar, parse_tool_calls
-from tests.support.procs import free_port, run_daemon
+from tests.support.procs import openai_on_daemon
 from tests.support.tiny_models import build_tiny_model
 
 WEATHER = {"type": "object",
@@ -93,11 +92,7 @@ def test_the_generic_parser():
 def client(tmp_path_factory):
     root = tmp_path_factory.mktemp("generic")
     model_dir = build_tiny_model(root / "tiny-chatml", "qwen2")  # ChatML: renders no tools
-    port = free_port()
-    with run_daemon(model_dir, root / "run", port, log_path=root / "daemon.log"):
-        client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused",
-                        max_retries=0, timeout=120)
-        client.model_id = client.models.list().data[0].id
+    with openai_on_daemon(model_dir, root) as client:
         yield client
 
 

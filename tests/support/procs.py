@@ -13,7 +13,7 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -91,3 +91,17 @@ def run_daemon(model_dir: str | Path | None, runtime_dir: Path, port: int, *, lo
         yield proc
     finally:
         stop_process(proc)
+
+
+@contextlib.contextmanager
+def openai_on_daemon(model_dir: str | Path, root: Path) -> Iterator[Any]:
+    """``run_daemon`` on ``model_dir`` (its runtime dir and log under ``root``) and the official
+    ``openai`` client pointed at it, with ``model_id`` the served model's id."""
+    from openai import OpenAI
+
+    port = free_port()
+    with run_daemon(model_dir, root / "run", port, log_path=root / "daemon.log"):
+        client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused",
+                        max_retries=0, timeout=120)
+        client.model_id = client.models.list().data[0].id
+        yield client
