@@ -89,7 +89,7 @@ class KVIOProcess:
 
     def open(self, root: Path, fingerprint: str, block_size: int, block_shape: tuple[int, ...],
              dtype: Any, budget: int, area: Any, busy_wait_s: float,
-             shared_scan_s: float | None = None, yield_s: float | None = None,
+             shared_scan_s: float | None = None, yields: bool = False,
              rise_s: float = 0.0, quarantine_budget: int = 1 << 30,
              tenant_share: float = 1.0) -> tuple[list[SessionRecord], dict[str, Any]]:
         """Open the store at ``root`` in the process, on ``area`` (``kv_cache.SharedBlocks``).
@@ -97,20 +97,20 @@ class KVIOProcess:
         that just died may leave its I/O process finishing a job). ``shared_scan_s``: the
         root is a fleet's shared tier, rescanned for the other replicas' sessions that often
         (``discovered`` messages follow). ``rise_s``: a save older than that is written at
-        the station's priority; ``yield_s`` (true): until then the writer also yields to the
+        the station's priority; ``yields``: until then the writer also yields to the
         engine's steps (``stamp``). ``quarantine_budget``: the bytes damaged files may keep in
         quarantine/; ``tenant_share``: the share of ``budget`` a tenant holds before its own
         sessions are evicted first (``kv_store_pressure``).
         -> (its sessions, least recently used first; its stats). Raises ``TierOpenFailed``."""
         fds = (area.fd,)
-        if yield_s is not None:
+        if yields:
             self.beat = DecodeBeat()
             fds += (self.beat.fd,)
         self.send({"op": "open", "root": str(root), "fingerprint": fingerprint,
                    "block_size": block_size, "block_shape": list(block_shape), "dtype": str(dtype),
                    "dtype_bytes": dtype.itemsize,
                    "budget": budget, "busy_wait_s": busy_wait_s, "area_blocks": area.num_blocks,
-                   "area_bytes": area.nbytes, "shared_scan_s": shared_scan_s, "yield_s": yield_s,
+                   "area_bytes": area.nbytes, "shared_scan_s": shared_scan_s, "yields": yields,
                    "rise_s": rise_s, "quarantine_budget": quarantine_budget,
                    "tenant_share": tenant_share},
                   fds=fds)

@@ -16,7 +16,7 @@ the memfd). Jobs, in order:
   ``open``'s ``rise_s`` after the session was saved (``age_s``: the part's age when it was
   sent), then at the station's own priority, as is every block of an ``urgent`` part (the
   station's queue is deep): the writer's priority rises as a save nears its bound. With
-  ``open``'s ``yield_s`` (and a second memfd, the engine's ``DecodeBeat``), no block is
+  ``open``'s ``yields`` (and a second memfd, the engine's ``DecodeBeat``), no block is
   written while decode steps go on, until ``rise_s`` after the save;
 * ``delete``, ``touch`` (a use, for the disk LRU) -> ``written``;
 * ``load``: the named blocks, each verified, into the named slots -> ``loaded``;
@@ -181,7 +181,7 @@ class Worker:
             fd = self._fds.pop(0)
             mapped = mmap.mmap(fd, message["area_bytes"])
             os.close(fd)
-            if message.get("yield_s"):
+            if message.get("yields"):
                 fd = self._fds.pop(0)
                 self.beat = mmap.mmap(fd, struct.calcsize(DecodeBeat.FORMAT))
                 os.close(fd)

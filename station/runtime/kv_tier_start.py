@@ -60,7 +60,7 @@ def open_tier(engine: Any, settings: Any, io: KVIOProcess | None = None) -> dict
         records, stats = io.open(root, engine.loaded.fingerprint, shape.block_size, block_shape,
                                  shape.dtype, settings.kv_disk_bytes, area, _BUSY_WAIT_S,
                                  shared_scan_s=settings.kv_shared_scan_s if shared else None,
-                                 yield_s=yield_to_decode_s(settings, engine.kv_cache.device),
+                                 yields=writer_yields(settings, engine.kv_cache.device),
                                  rise_s=rise_s(settings),
                                  quarantine_budget=settings.kv_quarantine_bytes,
                                  tenant_share=settings.kv_session_tenant_share)
@@ -89,14 +89,12 @@ def rise_s(settings: Any) -> float:
     return settings.kv_write_behind_s * RISE_SHARE
 
 
-def yield_to_decode_s(settings: Any, device: Any) -> float | None:
-    """How long the writer waits for decode steps to pause before it writes a block beside
-    them: where decode runs on the CPU (its threads take every core) at ``kv_io_nice = 19``,
-    until the writer's priority rises (``rise_s``); None (no waiting) on a GPU, whose decode
-    leaves the cores idle, or at a higher priority."""
-    if settings.kv_io_nice != 19 or device.type != "cpu":
-        return None
-    return rise_s(settings)
+def writer_yields(settings: Any, device: Any) -> bool:
+    """Whether the writer waits for decode steps to pause (until its priority rises,
+    ``rise_s``) before it writes a block beside them: where decode runs on the CPU (its
+    threads take every core) at ``kv_io_nice = 19``; never on a GPU, whose decode leaves the
+    cores idle, or at a higher priority."""
+    return settings.kv_io_nice == 19 and device.type == "cpu"
 
 
 def disk_session(kv: Any, record: Any) -> DiskSession | None:

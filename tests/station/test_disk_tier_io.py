@@ -18,7 +18,7 @@ from station.core.requests import Finished, Prefill
 from station.runtime.engine_calls import EngineCalls
 from station.runtime.kv_cache import KVCacheShape
 from station.runtime.kv_store_format import session_name
-from station.runtime.kv_tier_start import yield_to_decode_s
+from station.runtime.kv_tier_start import rise_s, writer_yields
 from tests.station.test_disk_tier import TierEngine, tier_model
 from tests.station.test_paged_engine import prompt_of, reference
 from tests.support.kv_tier import tier_dir
@@ -166,9 +166,10 @@ def test_kv_session_load_reads_a_disk_only_session_back(tiny, tmp_path):
 
 
 def test_only_a_cpu_decode_at_the_lowest_priority_makes_the_writer_wait():
-    assert yield_to_decode_s(Settings(kv_write_behind_s=1.0), torch.device("cpu")) == 0.25
-    assert yield_to_decode_s(Settings(kv_write_behind_s=1.0, kv_io_nice=18), torch.device("cpu")) is None
-    assert yield_to_decode_s(Settings(kv_write_behind_s=1.0), torch.device("cuda")) is None
+    assert writer_yields(Settings(kv_write_behind_s=1.0), torch.device("cpu")) is True
+    assert rise_s(Settings(kv_write_behind_s=1.0)) == 0.25  # ... until the priority rises
+    assert writer_yields(Settings(kv_write_behind_s=1.0, kv_io_nice=18), torch.device("cpu")) is False
+    assert writer_yields(Settings(kv_write_behind_s=1.0), torch.device("cuda")) is False
 
 
 def test_the_writer_waits_while_decode_steps_go_on(tiny, tmp_path):
