@@ -300,8 +300,7 @@ class PagedEngine:
                 return
             if self.tier and self.tier.holds_blocks():  # saves being written hold the blocks
                 return self.tier.wait_for_writer()
-            sched.finish(head, "capacity")  # nothing runs and it does not fit: pins hold the pool
-            return self._end(head, ErrorCode.CAPACITY, "no free KV blocks for this prompt")
+            return self._end(head, ErrorCode.CAPACITY, "no free KV blocks for this prompt", "capacity")
         self.num_steps += 1
         try:
             logits, sampled = self.runner.run(out)
@@ -375,7 +374,8 @@ class PagedEngine:
 
     def _end(self, seq: Sequence, code: ErrorCode, message: str, finish: str = "") -> None:
         """End a sequence with an error; ``finish``: release its blocks first, with that reason."""
-        self.scheduler.finish(seq, finish) if finish else None
+        if finish:
+            self.scheduler.finish(seq, finish)
         if seq.kind is SequenceKind.HELD:
             self.calls.fail(seq, OpError(code, message))
             return
