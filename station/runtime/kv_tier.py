@@ -109,8 +109,7 @@ class DiskTier:
 
     def holds_blocks(self) -> bool:
         """Write jobs reference pool blocks: they come free as the writer gets through them."""
-        return any(j.block_ids for j in self._inflight.values()) or any(
-            j.block_ids for j in self._jobs.values())
+        return self._held_blocks() > 0
 
     def wait_for_writer(self, timeout_s: float = jobs.WRITER_WAIT_S) -> None:
         """Sleep until the I/O process answers (or ``timeout_s``): work that waits for blocks
@@ -174,11 +173,13 @@ class DiskTier:
                          block_ids=[b.block_id for b in blocks]))
         self._drop_if_stalled()
 
+    def _held_blocks(self) -> int:
+        """The pool blocks write jobs reference, queued and in flight."""
+        return sum(len(j.block_ids) for j in (*self._jobs.values(), *self._inflight.values()))
+
     def _pressed(self) -> bool:
-        """Queued writes (the one in flight included) hold more than half the pool."""
-        held = sum(len(j.block_ids) for j in self._jobs.values())
-        held += sum(len(j.block_ids) for j in self._inflight.values())
-        return held > self.kv.pool.num_blocks // 2
+        """Write jobs, queued and in flight, hold more than half the pool."""
+        return self._held_blocks() > self.kv.pool.num_blocks // 2
 
     def _drop_if_stalled(self) -> None:
         """A stalled disk must not pin the pool for ever: with half of it queued and no write
@@ -187,7 +188,7 @@ class DiskTier:
         if not self._inflight:
             return
         waited = time.perf_counter() - min(j.sent_at for j in self._inflight.values())
-        while self._pressed() and waited > self.stall_s:
+        while waited > self.stall_s and self._pressed():  # (the cheap test first: every step)
             key = next((k for k, j in self._jobs.items() if j.block_ids), None)  # the oldest
             if key is None or key == next(reversed(self._jobs)):
                 break
