@@ -72,7 +72,7 @@ class Plain:
     def __init__(self, settings) -> None:
         import torch
 
-        from station.runtime.model_loader import load_model
+        from station.model.loader import load_model
 
         self.torch = torch
         self.loaded = load_model(settings)

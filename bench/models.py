@@ -105,8 +105,8 @@ def gemma3_report(tokens: int = 8, cache_dir: str | None = None, weights: str = 
 
     from gnosis_daemon.settings import Settings
     from station.core.requests import GenerationRequest, SamplingParams
-    from station.runtime.engine import PagedEngine
-    from station.runtime.model_loader import load_model
+    from station.engine.loop import PagedEngine
+    from station.model.loader import load_model
 
     path = gemma3_270m_path()
     settings = Settings(model=str(path), weights=weights,

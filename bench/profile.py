@@ -55,7 +55,7 @@ def _part_of(event: Any) -> str | None:
     node = event
     while node is not None:
         name = node.name
-        if name == "gnosis::cpu_step":  # station.runtime.cpu_step: the layers in one C call
+        if name == "gnosis::cpu_step":  # station.kernels.cpu_step: the layers in one C call
             return "C decode step"
         if name in ("gnosis::attention",):
             return "attention"
@@ -75,10 +75,10 @@ class _EngineProfile:
         from torch.profiler import record_function
         from transformers import AttentionInterface
 
-        from station.runtime import fanout
-        from station.runtime import paged_attention
-        from station.runtime.engine import PagedEngine
-        from station.runtime.model_loader import load_model
+        from station.engine import forks as fanout
+        from station.forward import paged_attention
+        from station.engine.loop import PagedEngine
+        from station.model.loader import load_model
 
         self.torch = torch
         self.loaded = load_model(settings)

@@ -45,7 +45,7 @@ def quantized_mode(settings) -> str:
 
 
 def quality_figures(report: Report, settings) -> None:
-    from station.runtime.model_loader import load_model
+    from station.model.loader import load_model
 
     dense = load_model(replace(settings, weights="float"))
     quant = load_model(replace(settings, weights=quantized_mode(settings)))
@@ -122,7 +122,7 @@ def _partings(dense, prompts: list[list[int]], float_answers: list[list[int]],
 
 
 def _pool(model, tokens: int):
-    from station.runtime.kv_cache import KVCache, KVCacheShape
+    from station.forward.kv_cache import KVCache, KVCacheShape
 
     shape = KVCacheShape.from_config(model.config, 16, torch.float32)
     return KVCache(shape, -(-tokens // 16), torch.device("cpu"))
@@ -134,7 +134,7 @@ def _engine_greedy(loaded, prompts: list[list[int]], n: int) -> list[list[int]]:
 
     from gnosis_daemon.settings import Settings
     from station.core.requests import Failed, Finished, GenerationRequest, SamplingParams, Token
-    from station.runtime.engine import PagedEngine
+    from station.engine.loop import PagedEngine
 
     with tempfile.TemporaryDirectory() as run:
         engine = PagedEngine(loaded, Settings(runtime_dir=run), num_blocks=256)

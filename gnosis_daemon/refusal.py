@@ -1,6 +1,6 @@
 """A station that refuses its model: the exit status and the refusal file (torch-free).
 
-The station raises ``station.runtime.model_errors.ModelRefused`` at boot when the engine
+The station raises ``station.model.errors.ModelRefused`` at boot when the engine
 cannot compute the model exactly (an attention kind it does not implement, a start check
 whose paged logits disagree with the model's own forward). That is permanent for this model
 and build, so it is told apart from a crash by two things every process can read without

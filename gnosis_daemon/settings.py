@@ -103,7 +103,7 @@ class Settings:
     # (the CPU tests' way to check it); off: eager steps everywhere.
     decode_graphs: str = "auto"
     decode_graph_max_context: int = 8192  # longer contexts decode eagerly
-    # The station's start check (station/runtime/start_check.py): auto trusts the record of
+    # The station's start check (station/plan/start_check.py): auto trusts the record of
     # one that passed for this model, build, machine and decode plan (model_cache_dir/
     # start-checks/), else runs it; always runs it at every start.
     start_check: str = "auto"

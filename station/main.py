@@ -24,7 +24,7 @@ import trio
 from gnosis_daemon.logs import configure_logging, get_logger
 from gnosis_daemon.refusal import clear_refusal, write_refusal
 from gnosis_daemon.settings import Settings
-from station.runtime.model_loader import (
+from station.model.loader import (
     REFUSED_EXIT,
     LoadedModel,
     ModelLoadError,
@@ -32,10 +32,10 @@ from station.runtime.model_loader import (
     default_model_path,
     load_model,
 )
-from station.runtime.engine import PagedEngine
-from station.runtime.kv_io_process import KVIOProcess
-from station.runtime.kv_tier_start import open_tier
-from station.runtime.start_check import prove_engine
+from station.engine.loop import PagedEngine
+from station.tier.io.process import KVIOProcess
+from station.tier.start import open_tier
+from station.plan.start_check import prove_engine
 from station.serving.kv_events import KVEventPublisher, start_publisher
 from station.serving.server import StationServer
 
@@ -67,7 +67,7 @@ class _TorchThread:
         # Set before the boot result is handed over; read by the main thread after it.
         self.tier_report: dict[str, Any] = {}
         self.kv_events: KVEventPublisher | None = None
-        self.start_check: dict[str, Any] = {}  # station.runtime.start_check, once it passed
+        self.start_check: dict[str, Any] = {}  # station.plan.start_check, once it passed
         self.model_path: str | None = None  # where the model was loaded from, once it was
         self._booted: queue.Queue[tuple[LoadedModel, PagedEngine] | BaseException] = queue.Queue()
         self.thread = threading.Thread(target=self._main, name="station-torch", daemon=True)

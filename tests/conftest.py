@@ -59,7 +59,7 @@ def default_model_cache(tmp_path_factory):
             record.write_text(json.dumps(_convert(root)))
         first = json.loads(record.read_text())
     from gnosis_daemon.settings import Settings
-    from station.runtime.model_loader import default_model_path, gguf_cache_dir
+    from station.model.loader import default_model_path, gguf_cache_dir
 
     yield DefaultModelCache(root, gguf_cache_dir(default_model_path(), Settings(model_cache_dir=str(root))),
                             first)
@@ -73,7 +73,7 @@ def default_model_cache(tmp_path_factory):
 def _convert(root: Path) -> dict:
     """Load the default model with ``root`` as the cache (converting it): what it reported."""
     from gnosis_daemon.settings import Settings
-    from station.runtime.model_loader import load_model
+    from station.model.loader import load_model
 
     loaded = load_model(Settings(model_cache_dir=str(root)))
     return {

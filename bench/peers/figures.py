@@ -68,7 +68,7 @@ class PeerResult:
 def model_path(settings) -> Path | None:
     if settings.model:
         return Path(settings.model)
-    from station.runtime.model_loader import default_model_path
+    from station.model.loader import default_model_path
 
     try:
         return default_model_path()

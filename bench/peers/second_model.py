@@ -69,7 +69,7 @@ as configured (exit 78, its reason in `station-refused.json`) is started again w
 
 Start check: before it serves, the station runs a probe past the model's longest window
 through its own engine and compares the top logprobs at its decoded positions with the
-model's own forward (`station.runtime.start_check`); `hello`'s `model.start_check` says what it cost, beside the
+model's own forward (`station.plan.start_check`); `hello`'s `model.start_check` says what it cost, beside the
 station's whole start (spawn to its first `hello` answered)."""
 
 def add_arguments(parser) -> None:

@@ -1,7 +1,7 @@
 """Paged-KV block pool and automatic prefix cache (pure Python: no torch here).
 
 The pool owns ``num_blocks`` fixed-size blocks; the KV tensors live elsewhere
-(``station.runtime.kv_cache``) and are addressed by ``block_id``. Vocabulary follows vLLM v1's
+(``station.forward.kv_cache``) and are addressed by ``block_id``. Vocabulary follows vLLM v1's
 ``block_pool.py``: ``ref_cnt``, ``touch``, ``BlockHash``, a free queue whose order IS the
 eviction order.
 

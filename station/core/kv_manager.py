@@ -16,7 +16,7 @@ Modelled on vLLM v1's ``KVCacheManager``: the scheduler decides *who* runs, this
 Sessions are pinned here too (``pin`` / ``unpin`` / ``load_into``), ``resident_blocks``
 answers "is the KV of these tokens still in the pool" for ``kv_session.save`` of a token
 list, and ``begin_load`` / ``finish_load`` bring a disk-tier session back into fresh
-blocks (``station.runtime.kv_tier`` reads its files between the two).
+blocks (``station.tier.disk_tier`` reads its files between the two).
 
 Thread-safety: none. Every call happens on the engine thread (``stats`` only reads ints).
 """

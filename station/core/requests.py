@@ -96,9 +96,9 @@ class GenerationRequest:
     save_session: str | None = None
     save_final_session: str | None = None  # pin prompt+completion KV when it ends
     # Structured output: an xgrammar CompiledGrammar (opaque here, see
-    # station.runtime.grammar); None: unconstrained.
+    # station.sampling.grammar); None: unconstrained.
     grammar: Any = None
-    # ``n`` choices share the prompt's prefill (``station.runtime.fanout``);
+    # ``n`` choices share the prompt's prefill (``station.engine.forks``);
     # ``logprobs``: top alternatives per sampled token (None: no logprobs);
     # ``prompt_logprobs``: the same for every prompt token (no prefix-cache reuse then).
     n: int = 1
@@ -172,7 +172,7 @@ class Prefill:
 class Token:
     request_id: str
     token_id: int
-    logprobs: Any = None  # a station.runtime.logprobs.TokenLogprobs when asked for
+    logprobs: Any = None  # a station.sampling.logprobs.TokenLogprobs when asked for
 
 
 @dataclass(frozen=True, slots=True)

@@ -7,7 +7,7 @@ a string), ``tool_call_id`` and ``name`` (a tool result's). ``tools`` is the lis
 OpenAI tool definitions (``{"type": "function", "function": {"name", "description",
 "parameters"}}``), given to the template as transformers' ``apply_chat_template(tools=...)``
 does. Neither the tools nor a message's tool fields may hold special-token text (a
-content's is kept as text, ``station.runtime.tokenizing``; these are refused instead).
+content's is kept as text, ``station.model.tokenizing``; these are refused instead).
 
 ``tool_format`` tells what the model's template does with tools: whether it renders them
 at all, and which tool-call parser reads its calls (from the template's text, or the
@@ -20,8 +20,8 @@ import json
 from typing import Any
 
 from gnosis_daemon.protocol import ErrorCode, OpError
-from station.runtime.model_loader import LoadedModel
-from station.runtime.tokenizing import Codec
+from station.model.loader import LoadedModel
+from station.model.tokenizing import Codec
 
 MAX_TOOLS = 128
 TOOL_PARSERS = ("hermes", "mistral", "llama3", "generic")
@@ -141,7 +141,7 @@ def render_chat(loaded: LoadedModel, messages: list[dict[str, Any]],
                 add_generation_prompt: bool, tools: list[dict[str, Any]] | None = None) -> list[int]:
     """Chat template -> token ids. The template writes every control token it wants, so
     nothing is added; special-token text inside a content is encoded as text
-    (``station.runtime.tokenizing``). A role, a message's tool fields and the tools must
+    (``station.model.tokenizing``). A role, a message's tool fields and the tools must
     not hold special-token text at all."""
     tokenizer = loaded.tokenizer
     if not getattr(tokenizer, "chat_template", None):

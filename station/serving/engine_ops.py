@@ -23,12 +23,12 @@ import trio
 
 from gnosis_daemon.protocol import ErrorCode, OpError
 from station.core.requests import SamplingParams
-from station.runtime.model_loader import LoadedModel
+from station.model.loader import LoadedModel
 from station.serving.ops import (OpContext, Tokenizing, arg, bad, check_text_size, codec,
                          number, seed_arg, token_list)
 
 if TYPE_CHECKING:
-    from station.runtime.engine import PagedEngine
+    from station.engine.loop import PagedEngine
 
 MAX_EMBED_INPUTS = 256
 

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import gnosis_daemon
 from gnosis_daemon.protocol import PROTOCOL_VERSION, ErrorCode
-from station.runtime.kv_tier_start import tier_report
+from station.tier.start import tier_report
 from station.serving.chat import tool_format
 from station.serving.connection import Connection
 from station.serving.liveness import serving_report

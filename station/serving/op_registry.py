@@ -38,7 +38,7 @@ from typing import Any, Callable, Iterable, Iterator
 
 from gnosis_daemon.protocol import Capability
 from station.serving import engine_ops, inline_ops, ops
-from station.runtime.engine_calls import EngineCalls
+from station.engine.calls import EngineCalls
 from station.serving.ops import OpContext
 from station.serving.stream import GenerateStream
 

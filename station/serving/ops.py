@@ -28,9 +28,9 @@ from gnosis_daemon.settings import Settings
 from gnosis_daemon.grammar_spec import GrammarSpecError, check_grammar
 from station.core.requests import MAX_LOGIT_BIAS, SamplingParams
 
-MAX_CHOICES = 16  # generate's n (station.runtime.fanout)
-MAX_LOGPROBS = 20  # top alternatives per token (station.runtime.logprobs)
-from station.runtime.model_loader import LoadedModel
+MAX_CHOICES = 16  # generate's n (station.engine.forks)
+MAX_LOGPROBS = 20  # top alternatives per token (station.sampling.logprobs)
+from station.model.loader import LoadedModel
 from station.serving.chat import (check_messages, check_tools, codec, json_chars, messages_chars,
                                   render_chat)
 
@@ -53,7 +53,7 @@ class Tokenizing:
     """A parser's answer when the checked arguments need the tokenizer first: ``work()``
     runs on a worker thread and returns them (raising ``OpError`` as a parser would). With
     ``finish``, ``work()`` returns what ``finish(result, compiled)`` turns into them once
-    ``grammar`` (a checked spec, or None) is compiled (``station.runtime.grammar_compile``:
+    ``grammar`` (a checked spec, or None) is compiled (``station.sampling.grammar_compile``:
     in bounded time, off the tokenizer threads)."""
 
     work: Callable[[], Any]
@@ -209,7 +209,7 @@ class GenerateArgs:
     match_session: bool
     save_session: str | None
     save_final_session: str | None = None
-    grammar: Any = None  # an xgrammar CompiledGrammar (station.runtime.grammar)
+    grammar: Any = None  # an xgrammar CompiledGrammar (station.sampling.grammar)
     choices: dict[str, Any] | None = None  # n, logprobs, prompt_logprobs (choices_args)
 
 

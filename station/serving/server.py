@@ -11,7 +11,7 @@ chat-template work (``tokenize``, ``detokenize``, a text or chat prompt, ``embed
 runs on worker threads (``_text_work``, at most ``TEXT_THREADS`` at once), and the model runs
 on the engine thread. A request whose arguments are being tokenized is in
 ``Connection.preparing`` and can be cancelled there; so is one whose grammar is being
-compiled (``station.runtime.grammar_compile``: in a worker process, then on the grammar
+compiled (``station.sampling.grammar_compile``: in a worker process, then on the grammar
 thread, never on the tokenizer threads), and cancelling it kills its compile's process.
 
 Error handling: a frame that decodes but breaks the protocol gets an error frame and the
@@ -48,14 +48,14 @@ from gnosis_daemon.unix_sockets import bind_socket, remove_socket
 from station.serving import engine_ops, ops
 from station.serving.connection import Connection, Preparing
 from station.core.requests import Failed
-from station.runtime.grammar_compile import GrammarCompiles
-from station.runtime.model_loader import LoadedModel
+from station.sampling.grammar_compile import GrammarCompiles
+from station.model.loader import LoadedModel
 from station.serving.op_registry import STATION_OPS, OpRegistry, OpSpec, RunsOn
 from station.serving.ops import Tokenizing
 from station.serving.stream import GenerateStream
 
 if TYPE_CHECKING:
-    from station.runtime.engine import PagedEngine
+    from station.engine.loop import PagedEngine
 
 log = get_logger(__name__)
 
@@ -91,7 +91,7 @@ class StationServer:
     # What the start found in the KV disk tier (``kv_tier_start.open_tier``), set by
     # ``serve``; hello and health publish it so a rejected or foreign tier is never silent.
     kv_tier: dict[str, Any] | None = None
-    # The start check's figures (``station.runtime.start_check``), set by ``serve``; None when
+    # The start check's figures (``station.plan.start_check``), set by ``serve``; None when
     # the engine was built without one (in-process embedders and tests).
     start_check: dict[str, Any] | None = None
 

@@ -25,10 +25,10 @@ from station.serving.detok import IncrementalDetokenizer
 from station.core.requests import EngineEvent, Failed, Finished, GenerationRequest, Prefill, Token
 from station.serving.ops import GenerateArgs
 from station.serving.token_text import token_texts
-from station.runtime.fanout import choice_id
+from station.engine.forks import choice_id
 
 if TYPE_CHECKING:
-    from station.runtime.engine import PagedEngine
+    from station.engine.loop import PagedEngine
 
 log = get_logger(__name__)
 

@@ -65,7 +65,7 @@ class TokenTexts:
         return self._tokenizer.decode([token_id]).encode("utf-8")
 
     def entry(self, lp: Any) -> dict[str, Any]:
-        """A ``station.runtime.logprobs.TokenLogprobs`` as the wire carries it."""
+        """A ``station.sampling.logprobs.TokenLogprobs`` as the wire carries it."""
         text, raw = self.of(lp.token_id)
         return {"token_id": lp.token_id, "token": text, "bytes": raw, "logprob": lp.logprob,
                 "top_logprobs": [self._top(t, v) for t, v in lp.top]}

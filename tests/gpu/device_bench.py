@@ -132,8 +132,8 @@ def build_smol_shape(path: Path) -> Path:
 
 def bench_model(name: str, model_path: Path | None, args, work: Path, graphs: str) -> None:
     from gnosis_daemon.settings import Settings
-    from station.runtime.engine import PagedEngine
-    from station.runtime.model_loader import load_model
+    from station.engine.loop import PagedEngine
+    from station.model.loader import load_model
 
     settings = Settings(model=str(model_path) if model_path else None,
                         runtime_dir=str(work / f"rt-{name}"), model_cache_dir=str(work / "cache"),

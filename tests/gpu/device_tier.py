@@ -151,8 +151,8 @@ class TierEngine:
     """A ``PagedEngine`` with the disk tier, opened as the station opens it."""
 
     def __init__(self, loaded, settings) -> None:
-        from station.runtime.engine import PagedEngine
-        from station.runtime.kv_tier_start import open_tier
+        from station.engine.loop import PagedEngine
+        from station.tier.start import open_tier
 
         self.engine = PagedEngine(loaded, settings, num_blocks=NUM_BLOCKS)
         self.report = open_tier(self.engine, settings)
@@ -214,8 +214,8 @@ def same_bytes(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
 
 def run_pass(model_path: Path, work: Path, device: str, dtype: str, n_sessions: int) -> None:
     from gnosis_daemon.settings import Settings
-    from station.runtime.kv_tier_start import tier_root
-    from station.runtime.model_loader import load_model
+    from station.tier.start import tier_root
+    from station.model.loader import load_model
     from tests.support.kv_tier import flip_byte, session_files
 
     tag = f"[{dtype}]"

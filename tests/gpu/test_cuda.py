@@ -13,8 +13,8 @@ import torch
 
 from gnosis_daemon.settings import Settings
 from station.core.requests import Failed, Finished, Token, GenerationRequest, SamplingParams
-from station.runtime.model_loader import load_model
-from station.runtime.engine import PagedEngine
+from station.model.loader import load_model
+from station.engine.loop import PagedEngine
 from tests.support.tiny_models import build_tiny_model
 
 pytestmark = pytest.mark.gpu
@@ -84,7 +84,7 @@ def test_greedy_parity_on_cuda_float32(tiny_dir, tmp_path):
 def test_sampling_controls_on_cuda_tensors():
     """The batched sampler with its state on the GPU: greedy rows with bias, min_tokens and
     penalties pick what the CPU picks; a seeded row is reproducible in any batch."""
-    from station.runtime.logits_processing import SequenceSampling, sample_sequences
+    from station.sampling.logits import SequenceSampling, sample_sequences
 
     logits = torch.randn(4, 300, generator=torch.Generator().manual_seed(0)) * 3
 
@@ -117,8 +117,8 @@ def test_grammar_rows_masked_on_cuda_match_the_cpu():
     it is untouched, and the output is the grammar's."""
     import json
 
-    from station.runtime.grammar import Grammars
-    from station.runtime.logits_processing import SequenceSampling, sample_sequences
+    from station.sampling.grammar import Grammars
+    from station.sampling.logits import SequenceSampling, sample_sequences
     from tests.support.tiny_models import build_tokenizer
 
     tokenizer = build_tokenizer()
@@ -150,7 +150,7 @@ def test_int4_weights_and_the_lean_decoder_on_cuda_equal_that_models_generate(ti
     """Issue 12 on the GPU: the decoder's linears as 4-bit groups through
     ``_weight_int4pack_mm`` (bfloat16 model), the lean one-loop forward, and the engine's
     greedy output equal to the same quantized model's ``model.generate``."""
-    from station.runtime.quantized_linears import Int4Linear
+    from station.kernels.quantized import Int4Linear
 
     settings = Settings(model=str(tiny_dir), runtime_dir=str(tmp_path), model_cache_dir=str(tmp_path),
                         weights="int4", kv_cache_gpu_fraction=0.02)
@@ -196,8 +196,8 @@ def test_a_decode_graph_is_captured_once_and_replays_the_eager_step(tiny_dir, tm
     on its first use and replayed after; its logits equal the eager step's, and its padded
     row writes only the pool's scratch block."""
     from station.core.scheduler import SchedulerOutput
-    from tests.station.test_decode_graphs import _decoding, changed_slots
-    from tests.station.test_paged_engine import BS
+    from tests.station.forward.test_decode_graphs import _decoding, changed_slots
+    from tests.station.engine.test_paged_engine import BS
 
     settings = Settings(model=str(tiny_dir), runtime_dir=str(tmp_path), dtype="float32", kv_block_size=BS)
     loaded = load_model(settings)

@@ -95,7 +95,7 @@ def test_common_prefix():
 
 # Which session a prompt loads is the station's choice (generate's match_session): the
 # longest prefix, tenant isolation and "at least one whole block" are tested there
-# (tests/station/test_kv_manager.py, "matching"), on the registry that owns the sessions.
+# (tests/station/core/test_kv_manager.py, "matching"), on the registry that owns the sessions.
 
 def test_save_ids_digest_the_prompt_and_the_tenant():
     prompt = (("messages", [{"role": "user", "content": "hi"}]),)

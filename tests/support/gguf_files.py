@@ -288,7 +288,7 @@ def write_gguf(path: str | Path, family: str, mix: str = "Q4_K_M", seed: int = 0
 
 def file_types(path: str | Path) -> dict[str, str]:
     """GGUF tensor name -> its type, as the file says."""
-    from station.runtime.gguf_table import read_tensor_table
+    from station.model.gguf_table import read_tensor_table
 
     return {t.name: t.kind for t in read_tensor_table(Path(path))[1]}
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from station.runtime.quantized_linears import Int4Groups, Int4Linear
+from station.kernels.quantized import Int4Groups, Int4Linear
 
 
 def check_int4_layer(groups: Int4Groups, seed: int) -> None:

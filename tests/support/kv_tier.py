@@ -1,5 +1,5 @@
 """Files of the KV disk tier (``<state_dir>/kv-tier/<fingerprint[:16]>``, one directory per
-model, ``station.runtime.kv_store``) built and damaged by hand, for the tests of bad,
+model, ``station.tier.store.store``) built and damaged by hand, for the tests of bad,
 foreign and crashed tiers.
 
 ``write_session_files`` writes one session (its block files, then its manifest) through
@@ -54,8 +54,8 @@ def tier_dir(state_dir: Path, fingerprint: str) -> Path:
     ``model_layout(...).fingerprint``) under a station's state dir (``<runtime_dir>/state``
     by default): the directory ``kv_tier_start.open_tier`` opens, which holds the tier of
     the KV layout that opened it first (``layout.json``; another layout's sits in
-    ``layouts/<tag>`` inside it, ``station.runtime.kv_store_layouts``)."""
-    from station.runtime.kv_tier_start import tier_root
+    ``layouts/<tag>`` inside it, ``station.tier.store.layouts``)."""
+    from station.tier.start import tier_root
 
     return tier_root(Path(state_dir), fingerprint)
 
@@ -65,12 +65,12 @@ def model_layout(model_dir: Path, block_size: int, fingerprint: str | None = Non
     ``fingerprint`` (hello's ``model.fingerprint``) the model is loaded to compute it."""
     from transformers import AutoConfig
 
-    from station.runtime.kv_cache import KVCacheShape
+    from station.forward.kv_cache import KVCacheShape
 
     dtype = "float32"  # the tiny models' dtype on the CPU
     if fingerprint is None:
         from gnosis_daemon.settings import Settings
-        from station.runtime.model_loader import load_model
+        from station.model.loader import load_model
 
         loaded = load_model(Settings(model=str(model_dir),
                                      runtime_dir=str(Path(model_dir).parent / "unused-rt")))
@@ -90,8 +90,8 @@ def write_session_files(root: Path, layout: Layout, session_id: str, token_ids: 
     import torch
 
     from station.core.block_pool import block_hashes_for, prefix_extra_keys
-    from station.runtime.kv_store import KVStore
-    from station.runtime.kv_store_format import block_relpath, session_name
+    from station.tier.store.store import KVStore
+    from station.tier.format import block_relpath, session_name
 
     bs = layout.block_size
     tokens = [int(t) for t in token_ids][:len(token_ids) // bs * bs]
@@ -125,7 +125,7 @@ def foreign_manifest(scratch: Path, into: Path, layout: Layout, session_id: str,
 def session_files(root: Path, session_id: str) -> SessionFiles:
     """The manifest of ``session_id`` in the tier at ``root`` and the block files it names
     (read from its header, unchecked)."""
-    from station.runtime.kv_store_format import block_relpath, session_name
+    from station.tier.format import block_relpath, session_name
 
     manifest = root / "sessions" / session_name(session_id)
     header = read_header(manifest)

@@ -42,7 +42,7 @@ TOOLS_TEMPLATE = (
 )
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 FAMILIES = ("llama", "mistral", "qwen2")
-# Families whose layers attend differently (``station.runtime.attention_kinds``), each with
+# Families whose layers attend differently (``station.forward.attention_kinds``), each with
 # windows of WINDOW tokens so that a prompt of a few dozen tokens spans several of them:
 # Mistral v0.1 (every layer sliding), Qwen2/Qwen3 (full below ``max_window_layers``, sliding
 # above), Phi-3 (every layer), Gemma 2 (sliding and full alternating, soft-capped scores and

@@ -1,0 +1,1 @@
+"""The engine thread: the step loop over the torch-free core, the calls it answers, and sequence forks."""

@@ -1,0 +1,131 @@
+"""The one preallocated paged KV pool of a model.
+
+``kv``: [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim] (index 0 = K,
+1 = V), allocated once at startup; requests never allocate KV. A token's slot is
+``block_id * block_size + offset``; the flat views ``[L, 2, num_blocks * block_size, H, D]``
+are what attention writes through a slot mapping.
+
+Sizing: CPU uses ``settings.kv_cache_bytes``; CUDA uses ``settings.kv_cache_gpu_fraction``
+of the memory still free after the weights are loaded.
+
+Shared memory: with the disk tier on a CPU pool, the pool lives in an anonymous shared
+memory file (``SharedBlocks``, a memfd) that the tier's I/O process maps too, so it copies
+blocks to and from disk without a byte passing through the station's Python (see
+``station.tier.disk_tier``). A CUDA pool cannot be shared that way: there the I/O process
+maps a staging area of pinned host memory instead, of ``kv_host_bytes``.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+from dataclasses import dataclass
+from math import prod
+
+import torch
+
+from station.model.errors import ModelRefused
+
+
+class KVCacheTooSmall(ValueError):
+    """The KV budget does not hold even one block; the message says which setting to raise."""
+
+
+@dataclass(frozen=True, slots=True)
+class KVCacheShape:
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    dtype: torch.dtype
+
+    @classmethod
+    def from_config(cls, config, block_size: int, dtype: torch.dtype) -> KVCacheShape:
+        config = config.get_text_config() if hasattr(config, "get_text_config") else config
+        num_heads = getattr(config, "num_attention_heads", None)
+        if not num_heads:
+            # A state-space or recurrent model (Mamba, RWKV...): nothing for a KV pool to
+            # hold. A refusal, not a crash, so the station is not restarted in a loop.
+            raise ModelRefused(str(getattr(config, "model_type", "?")), "non-attention layers",
+                               "its config names no attention heads: its layers compute no "
+                               "softmax attention (state-space, linear-attention or recurrent "
+                               "layers), which the paged engine does not implement")
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
+        num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
+        return cls(config.num_hidden_layers, num_kv_heads, head_dim, block_size, dtype)
+
+    @property
+    def bytes_per_block(self) -> int:
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim * elem
+
+
+def num_blocks_for(shape: KVCacheShape, settings, device: torch.device) -> int:
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        budget = int(free * settings.kv_cache_gpu_fraction)
+        knob = "kv_cache_gpu_fraction"
+    else:
+        budget = settings.kv_cache_bytes
+        knob = "kv_cache_bytes"
+    num_blocks = budget // shape.bytes_per_block
+    if num_blocks < 1:
+        raise KVCacheTooSmall(
+            f"KV budget of {budget} bytes holds no block of {shape.bytes_per_block} bytes "
+            f"(block_size={shape.block_size}); raise setting {knob!r}"
+        )
+    return num_blocks
+
+
+class SharedBlocks:
+    """``num_blocks`` KV blocks ([L, 2, num_blocks, block_size, H, D], zeros) in a memfd that
+    another process can map (``fd``, passed over a Unix socket); ``pin`` registers them with
+    CUDA as pinned host memory (a staging area's fast, asynchronous copies)."""
+
+    def __init__(self, shape: KVCacheShape, num_blocks: int, pin: bool = False) -> None:
+        dims = (shape.num_layers, 2, num_blocks, shape.block_size, shape.num_kv_heads, shape.head_dim)
+        self.num_blocks = num_blocks
+        self.nbytes = prod(dims) * torch.empty((), dtype=shape.dtype).element_size()
+        self.fd = os.memfd_create("gnosis-kv-blocks", os.MFD_CLOEXEC)
+        os.ftruncate(self.fd, self.nbytes)  # reads as zeros until written
+        self._map = mmap.mmap(self.fd, self.nbytes)
+        self.tensor = torch.frombuffer(self._map, dtype=torch.uint8).view(shape.dtype).view(dims)
+        self.pinned = False
+        if pin and torch.cuda.is_available():
+            err = torch.cuda.cudart().cudaHostRegister(self.tensor.data_ptr(), self.nbytes, 0)
+            self.pinned = int(err) == 0
+
+    def layout(self) -> dict[str, int]:
+        """What the other process needs to map the blocks (``kv_io_worker``)."""
+        return {"num_blocks": self.num_blocks, "nbytes": self.nbytes}
+
+
+class KVCache:
+    def __init__(self, shape: KVCacheShape, num_blocks: int, device: torch.device,
+                 shared: bool = False, scratch_blocks: int = 0) -> None:
+        self.shape = shape
+        self.num_blocks = num_blocks  # the blocks the allocator hands out
+        self.block_size = shape.block_size
+        self.device = device
+        # ``scratch_blocks``: blocks past ``num_blocks`` that no sequence ever owns; the padded
+        # rows of a decode graph write there (``station.forward.decode_graphs``).
+        self.scratch_block = num_blocks if scratch_blocks else None
+        total = num_blocks + scratch_blocks
+        # ``shared`` (a CPU pool only): the blocks in shared memory, for the tier's I/O process.
+        self.shared = SharedBlocks(shape, total) if shared and device.type == "cpu" else None
+        # Zeros, not empty: padded gathers read unused slots under a -inf mask, and
+        # 0 * NaN garbage would still poison the weighted sum.
+        self.kv = (self.shared.tensor if self.shared is not None else
+                   torch.zeros(shape.num_layers, 2, total, shape.block_size, shape.num_kv_heads,
+                               shape.head_dim, dtype=shape.dtype, device=device))
+        # [L, 2, blocks * block_size, H, D]: slot-addressed views for writes.
+        self.flat = self.kv.view(shape.num_layers, 2, total * shape.block_size,
+                                 shape.num_kv_heads, shape.head_dim)
+        # Per layer (K slots, V slots, K blocks, V blocks): the views attention takes every
+        # step, made once (each is a few torch calls a layer a token otherwise).
+        self.layer_views = [(self.flat[i, 0], self.flat[i, 1], self.kv[i, 0], self.kv[i, 1])
+                            for i in range(shape.num_layers)]
+
+    @property
+    def bytes_total(self) -> int:
+        return self.num_blocks * self.shape.bytes_per_block

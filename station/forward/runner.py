@@ -1,0 +1,277 @@
+"""Turns one scheduled step into one packed forward over the paged KV pool, and logits back.
+
+Any decoder-only transformers model whose attention goes through ``AttentionInterface``
+(Llama, Mistral, Qwen2/3, Gemma 2/3, Phi-3, SmolLM, ...) reads and writes the pool: the
+runner registers the attention function ``gnosis_paged``
+(``station.forward.paged_attention``), gives each attention module its layer's kind
+(window, soft-cap, sinks: ``station.forward.attention_kinds``) and switches the model to
+it. The model is called with every scheduled token packed into one row (batch 1), absolute
+``position_ids`` (the model applies rotary before attention) and no cache object or mask.
+
+Every per-step index tensor is built once per step (``StepContext``), not per layer. Only
+the rows whose logits are needed reach ``lm_head`` (``VocabHead``, or the model's own
+forward with ``logits_to_keep`` when its logits are post-processed). Two other ways run
+the same step: the C step on a CPU (``station.kernels.cpu_step``, every row) and, for steps
+whose rows all decode, a bucket's static step replayed as a CUDA graph
+(``station.forward.decode_graphs``). The runner makes no policy decisions: it runs exactly
+what the scheduler handed it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from gnosis_daemon.logs import get_logger
+from station.forward.attention_kinds import AttentionKinds
+from station.forward.decode_graphs import DecodeGraphs, decode_rows
+from station.forward.kv_cache import KVCache
+from station.forward.lean_decoder import LeanDecoder
+from station.kernels.dense import VocabHead, pack_decoder_linears
+from station.forward.paged_attention import (ATTN_IMPLEMENTATION, PrefillMeta, StepContext, causal_mask,
+                                             install_kinds, register_attention, registered_attention,
+                                             step_context, window_mask)
+from station.core.scheduler import SchedulerOutput
+from station.core.sequence import Sequence
+
+log = get_logger(__name__)
+
+def _prompt_rows(seq: Sequence, start: int, end: int, row: int) -> list[tuple[Sequence, int, int, int]]:
+    """A ``prompt_logprobs`` sequence's chunk of positions start..end (its first at
+    ``row`` of the step) -> the rows that predict prompt tokens, as (seq, start, row, count)."""
+    if seq.prompt_logprobs is None or seq.prefill_reported:
+        return []
+    upto = min(end, seq.num_prompt_tokens - 1)
+    return [(seq, start, row, upto - start)] if upto > start else []
+
+
+def _first_if_consecutive(block_ids: list[int]) -> int | None:
+    """The first id when the ids run first, first + 1, ... (then K/V are a view of the pool)."""
+    first = block_ids[0]
+    if block_ids[-1] - first != len(block_ids) - 1:
+        return None
+    return first if block_ids == list(range(first, first + len(block_ids))) else None
+
+
+class ModelRunner:
+    def __init__(self, model: torch.nn.Module, kv_cache: KVCache, device: torch.device,
+                 kinds: AttentionKinds, pack_linears: bool = True, lean: bool = True,
+                 head_kernel=None, step=None, max_positions: int = 0,
+                 graphs: tuple[int, int] | None = None) -> None:
+        register_attention()
+        install_kinds(kinds)  # each layer's window, soft-cap, sinks (station.forward.attention_kinds)
+        model.set_attn_implementation(ATTN_IMPLEMENTATION)
+        self.kinds = kinds
+        self.model = model.eval()
+        self.kv_cache = kv_cache
+        self.block_size = kv_cache.block_size
+        self.device = device
+        # station.kernels.dense: on CPU fp32 the linears run through oneDNN, packed once.
+        # When logits are exactly lm_head(hidden), the runner applies the head itself
+        # (VocabHead); else the model's own forward.
+        if pack_linears:
+            pack_decoder_linears(model)
+        self._head = VocabHead.for_model(model, pack=pack_linears, kernel=head_kernel)
+        # station.forward.lean_decoder: the same layers' arithmetic without transformers'
+        # per-call wrappers (Llama family); None: the model's own forward.
+        self._lean = LeanDecoder.for_model(model, registered_attention) if lean else None
+        # station.kernels.cpu_step: every row of a step, decode or prompt, through C calls
+        # of up to 8 rows (4-bit Llama-family on a CPU), where the runner applies the head.
+        # The step computes plain causal attention over the whole context: never a model whose
+        # layers have windows, soft-capping or sinks.
+        if step is not None and not kinds.all_full:
+            log.warning("cpu_step_not_used", reason="the model's attention is not full causal on every layer")
+            step = None
+        self._step = (step.bind(kv_cache, max_positions) if step is not None and self._head is not None
+                      and max_positions > 0 else None)
+        self._torch_threads = torch.get_num_threads()
+        # station.forward.decode_graphs: pure-decode steps replayed as CUDA graphs (captured on
+        # a GPU; on a CPU the same static step, eagerly, where the setting asks for it).
+        # ``graphs``: (the most rows, the longest context) to capture; None: eager steps.
+        self._graphs = (self._decode_graphs(graphs[0], min(graphs[1], max_positions))
+                        if graphs is not None else None)
+
+    def _decode_graphs(self, max_batch: int, max_context: int) -> DecodeGraphs | None:
+        reason = ("the model's forward is not the lean decoder's" if self._lean is None
+                  else "the model's logits are post-processed" if self._head is None
+                  else "the KV pool has no scratch block" if self.kv_cache.scratch_block is None
+                  else "no context to capture" if max_context < 1 else None)
+        if reason is not None:
+            log.info("decode_graphs_not_used", reason=reason)
+            return None
+        return DecodeGraphs(self.kv_cache, self.device, self._lean, self._head, step_context,
+                            max_batch, max_context, capture=self.device.type == "cuda")
+
+    def plan(self) -> dict[str, Any]:
+        """How this runner's steps are computed (the start check's record is keyed by it)."""
+        return {"forward": "c-step" if self._step is not None else "lean" if self._lean is not None
+                else "transformers", "decode_graphs": self._graphs is not None,
+                "head": None if self._head is None else type(self._head).__name__,
+                "head_kernel": getattr(self._head, "kernel", None) is not None}
+
+    @property
+    def stepped(self) -> bool:
+        """The C step computes this runner's steps (``cpu_step``), not torch."""
+        return self._step is not None
+
+    def graph_stats(self) -> dict[str, int]:
+        return self._graphs.stats() if self._graphs is not None else {}
+
+    def _decoder(self, ids: torch.Tensor, pos_ids: torch.Tensor) -> torch.Tensor:
+        if self._lean is not None:
+            return self._lean(ids, pos_ids)
+        return self.model.base_model(input_ids=ids, position_ids=pos_ids, use_cache=False).last_hidden_state
+
+    def _stepped_head(self, stepped: torch.Tensor) -> torch.Tensor:
+        """The C step's rows' logits, computed alike whatever else is in the step: the Q8_0
+        head on the step's threads (the kernel's own sums) where there is one."""
+        kernel = getattr(self._head, "kernel", None)
+        with torch.inference_mode():
+            if kernel is not None:
+                return self._step.head(kernel, stepped)
+            return self._head(stepped).float()
+
+    def _quiet_torch(self, quiet: bool) -> None:
+        """Decode steps that run wholly in C (the step, then the head's C kernel) leave torch
+        one thread until the next prefill: the few torch ops around them (sampling) then open
+        no OpenMP region, whose threads would spin for a while after it on the cores the C
+        threads need (on 2 cores: 54-65 against 83-106 tok/s through a station's socket)."""
+        want = 1 if quiet else self._torch_threads
+        if torch.get_num_threads() != want:
+            torch.set_num_threads(want)
+
+    def _keep_prompt_rows(self, extra: list[tuple[Sequence, int, int, int]], keep: list[int]) -> None:
+        """``extra`` (``_prompt_rows``' entries) kept after the sampled rows in ``keep``;
+        ``self.prompt_rows``: (seq, first position, first row in the returned logits, rows)
+        per ``prompt_logprobs`` chunk."""
+        self.prompt_rows = []
+        for seq, start, row, n in extra:
+            self.prompt_rows.append((seq, start, len(keep), n))
+            keep.extend(range(row, row + n))
+
+    def _run_stepped(self, batch: SchedulerOutput) -> tuple[torch.Tensor | None, list[Sequence]]:
+        """``run`` where the C step takes every row, the prompts' too: each token's K/V is
+        then one arithmetic's, whether its row was a decode or a prompt's, so a prefix hit
+        on a previous answer is the same to the bit as computing it again."""
+        bs = self.block_size
+        tokens, positions, slots, tables = decode_rows(batch.decodes, bs)
+        sampled = list(batch.decodes)
+        keep = list(range(len(tokens)))
+        extra: list[tuple[Sequence, int, int, int]] = []
+        for seq, n in batch.prefills:
+            start, row = seq.num_computed_tokens, len(tokens)
+            end = start + n
+            table = [b.block_id for b in seq.blocks[:-(-end // bs)]]
+            tokens.extend(seq.token_ids[start:end])
+            positions.extend(range(start, end))
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            tables.extend([table] * n)
+            if end == seq.num_tokens:
+                keep.append(row + n - 1)
+                sampled.append(seq)
+            extra += _prompt_rows(seq, start, end, row)
+        self._keep_prompt_rows(extra, keep)
+        self._quiet_torch(getattr(self._head, "kernel", None) is not None)
+        with torch.inference_mode():
+            hidden = self._step(tokens, positions, slots, tables)
+        if not keep:  # a mid-prompt chunk only: no logits, no head
+            return None, []
+        return self._stepped_head(hidden[keep]), sampled
+
+    def run(self, batch: SchedulerOutput) -> tuple[torch.Tensor | None, list[Sequence]]:
+        """One forward for the step -> (logits [K, V] float32, the K sequences to sample);
+        rows past K: the prompt rows of ``prompt_logprobs`` sequences (``self.prompt_rows``)."""
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        sampled: list[Sequence] = []
+        keep: list[int] = []
+
+        if self._step is not None and (batch.decodes or batch.prefills) and self._step.fits(
+                [seq.num_computed_tokens for seq in batch.decodes]
+                + [seq.num_computed_tokens + n - 1 for seq, n in batch.prefills]):
+            return self._run_stepped(batch)
+        if self._graphs is not None and batch.decodes and not batch.prefills:
+            with torch.inference_mode():
+                logits = self._graphs.run(batch.decodes)
+            if logits is not None:
+                self.prompt_rows = []
+                return logits, list(batch.decodes)
+        decodes = batch.decodes
+        num_decodes = len(decodes)
+        decode_tables = decode_mask = decode_first = decode_lens = None
+        decode_ctx_len = 0
+        if decodes:
+            input_ids, positions, slots, tables = decode_rows(decodes, bs)
+            ctx_lens = [pos + 1 for pos in positions]
+            max_blocks = max(len(table) for table in tables)
+            # Pad with block 0: padded slots are masked out (or sliced off when B == 1).
+            decode_tables = torch.tensor([table + [0] * (max_blocks - len(table)) for table in tables],
+                                         dtype=torch.long).flatten()
+            if num_decodes == 1:
+                decode_ctx_len = ctx_lens[0]
+                decode_first = _first_if_consecutive(tables[0])
+            else:
+                decode_lens = torch.tensor(ctx_lens, dtype=torch.long)
+                decode_mask = window_mask(decode_lens, max_blocks * bs, None)
+            keep.extend(range(num_decodes))
+            sampled.extend(decodes)
+
+        prefills: list[PrefillMeta] = []
+        extra: list[tuple[Sequence, int, int, int]] = []
+        ids_parts = [torch.tensor(input_ids, dtype=torch.long)]
+        pos_parts = [torch.tensor(positions, dtype=torch.long)]
+        slot_parts = [torch.tensor(slots, dtype=torch.long)]
+        q_start = num_decodes
+        for seq, n in batch.prefills:
+            start = seq.num_computed_tokens
+            ctx_len = start + n
+            pos = torch.arange(start, ctx_len)
+            block_ids = [b.block_id for b in seq.blocks[:-(-ctx_len // bs)]]
+            table = torch.tensor(block_ids, dtype=torch.long)
+            ids_parts.append(torch.tensor(seq.token_ids[start:ctx_len], dtype=torch.long))
+            pos_parts.append(pos)
+            slot_parts.append(table[pos // bs] * bs + pos % bs)
+            if start == 0:
+                meta = PrefillMeta(q_start, n, ctx_len, None, None)
+            else:
+                mask = causal_mask(start, n, 0, ctx_len, None)  # [n, ctx_len]
+                meta = PrefillMeta(q_start, n, ctx_len, table.to(self.device), mask.to(self.device),
+                                   _first_if_consecutive(block_ids))
+            prefills.append(meta)
+            if ctx_len == seq.num_tokens:
+                keep.append(q_start + n - 1)
+                sampled.append(seq)
+            extra += _prompt_rows(seq, start, ctx_len, q_start)
+            q_start += n
+        self._keep_prompt_rows(extra, keep)
+
+        self._quiet_torch(False)
+        dev = self.device
+        ctx = StepContext(
+            kv_cache=self.kv_cache,
+            slot_mapping=torch.cat(slot_parts).to(dev),
+            num_decodes=num_decodes,
+            decode_block_tables=None if decode_tables is None else decode_tables.to(dev),
+            decode_mask=None if decode_mask is None else decode_mask.to(dev),
+            decode_ctx_len=decode_ctx_len,
+            prefills=prefills,
+            decode_first_block=decode_first,
+            decode_slot=slots[0] if num_decodes == 1 else -1,
+            decode_lens=None if decode_lens is None else decode_lens.to(dev),
+            decode_tables=tables if num_decodes > 1 else None,
+            decode_ctx_lens=ctx_lens if num_decodes > 1 else None,
+        )
+        ids = torch.cat(ids_parts).to(dev)[None]
+        pos_ids = torch.cat(pos_parts).to(dev)[None]
+        with step_context(ctx), torch.inference_mode():
+            if not keep:  # a mid-prompt chunk only: no logits, no head
+                self._decoder(ids, pos_ids)
+                return None, []
+            rows = torch.tensor(keep, device=dev, dtype=torch.long)
+            if self._head is not None:
+                return self._head(self._decoder(ids, pos_ids)[0, rows]).float(), sampled
+            out = self.model(input_ids=ids, position_ids=pos_ids, use_cache=False, logits_to_keep=rows)
+        return out.logits[0].float(), sampled  # [K, V]

@@ -1,0 +1,1 @@
+"""The linear forms and their kernels: dense (oneDNN), quantized, and the C sources with their build."""

@@ -1,0 +1,780 @@
+/* The forward of up to max_batch token rows of a Llama-family model on 4-bit weights, in
+   one call (station/kernels/cpu_step.py says when the station uses it and why).
+
+   A decode token of a small model is 30 layers x (2 norms, 4 matrix products, rotary,
+   attention, SiLU): a few hundred torch calls, each a Python round trip and an OpenMP
+   fork/join, more time than the arithmetic. Here the step is one C call: B token rows in
+   (decode tokens, one per sequence, or a prompt's tokens in position order), the final
+   norm's output out, K/V written into the paged pool and read back through each
+   sequence's block table, the work split over a pool of threads that live as long as the
+   step does.
+
+   Weights: per output row, the row's 4-bit values as GGUF keeps them (32-value groups,
+   byte j of a group holds values j and j + 16) and per group a float16 step and minimum,
+   w = step * q + min, q in 0..15. Activations: each 32-value group of a row is scaled to
+   int16 (its largest magnitude to 32767) for the integer multiply-add, and the minimum
+   term uses the group's float32 sum: the only rounding added is the activations' to 15
+   bits (torch's int4 kernels round them to bfloat16, 8 bits). Every output of a row is
+   computed from that row's values alone, in the same order whatever B is: a sequence
+   decodes alike alone or in a batch, and a token's K/V is the same bits from a prompt's
+   row as from a decode row. */
+
+#include <math.h>
+#include <pthread.h>
+#include <sched.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define STEP_SIMD 1
+#else
+#define STEP_SIMD 0
+#endif
+
+#define G 32
+#define MAX_GROUPS 1024 /* input widths up to 32768 */
+#define MAX_HEAD_DIM 512
+#define MAX_THREADS 64
+#define MAX_ROWS 64 /* token rows a call may take (max_batch) */
+#define SPIN_NS 300000 /* a worker spins this long for work, then sleeps */
+
+typedef struct {
+    const uint8_t *q;   /* [N, K / 2] */
+    const uint16_t *s;  /* [N, K / 32] float16 steps */
+    const uint16_t *m;  /* [N, K / 32] float16 minimums */
+    const float *bias;  /* [N] or NULL */
+    int n, k;
+} mat_t;
+
+typedef struct {
+    mat_t qkv, o, gate_up, down;
+    const float *norm1, *norm2;
+    float *k_pool, *v_pool; /* [slots, kv_heads, head_dim] */
+} layer_t;
+
+struct step;
+/* One chunk of a parallel region: chunk index, the running thread's index (its scratch). */
+typedef void (*task_fn)(struct step *, int chunk, int tid);
+
+typedef struct step {
+    int layers, hidden, heads, kv_heads, head_dim, inter, block_size, max_pos, max_batch;
+    float eps, scaling;
+    const float *embed, *final_norm, *cos, *sin;
+    layer_t *layer;
+    /* scratch, sized for max_batch rows */
+    float *h, *x, *qkv, *att, *act, *scores, *acc, *xd, *xs;
+    int16_t *xq;
+    int group_start[MAX_ROWS], group_len[MAX_ROWS]; /* this call's attention groups */
+    int group_max, pairs; /* rows a group may hold; (row, head) pairs of a thread's scratch */
+    /* this call */
+    int b;
+    const int64_t *pos;
+    const int32_t *tables;
+    int table_width;
+    const mat_t *mat;
+    int out_mode; /* 0: store, 1: add into h, 2: SiLU(gate) * up */
+    float *out;
+    layer_t *cur;
+    const int8_t *head_q;
+    const float *head_d, *head_x;
+    int head_m, head_n, head_k;
+    /* the pool */
+    int nt, vocab, num_blocks;
+    pthread_t tid[MAX_THREADS];
+    struct worker_arg { struct step *s; int id; } args[MAX_THREADS];
+    atomic_int gen, stop;
+    /* the region being run, in one word (TICKET), and its chunks finished */
+    _Atomic int64_t ticket;
+    atomic_int finished;
+    int sleepers;
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    task_fn fn;
+} step_t;
+
+static inline float f16(uint16_t v) {
+#if STEP_SIMD
+    return _cvtsh_ss(v);
+#else
+    uint32_t sign = (uint32_t)(v & 0x8000) << 16, exp = (v >> 10) & 0x1f, man = v & 0x3ff, bits;
+    if (exp == 0) {
+        if (man == 0) { bits = sign; } else {
+            exp = 113;
+            while (!(man & 0x400)) { man <<= 1; exp--; }
+            bits = sign | (exp << 23) | ((man & 0x3ff) << 13);
+        }
+    } else if (exp == 31) bits = sign | 0x7f800000 | (man << 13);
+    else bits = sign | ((exp + 112) << 23) | (man << 13);
+    float f; memcpy(&f, &bits, 4); return f;
+#endif
+}
+
+/* -- the thread pool */
+
+static double now_ns(void) {
+    struct timespec t; clock_gettime(CLOCK_MONOTONIC, &t); return t.tv_sec * 1e9 + t.tv_nsec;
+}
+
+/* A region's ticket: its generation (low 24 bits), its number of chunks and the next chunk
+   to claim (20 bits each), in one word, so that a claim checks all three at once. (A count
+   kept beside the ticket let a thread read the next region's count with this region's
+   ticket and claim one chunk too many, which hung or raced the caller.) */
+#define CHUNK_BITS 20
+#define MAX_CHUNKS ((1 << CHUNK_BITS) - 1)
+#define GEN_MASK 0xffffff
+#define TICKET(gen, chunks) (((int64_t)((gen) & GEN_MASK) << (2 * CHUNK_BITS)) | ((int64_t)(chunks) << CHUNK_BITS))
+
+/* Claim and run the chunks of region `gen` until none is left. A thread that comes late
+   (descheduled, or still waking) finds them all taken and does nothing: the caller never
+   waits for a thread that has not started a chunk. */
+static void run_chunks(step_t *s, int gen, int tid) {
+    for (;;) {
+        int64_t t = atomic_load_explicit(&s->ticket, memory_order_acquire);
+        int next = (int)(t & MAX_CHUNKS), chunks = (int)((t >> CHUNK_BITS) & MAX_CHUNKS);
+        if ((int)(t >> (2 * CHUNK_BITS)) != (gen & GEN_MASK) || next >= chunks) return;
+        if (!atomic_compare_exchange_weak(&s->ticket, &t, t + 1)) continue;
+        s->fn(s, next, tid);
+        atomic_fetch_add_explicit(&s->finished, 1, memory_order_release);
+    }
+}
+
+static void *worker(void *arg) {
+    step_t *s = ((struct worker_arg *)arg)->s;
+    int id = ((struct worker_arg *)arg)->id, seen = 0; /* gen starts at 0 */
+    for (;;) {
+        double start = now_ns();
+        int spins = 0;
+        while (atomic_load_explicit(&s->gen, memory_order_acquire) == seen) {
+#if STEP_SIMD
+            _mm_pause();
+#endif
+            if (++spins % 256 == 0 && now_ns() - start > SPIN_NS) {
+                pthread_mutex_lock(&s->mu);
+                s->sleepers++;
+                while (atomic_load(&s->gen) == seen) pthread_cond_wait(&s->cv, &s->mu);
+                s->sleepers--;
+                pthread_mutex_unlock(&s->mu);
+            }
+        }
+        seen = atomic_load(&s->gen);
+        if (atomic_load(&s->stop)) return NULL;
+        run_chunks(s, seen, id);
+    }
+}
+
+/* Run fn over chunks 0..chunks-1 on the pool's threads (the caller's is thread 0). */
+static void parallel(step_t *s, task_fn fn, int chunks) {
+    if (s->nt == 1 || chunks == 1 || chunks > MAX_CHUNKS) {
+        for (int c = 0; c < chunks; c++) fn(s, c, 0);
+        return;
+    }
+    int gen = (atomic_load(&s->gen) + 1) & GEN_MASK;  /* wraps: a long-lived station runs ~10^4 a second */
+    s->fn = fn;
+    atomic_store(&s->finished, 0);
+    atomic_store_explicit(&s->ticket, TICKET(gen, chunks), memory_order_release);
+    atomic_store_explicit(&s->gen, gen, memory_order_release);
+    pthread_mutex_lock(&s->mu);
+    if (s->sleepers) pthread_cond_broadcast(&s->cv);
+    pthread_mutex_unlock(&s->mu);
+    run_chunks(s, gen, 0);
+    /* only chunks another thread has started remain */
+    for (int spins = 1; atomic_load_explicit(&s->finished, memory_order_acquire) != chunks; spins++) {
+#if STEP_SIMD
+        _mm_pause();
+#endif
+        if (spins % 4096 == 0) sched_yield();
+    }
+}
+
+/* -- arithmetic */
+
+static void rms_norm(const float *h, const float *w, float *out, int n, float eps) {
+    float ss = 0.0f;
+    for (int i = 0; i < n; i++) ss += h[i] * h[i];
+    float r = 1.0f / sqrtf(ss / n + eps);
+    for (int i = 0; i < n; i++) out[i] = w[i] * (h[i] * r);
+}
+
+#if STEP_SIMD
+/* e^x for 8 floats (Cephes' expf: range reduction by ln 2 in two parts, a degree-6
+   polynomial; within 2 ulp of expf over the range it does not clamp). */
+static inline __m256 exp8(__m256 x) {
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3f));
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    x = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    x = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), x);
+    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+    y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+
+static inline float hsum8(__m256 a) {
+    __m128 r = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    r = _mm_add_ps(r, _mm_movehl_ps(r, r));
+    r = _mm_add_ss(r, _mm_shuffle_ps(r, r, 1));
+    return _mm_cvtss_f32(r);
+}
+#endif
+
+/* SiLU(gate) * up over n values, in place in gate. */
+static void silu_mul(float *gate, const float *up, int n) {
+    int i = 0;
+#if STEP_SIMD
+    for (; i + 8 <= n; i += 8) {
+        __m256 g = _mm256_loadu_ps(gate + i);
+        __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), g));
+        _mm256_storeu_ps(gate + i, _mm256_mul_ps(_mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.0f), e)),
+                                                 _mm256_loadu_ps(up + i)));
+    }
+#endif
+    for (; i < n; i++) gate[i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
+}
+
+/* A row of activations as int16 per 32-value group: xq, the group's step xd and sum xs. */
+static void quantize(const float *x, int k, int16_t *xq, float *xd, float *xs) {
+    for (int g = 0; g < k / G; g++) {
+        const float *v = x + g * G;
+#if STEP_SIMD
+        __m256 a[4], mx = _mm256_setzero_ps(), sum = _mm256_setzero_ps();
+        const __m256 sign = _mm256_set1_ps(-0.0f);
+        for (int i = 0; i < 4; i++) {
+            a[i] = _mm256_loadu_ps(v + 8 * i);
+            mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, a[i]));
+            sum = _mm256_add_ps(sum, a[i]);
+        }
+        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+        float amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1)));
+        float inv = amax > 0.0f ? 32767.0f / amax : 0.0f;
+        __m256 scale = _mm256_set1_ps(inv);
+        for (int i = 0; i < 4; i += 2) {
+            __m256i lo = _mm256_cvtps_epi32(_mm256_mul_ps(a[i], scale));
+            __m256i hi = _mm256_cvtps_epi32(_mm256_mul_ps(a[i + 1], scale));
+            __m256i packed = _mm256_permute4x64_epi64(_mm256_packs_epi32(lo, hi), 0xd8);
+            _mm256_storeu_si256((__m256i *)(xq + g * G + 8 * i), packed);
+        }
+        xd[g] = amax / 32767.0f;
+        xs[g] = hsum8(sum);
+#else
+        float amax = 0.0f, sum = 0.0f;
+        for (int i = 0; i < G; i++) { float a = fabsf(v[i]); amax = a > amax ? a : amax; sum += v[i]; }
+        float d = amax / 32767.0f, inv = amax > 0.0f ? 32767.0f / amax : 0.0f;
+        for (int i = 0; i < G; i++) xq[g * G + i] = (int16_t)lrintf(v[i] * inv);
+        xd[g] = d;
+        xs[g] = sum;
+#endif
+    }
+}
+
+#define TILE 4
+#if STEP_SIMD
+/* The body of dot_rows for a constant number of token rows (bt), so that the compiler
+   unrolls the row loops and keeps every accumulator in a register. */
+static inline __attribute__((always_inline)) void dot_body(
+        const uint8_t *q, const uint16_t *sp, const uint16_t *mp, int k, const int16_t *xq,
+        const float *xd, const float *xs, const int bt, float *y) {
+    const int groups = k / G, g8 = groups & ~7;
+    /* the row's group scales widened once, times each token row's activation steps; the
+       minimums' term, sum over groups of min * (the group's activation sum), vectorized */
+    float scale[TILE][MAX_GROUPS];
+    __m256 tailv[TILE];
+    float tail[TILE];
+    for (int t = 0; t < bt; t++) tailv[t] = _mm256_setzero_ps();
+    for (int g = 0; g < g8; g += 8) {
+        __m256 st = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sp + g)));
+        __m256 mn = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(mp + g)));
+        for (int t = 0; t < bt; t++) {
+            _mm256_storeu_ps(scale[t] + g, _mm256_mul_ps(st, _mm256_loadu_ps(xd + t * groups + g)));
+            tailv[t] = _mm256_fmadd_ps(mn, _mm256_loadu_ps(xs + t * groups + g), tailv[t]);
+        }
+    }
+    for (int t = 0; t < bt; t++) {
+        tail[t] = hsum8(tailv[t]);
+        for (int g = g8; g < groups; g++) {
+            scale[t][g] = f16(sp[g]) * xd[t * groups + g];
+            tail[t] += f16(mp[g]) * xs[t * groups + g];
+        }
+    }
+    __m256 acc0[TILE], acc1[TILE];
+    for (int t = 0; t < bt; t++) acc0[t] = acc1[t] = _mm256_setzero_ps();
+    const __m256i low = _mm256_set1_epi16(0x0f);
+    int g = 0;
+#define GROUP_STEP(ACC)                                                                       \
+    {                                                                                         \
+        /* 16-bit lane j: byte j of the group, whose low nibble is value j, high j + 16 */    \
+        __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(q + g * 16)));      \
+        __m256i w0 = _mm256_and_si256(v, low), w1 = _mm256_srli_epi16(v, 4);                  \
+        for (int t = 0; t < bt; t++) {                                                        \
+            const int16_t *xg = xq + (size_t)t * k + g * G;                                   \
+            __m256i p = _mm256_add_epi32(                                                     \
+                _mm256_madd_epi16(w0, _mm256_loadu_si256((const __m256i *)xg)),               \
+                _mm256_madd_epi16(w1, _mm256_loadu_si256((const __m256i *)(xg + 16))));       \
+            ACC[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_broadcast_ss(&scale[t][g]), ACC[t]); \
+        }                                                                                     \
+        g++;                                                                                  \
+    }
+    while (g + 1 < groups) { GROUP_STEP(acc0) GROUP_STEP(acc1) }
+    if (g < groups) GROUP_STEP(acc0)
+#undef GROUP_STEP
+    for (int t = 0; t < bt; t++) y[t] = hsum8(_mm256_add_ps(acc0[t], acc1[t])) + tail[t];
+}
+#endif
+
+/* y[t] = sum_k w[n, k] * x[t, k] for the t < bt rows of a tile (rows of xq are k apart). */
+static void dot_rows(const mat_t *w, int n, const int16_t *xq, const float *xd, const float *xs,
+                     int bt, float *y) {
+    const int k = w->k, groups = k / G;
+    const uint8_t *q = w->q + (size_t)n * (k / 2);
+    const uint16_t *sp = w->s + (size_t)n * groups, *mp = w->m + (size_t)n * groups;
+#if STEP_SIMD
+    switch (bt) {
+    case 1: dot_body(q, sp, mp, k, xq, xd, xs, 1, y); break;
+    case 2: dot_body(q, sp, mp, k, xq, xd, xs, 2, y); break;
+    case 3: dot_body(q, sp, mp, k, xq, xd, xs, 3, y); break;
+    default: dot_body(q, sp, mp, k, xq, xd, xs, 4, y); break;
+    }
+#else
+    for (int t = 0; t < bt; t++) {
+        float acc = 0.0f, tail = 0.0f;
+        for (int g = 0; g < groups; g++) {
+            const int16_t *xg = xq + (size_t)t * k + g * G;
+            int32_t sum = 0;
+            for (int j = 0; j < 16; j++)
+                sum += (q[g * 16 + j] & 15) * xg[j] + (q[g * 16 + j] >> 4) * xg[j + 16];
+            acc += (float)sum * (f16(sp[g]) * xd[t * groups + g]);
+            tail += f16(mp[g]) * xs[t * groups + g];
+        }
+        y[t] = acc + tail;
+    }
+#endif
+}
+
+#define ROWS_PER_CHUNK 32
+/* Output rows [chunk * 32, +32) of the current matrix, every token row. */
+static void matmul_task(step_t *s, int chunk, int tid) {
+    (void)tid;
+    const mat_t *w = s->mat;
+    int rows = s->out_mode == 2 ? w->n / 2 : w->n;
+    int n0 = chunk * ROWS_PER_CHUNK, n1 = n0 + ROWS_PER_CHUNK < rows ? n0 + ROWS_PER_CHUNK : rows;
+    int groups = w->k / G;
+    float y[TILE], u[TILE], up[TILE][ROWS_PER_CHUNK];
+    for (int b0 = 0; b0 < s->b; b0 += TILE) {
+        int bt = s->b - b0 < TILE ? s->b - b0 : TILE;
+        const int16_t *xq = s->xq + (size_t)b0 * w->k;
+        const float *xd = s->xd + (size_t)b0 * groups, *xs = s->xs + (size_t)b0 * groups;
+        for (int n = n0; n < n1; n++) {
+            dot_rows(w, n, xq, xd, xs, bt, y);
+            if (w->bias) for (int t = 0; t < bt; t++) y[t] += w->bias[n];
+            if (s->out_mode == 2) {  /* gate here, up beside it; SiLU(gate) * up below */
+                dot_rows(w, n + rows, xq, xd, xs, bt, u);
+                if (w->bias) for (int t = 0; t < bt; t++) u[t] += w->bias[n + rows];
+                for (int t = 0; t < bt; t++) {
+                    s->out[(size_t)(b0 + t) * rows + n] = y[t];
+                    up[t][n - n0] = u[t];
+                }
+            } else if (s->out_mode == 1) {
+                for (int t = 0; t < bt; t++) s->out[(size_t)(b0 + t) * rows + n] += y[t];
+            } else {
+                for (int t = 0; t < bt; t++) s->out[(size_t)(b0 + t) * rows + n] = y[t];
+            }
+        }
+        if (s->out_mode == 2)
+            for (int t = 0; t < bt; t++) silu_mul(s->out + (size_t)(b0 + t) * rows + n0, up[t], n1 - n0);
+    }
+}
+
+static void matmul(step_t *s, const mat_t *w, const float *x, int mode, float *out) {
+    int groups = w->k / G;
+    for (int t = 0; t < s->b; t++)
+        quantize(x + (size_t)t * w->k, w->k, s->xq + (size_t)t * w->k, s->xd + (size_t)t * groups,
+                 s->xs + (size_t)t * groups);
+    s->mat = w;
+    s->out_mode = mode;
+    s->out = out;
+    int rows = mode == 2 ? w->n / 2 : w->n;
+    parallel(s, matmul_task, (rows + ROWS_PER_CHUNK - 1) / ROWS_PER_CHUNK);
+}
+
+static inline float dot(const float *a, const float *b, int n) {
+#if STEP_SIMD
+    if (n % 8 == 0) {
+        __m256 acc = _mm256_setzero_ps();
+        for (int i = 0; i < n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+        return hsum8(acc);
+    }
+#endif
+    float acc = 0.0f;
+    for (int i = 0; i < n; i++) acc += a[i] * b[i];
+    return acc;
+}
+
+#if STEP_SIMD
+/* dot(q, k + u * stride, n) for u < 4, each summed exactly as dot() sums it (n % 8 == 0). */
+static inline void dot4(const float *q, const float *k, int stride, int n, float *out) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    const float *k1 = k + stride, *k2 = k1 + stride, *k3 = k2 + stride;
+    for (int i = 0; i < n; i += 8) {
+        __m256 qi = _mm256_loadu_ps(q + i);
+        a0 = _mm256_fmadd_ps(qi, _mm256_loadu_ps(k + i), a0);
+        a1 = _mm256_fmadd_ps(qi, _mm256_loadu_ps(k1 + i), a1);
+        a2 = _mm256_fmadd_ps(qi, _mm256_loadu_ps(k2 + i), a2);
+        a3 = _mm256_fmadd_ps(qi, _mm256_loadu_ps(k3 + i), a3);
+    }
+    out[0] = hsum8(a0); out[1] = hsum8(a1); out[2] = hsum8(a2); out[3] = hsum8(a3);
+}
+#endif
+
+/* The K (or V) row PREFETCH_AHEAD positions after position p, fetched ahead: a decode
+   token reads its whole context's K/V once, from memory (not the caches) on a long one,
+   and the dot products' dependent multiply-adds leave the core too few loads in flight to
+   hide that on their own. */
+#define PREFETCH_AHEAD 6
+static inline void prefetch_ahead(const float *base, const int32_t *table, int p, int ctx, int bs,
+                                  int stride, int hd) {
+#if STEP_SIMD
+    int q = p + PREFETCH_AHEAD;
+    if (q >= ctx) return;
+    const char *row = (const char *)(base + ((size_t)table[q / bs] * bs + q % bs) * stride);
+    for (int off = 0; off < hd * (int)sizeof(float); off += 64) _mm_prefetch(row + off, _MM_HINT_T0);
+#else
+    (void)base; (void)table; (void)p; (void)ctx; (void)bs; (void)stride; (void)hd;
+#endif
+}
+
+#if STEP_SIMD
+/* Where prefetch_ahead looks: a K/V head's rows, a sequence's table, from position p0. */
+typedef struct {
+    const float *base;
+    const int32_t *table;
+    int p0, ctx, bs, stride, hd;
+} ahead_t;
+
+/* a[0 .. 8 * nv) += sc[j] * (v + j * stride)[0 .. 8 * nv) for j < end, position by
+   position, the sums held in nv registers (nv a constant: the loops unroll); with `pf`,
+   each position's row PREFETCH_AHEAD on is fetched as it goes. */
+static inline __attribute__((always_inline)) void weighted_v(float *a, const float *v, const float *sc,
+                                                             int end, int stride, const int nv,
+                                                             const ahead_t *pf) {
+    __m256 r[8];
+    for (int u = 0; u < nv; u++) r[u] = _mm256_loadu_ps(a + 8 * u);
+    for (int j = 0; j < end; j++, v += stride) {
+        if (pf) prefetch_ahead(pf->base, pf->table, pf->p0 + j, pf->ctx, pf->bs, pf->stride, pf->hd);
+        __m256 w8 = _mm256_set1_ps(sc[j]);
+        for (int u = 0; u < nv; u++) r[u] = _mm256_fmadd_ps(w8, _mm256_loadu_ps(v + 8 * u), r[u]);
+    }
+    for (int u = 0; u < nv; u++) _mm256_storeu_ps(a + 8 * u, r[u]);
+}
+#endif
+
+/* Attention of a group of token rows (one row, or a prompt's consecutive positions, which
+   read the same K/V) for the query heads that share one K/V head (GQA), each row over its
+   positions 0..pos. Each K and V vector is read from the pool once for all of them (a job
+   per row and query head read it once each: on the default model at 2,024 positions,
+   3 x 93 MB a decode token, and 8 rows of a prompt 8 times over). Each (row, head)'s
+   arithmetic is the same whatever its group: its dot products, softmax and weighted sum
+   of V in position order, so a row's output does not depend on the rows beside it. */
+static void attention_task(step_t *s, int job, int tid) {
+    const int hd = s->head_dim, kvh = s->kv_heads, rep = s->heads / kvh, bs = s->block_size;
+    const int qkv_n = (s->heads + 2 * kvh) * hd, stride = kvh * hd, mp = s->max_pos;
+    const int grp = job / kvh, kv = job % kvh, t0 = s->group_start[grp], g = s->group_len[grp];
+    const int n = g * rep; /* (row i, head r) pairs, i * rep + r */
+    float *scores = s->scores + (size_t)tid * s->pairs * mp; /* [n][max_pos] */
+    float *acc = s->acc + (size_t)tid * s->pairs * hd;      /* [n][hd] */
+    const int32_t *table = s->tables + (size_t)t0 * s->table_width;
+    const int first = (int)s->pos[t0], ctx = first + g; /* row i sees positions 0..first + i */
+    const float *kbase = s->cur->k_pool + kv * hd, *vbase = s->cur->v_pool + kv * hd;
+    float best[n], total[n];
+    for (int x = 0; x < n; x++) best[x] = -INFINITY;
+    for (int p0 = 0, blk = 0; p0 < ctx; p0 += bs, blk++) {
+        const float *k = kbase + (size_t)table[blk] * bs * stride;
+        int end = ctx - p0 < bs ? ctx - p0 : bs, j = 0;
+#if STEP_SIMD
+        /* four positions at a time where every row of the group sees all four: four dot
+           products in flight, each summed as dot() sums it */
+        if (hd % 8 == 0)
+            for (; j + 4 <= end && p0 + j + 3 <= first; j += 4) {
+                for (int u = 0; u < 4; u++) prefetch_ahead(kbase, table, p0 + j + u, ctx, bs, stride, hd);
+                const float *k0 = k + (size_t)j * stride;
+                for (int x = 0; x < n; x++) {
+                    const float *q = s->qkv + (size_t)(t0 + x / rep) * qkv_n + (size_t)(kv * rep + x % rep) * hd;
+                    float v[4];
+                    dot4(q, k0, stride, hd, v);
+                    float *sc = scores + (size_t)x * mp + p0 + j;
+                    for (int u = 0; u < 4; u++) {
+                        sc[u] = v[u] * s->scaling;
+                        best[x] = sc[u] > best[x] ? sc[u] : best[x];
+                    }
+                }
+            }
+#endif
+        for (k += (size_t)j * stride; j < end; j++, k += stride) {
+            prefetch_ahead(kbase, table, p0 + j, ctx, bs, stride, hd);
+            for (int i = p0 + j > first ? p0 + j - first : 0; i < g; i++) {
+                const float *q = s->qkv + (size_t)(t0 + i) * qkv_n + (size_t)kv * rep * hd;
+                for (int r = 0; r < rep; r++) {
+                    float v = dot(q + (size_t)r * hd, k, hd) * s->scaling;
+                    int x = i * rep + r;
+                    scores[(size_t)x * mp + p0 + j] = v;
+                    best[x] = v > best[x] ? v : best[x];
+                }
+            }
+        }
+    }
+    for (int x = 0; x < n; x++) {
+        float *sc = scores + (size_t)x * mp;
+        const int len = first + x / rep + 1;
+        total[x] = 0.0f;
+        int p = 0;
+#if STEP_SIMD
+        __m256 tot = _mm256_setzero_ps();
+        for (; p + 8 <= len; p += 8) {
+            __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sc + p), _mm256_set1_ps(best[x])));
+            _mm256_storeu_ps(sc + p, e);
+            tot = _mm256_add_ps(tot, e);
+        }
+        total[x] = hsum8(tot);
+#endif
+        for (; p < len; p++) { sc[p] = expf(sc[p] - best[x]); total[x] += sc[p]; }
+    }
+    memset(acc, 0, sizeof(float) * n * hd);
+    for (int p0 = 0, blk = 0; p0 < ctx; p0 += bs, blk++) {
+        const float *v = vbase + (size_t)table[blk] * bs * stride;
+        for (int x = 0; x < n; x++) {
+            const int len = first + x / rep + 1;
+            const int end = len - p0 < bs ? len - p0 : bs;
+            if (end <= 0) continue;
+            const float *sc = scores + (size_t)x * mp + p0;
+            float *a = acc + (size_t)x * hd;
+            int i = 0;
+#if STEP_SIMD
+            /* 64 lanes at a time, then 32, then 8: eight multiply-add chains in flight; the
+               first pass over a block fetches the rows ahead */
+            const ahead_t pf = {vbase, table, p0, ctx, bs, stride, hd}, *first_pf = x == 0 ? &pf : NULL;
+            for (; i + 64 <= hd; i += 64) weighted_v(a + i, v + i, sc, end, stride, 8, i == 0 ? first_pf : NULL);
+            for (; i + 32 <= hd; i += 32) weighted_v(a + i, v + i, sc, end, stride, 4, i == 0 ? first_pf : NULL);
+            for (; i + 8 <= hd; i += 8) weighted_v(a + i, v + i, sc, end, stride, 1, NULL);
+#endif
+            for (; i < hd; i++) {
+                const float *vj = v + i;
+                for (int j = 0; j < end; j++, vj += stride) a[i] += sc[j] * *vj;
+            }
+        }
+    }
+    for (int x = 0; x < n; x++) {
+        float *o = s->att + (size_t)(t0 + x / rep) * s->heads * hd + (size_t)(kv * rep + x % rep) * hd;
+        float inv = 1.0f / total[x];
+        for (int i = 0; i < hd; i++) o[i] = acc[(size_t)x * hd + i] * inv;
+    }
+}
+
+/* Rows that can share attention jobs: consecutive rows at consecutive positions whose
+   block tables agree on every block the later row reads (a prompt's rows, in order), at
+   most group_max of them (so that there are jobs enough for the threads, and the scratch
+   holds a group's scores). */
+static int group_rows(step_t *s, int b) {
+    int ng = 0;
+    for (int t = 0; t < b; t++) {
+        if (ng > 0) {
+            int t0 = s->group_start[ng - 1], g = s->group_len[ng - 1];
+            if (t == t0 + g && g < s->group_max && s->pos[t] == s->pos[t0] + g &&
+                memcmp(s->tables + (size_t)t * s->table_width, s->tables + (size_t)t0 * s->table_width,
+                       sizeof(int32_t) * (size_t)(s->pos[t] / s->block_size + 1)) == 0) {
+                s->group_len[ng - 1]++;
+                continue;
+            }
+        }
+        s->group_start[ng] = t;
+        s->group_len[ng] = 1;
+        ng++;
+    }
+    return ng;
+}
+
+/* Rotary embedding in place on `heads` vectors of head_dim at x (rotate-half form). */
+static void rotate(float *x, int heads, int hd, const float *cos, const float *sin) {
+    int half = hd / 2;
+    for (int h = 0; h < heads; h++) {
+        float *v = x + h * hd;
+        for (int i = 0; i < half; i++) {
+            float a = v[i], b = v[i + half];
+            v[i] = a * cos[i] - b * sin[i];
+            v[i + half] = b * cos[i + half] + a * sin[i + half];
+        }
+    }
+}
+
+/* -- the vocabulary head over Q8_0 blocks (cpu_kernels.c) on the step's threads */
+
+void gnosis_q8_rows(const int8_t *q, const float *d, const float *x, float *y, int M, int N, int K,
+                    int n0, int n1);
+
+#define HEAD_ROWS_PER_CHUNK 512
+
+static void head_task(step_t *s, int chunk, int tid) {
+    (void)tid;
+    int n0 = chunk * HEAD_ROWS_PER_CHUNK;
+    int n1 = n0 + HEAD_ROWS_PER_CHUNK < s->head_n ? n0 + HEAD_ROWS_PER_CHUNK : s->head_n;
+    gnosis_q8_rows(s->head_q, s->head_d, s->head_x, s->out, s->head_m, s->head_n, s->head_k, n0, n1);
+}
+
+/* y [m, n] = x [m, k] @ (q * d).T, as gnosis_q8_linear computes it, without starting threads. */
+int gnosis_step_head(void *handle, const int8_t *q, const float *d, const float *x, float *y, int m,
+                     int n, int k) {
+    step_t *s = (step_t *)handle;
+    if (m < 1 || n < 1 || k % G) return -1;
+    s->head_q = q; s->head_d = d; s->head_x = x; s->out = y;
+    s->head_m = m; s->head_n = n; s->head_k = k;
+    parallel(s, head_task, (n + HEAD_ROWS_PER_CHUNK - 1) / HEAD_ROWS_PER_CHUNK);
+    return 0;
+}
+
+/* -- the interface (cpu_step.py) */
+
+static void set_mat(mat_t *m, const int64_t *p, const int64_t *d) {
+    m->q = (const uint8_t *)p[0]; m->s = (const uint16_t *)p[1]; m->m = (const uint16_t *)p[2];
+    m->bias = (const float *)p[3]; m->n = (int)d[0]; m->k = (int)d[1];
+}
+
+/* dims: layers, hidden, heads, kv_heads, head_dim, inter, block_size, max_pos, max_batch, threads,
+   vocab, num_blocks (of the pool)
+   fdims: eps, scaling; ptrs: embed, final_norm, cos, sin, then per layer: 4 matrices x (q, s, m,
+   bias), norm1, norm2, k_pool, v_pool. NULL if a buffer cannot be had. */
+/* The step and what it allocated (free(NULL) is nothing). */
+static void free_buffers(step_t *s) {
+    free(s->layer); free(s->h); free(s->x); free(s->qkv); free(s->att); free(s->act);
+    free(s->scores); free(s->acc); free(s->xq); free(s->xd); free(s->xs);
+    free(s);
+}
+
+void *gnosis_step_create(const int64_t *dims, const float *fdims, const int64_t *ptrs) {
+    step_t *s = calloc(1, sizeof(step_t));
+    if (!s) return NULL;
+    s->layers = dims[0]; s->hidden = dims[1]; s->heads = dims[2]; s->kv_heads = dims[3];
+    s->head_dim = dims[4]; s->inter = dims[5]; s->block_size = dims[6]; s->max_pos = dims[7];
+    s->max_batch = dims[8];
+    int nt = dims[9] < 1 ? 1 : dims[9] > MAX_THREADS ? MAX_THREADS : dims[9];
+    if (dims[1] > MAX_GROUPS * G || dims[5] > MAX_GROUPS * G || dims[2] * dims[4] > MAX_GROUPS * G ||
+        dims[4] > MAX_HEAD_DIM || dims[3] < 1 || dims[2] % dims[3] || dims[8] < 1 || dims[8] > MAX_ROWS) {
+        free(s);
+        return NULL;
+    }
+    s->vocab = dims[10];
+    s->num_blocks = dims[11];
+    s->eps = fdims[0]; s->scaling = fdims[1];
+    s->embed = (const float *)ptrs[0]; s->final_norm = (const float *)ptrs[1];
+    s->cos = (const float *)ptrs[2]; s->sin = (const float *)ptrs[3];
+    s->layer = calloc(s->layers, sizeof(layer_t));
+    int hd = s->head_dim, qkv_n = (s->heads + 2 * s->kv_heads) * hd, att_n = s->heads * hd;
+    for (int l = 0; l < s->layers; l++) {
+        const int64_t *p = ptrs + 4 + l * 20;
+        layer_t *L = &s->layer[l];
+        int64_t d_qkv[2] = {qkv_n, s->hidden}, d_o[2] = {s->hidden, att_n},
+                d_gu[2] = {2 * s->inter, s->hidden}, d_down[2] = {s->hidden, s->inter};
+        set_mat(&L->qkv, p, d_qkv); set_mat(&L->o, p + 4, d_o);
+        set_mat(&L->gate_up, p + 8, d_gu); set_mat(&L->down, p + 12, d_down);
+        L->norm1 = (const float *)p[16]; L->norm2 = (const float *)p[17];
+        L->k_pool = (float *)p[18]; L->v_pool = (float *)p[19];
+    }
+    int B = s->max_batch, widest = s->inter > qkv_n ? s->inter : qkv_n;
+    widest = widest > att_n ? widest : att_n;
+    widest = widest > s->hidden ? widest : s->hidden;
+    s->h = malloc(sizeof(float) * B * s->hidden);
+    s->x = malloc(sizeof(float) * B * widest);
+    s->qkv = malloc(sizeof(float) * B * qkv_n);
+    s->att = malloc(sizeof(float) * B * att_n);
+    s->act = malloc(sizeof(float) * B * s->inter);
+    /* A group of a prompt's rows reads each K/V row once for all of them; up to 32 (row,
+       head) pairs a group (one row of a model whose K/V heads serve more query heads), and
+       few enough rows a group that each thread has about two jobs of attention. */
+    int rep = s->heads / s->kv_heads, jobs_per_group = (2 * nt + s->kv_heads - 1) / s->kv_heads;
+    s->pairs = rep > 32 ? rep : B * rep < 32 ? B * rep : 32;
+    s->group_max = B / jobs_per_group;
+    if (s->group_max > s->pairs / rep) s->group_max = s->pairs / rep;
+    if (s->group_max < 1) s->group_max = 1;
+    s->scores = malloc(sizeof(float) * (size_t)nt * s->pairs * s->max_pos);
+    s->acc = malloc(sizeof(float) * (size_t)nt * s->pairs * hd);
+    s->xq = malloc(sizeof(int16_t) * B * widest);
+    s->xd = malloc(sizeof(float) * B * (widest / G + 1));
+    s->xs = malloc(sizeof(float) * B * (widest / G + 1));
+    if (!s->layer || !s->h || !s->x || !s->qkv || !s->att || !s->act || !s->scores || !s->acc || !s->xq ||
+        !s->xd || !s->xs) {
+        free_buffers(s);
+        return NULL;
+    }
+    pthread_mutex_init(&s->mu, NULL);
+    pthread_cond_init(&s->cv, NULL);
+    s->nt = 1;
+    for (int i = 1; i < nt; i++) {
+        s->args[i].s = s;
+        s->args[i].id = i;
+        if (pthread_create(&s->tid[i], NULL, worker, &s->args[i]) != 0) break;
+        s->nt = i + 1;
+    }
+    return s;
+}
+
+void gnosis_step_free(void *handle) {
+    step_t *s = (step_t *)handle;
+    if (!s) return;
+    atomic_store(&s->stop, 1);
+    atomic_fetch_add(&s->gen, 1);
+    pthread_mutex_lock(&s->mu);
+    pthread_cond_broadcast(&s->cv);
+    pthread_mutex_unlock(&s->mu);
+    for (int i = 1; i < s->nt; i++) pthread_join(s->tid[i], NULL);
+    free_buffers(s);
+}
+
+int gnosis_step_threads(void *handle) { return ((step_t *)handle)->nt; }
+
+/* b token rows: tokens[b], positions[b], slots[b] (where each writes its K/V), tables
+   [b, width] (each sequence's block ids), out [b, hidden]. 0, or -1 for a bad argument. */
+int gnosis_step_run(void *handle, int b, const int64_t *tokens, const int64_t *pos, const int64_t *slots,
+                    const int32_t *tables, int width, float *out) {
+    step_t *s = (step_t *)handle;
+    if (b < 1 || b > s->max_batch) return -1;
+    for (int t = 0; t < b; t++) {
+        if (tokens[t] < 0 || tokens[t] >= s->vocab || slots[t] < 0 ||
+            slots[t] >= (int64_t)s->num_blocks * s->block_size || pos[t] < 0 || pos[t] >= s->max_pos ||
+            (int64_t)width * s->block_size <= pos[t])
+            return -1;
+        for (int i = 0; i <= pos[t] / s->block_size; i++)
+            if (tables[(size_t)t * width + i] < 0 || tables[(size_t)t * width + i] >= s->num_blocks) return -1;
+    }
+    const int H = s->hidden, hd = s->head_dim, kvh = s->kv_heads, qkv_n = (s->heads + 2 * kvh) * hd;
+    s->b = b; s->pos = pos; s->tables = tables; s->table_width = width;
+    const int groups = group_rows(s, b);
+    for (int t = 0; t < b; t++) memcpy(s->h + (size_t)t * H, s->embed + (size_t)tokens[t] * H, sizeof(float) * H);
+    for (int l = 0; l < s->layers; l++) {
+        layer_t *L = &s->layer[l];
+        s->cur = L;
+        for (int t = 0; t < b; t++) rms_norm(s->h + (size_t)t * H, L->norm1, s->x + (size_t)t * H, H, s->eps);
+        matmul(s, &L->qkv, s->x, 0, s->qkv);
+        for (int t = 0; t < b; t++) {
+            float *q = s->qkv + (size_t)t * qkv_n, *k = q + s->heads * hd, *v = k + kvh * hd;
+            const float *c = s->cos + (size_t)pos[t] * hd, *sn = s->sin + (size_t)pos[t] * hd;
+            rotate(q, s->heads, hd, c, sn);
+            rotate(k, kvh, hd, c, sn);
+            memcpy(L->k_pool + (size_t)slots[t] * kvh * hd, k, sizeof(float) * kvh * hd);
+            memcpy(L->v_pool + (size_t)slots[t] * kvh * hd, v, sizeof(float) * kvh * hd);
+        }
+        parallel(s, attention_task, groups * kvh);
+        matmul(s, &L->o, s->att, 1, s->h);
+        for (int t = 0; t < b; t++) rms_norm(s->h + (size_t)t * H, L->norm2, s->x + (size_t)t * H, H, s->eps);
+        matmul(s, &L->gate_up, s->x, 2, s->act);
+        matmul(s, &L->down, s->act, 1, s->h);
+    }
+    for (int t = 0; t < b; t++) rms_norm(s->h + (size_t)t * H, s->final_norm, out + (size_t)t * H, H, s->eps);
+    return 0;
+}

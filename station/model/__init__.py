@@ -1,0 +1,1 @@
+"""The model: loading, GGUF weights, tables and groups, and the tokenizer codec."""

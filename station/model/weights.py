@@ -1,0 +1,372 @@
+"""The ``weights`` setting: which of the decoder's linear layers stay quantized, and how.
+
+* ``float``: every weight dense in the model's dtype (a GGUF file is dequantized).
+* ``auto`` (default): a GGUF file's Q4_0/Q4_1/Q4_K weights stay 4-bit groups (``gguf_groups``:
+  its own blocks, no new rounding of the weights) and its Q8_0 weights become int8 rows; a
+  float checkpoint stays float. Each layer runs the quantized kernel only where it measures
+  faster than the float one on this machine (``KernelChoices``), else the same values dense.
+* ``int4`` / ``int8``: every decoder linear quantized (a GGUF file's 4-bit blocks are kept
+  as they are for ``int4``; the rest is quantized from the dense weights at load), always
+  with the quantized kernel: the operator asked for the memory.
+
+For a GGUF file the report also accounts for every quantized tensor of the file: kept
+(``gguf_kept``: int4 from its own blocks, int8 rows of a Q8_0 tensor, the Q8_0 head) or
+dequantized and why (``gguf_dequantized``: Q5_0/Q5_K/Q6_K have no kept form, embeddings
+are looked up as float, ...), logged at start as ``gguf_tensors_dequantized``.
+
+Only the decoder's ``nn.Linear`` layers change. Embeddings, norms, the vocabulary head (tied
+to the embeddings in small models), the KV cache and everything the engine keeps are as
+before. The summary (``WeightsReport.tag``) joins the model's fingerprint, so KV computed
+with one set of weights is never served to another.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import Counter
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from gnosis_daemon.logs import get_logger
+from station.kernels.quantized import (
+    Int4Groups,
+    Int4Linear,
+    Int8Linear,
+    Int8Rows,
+    KernelChoices,
+    checked,
+    int4_applies,
+    machine_tag,
+)
+
+log = get_logger(__name__)
+
+MODES = ("auto", "float", "int8", "int4")
+STEP_MODES = ("auto", "on", "off")
+
+
+@dataclass(slots=True)
+class WeightsReport:
+    mode: str
+    forms: dict[str, str] = field(default_factory=dict)  # layer name -> int4 | int8 | float
+    source: dict[str, str] = field(default_factory=dict)  # layer name -> gguf | load (quantized here)
+    slower: list[str] = field(default_factory=list)  # quantized kernel measured slower: kept float
+    linear_bytes_before: int = 0
+    linear_bytes_after: int = 0
+    # The vocabulary head over the file's Q8_0 blocks (cpu_kernels.Q8Linear), which the
+    # engine calls instead of the float32 head; None: the float32 head.
+    head: Any = None
+    # The whole decode step in C over the 4-bit layers (cpu_step.StepWeights), which the
+    # engine binds to its KV pool; None: the step runs through torch.
+    step: Any = None
+    # A GGUF file's quantized tensors (F32/F16/BF16 ones are not counted), by GGUF name:
+    # those whose blocks run as they are stored or in a form of their own type -> (type,
+    # form: int4 | int8 | q8-head), and those dequantized to float -> (type, why).
+    gguf_kept: dict[str, tuple[str, str]] = field(default_factory=dict)
+    gguf_dequantized: dict[str, tuple[str, str]] = field(default_factory=dict)
+
+    def count(self, form: str) -> int:
+        return sum(1 for f in self.forms.values() if f == form)
+
+    @property
+    def tag(self) -> str:
+        """What the fingerprint must change with: every layer's form (and so its numerics)."""
+        if not any(f != "float" for f in self.forms.values()):
+            return "float"
+        digest = hashlib.sha256(json.dumps(sorted(self.forms.items())).encode()).hexdigest()[:16]
+        step = ",cpu-step" if self.step is not None else ""  # its own arithmetic (cpu_step)
+        return f"int4:{self.count('int4')},int8:{self.count('int8')},{digest}{step}"
+
+    def summary(self) -> dict[str, Any]:
+        out = {"mode": self.mode, "int4_layers": self.count("int4"), "int8_layers": self.count("int8"),
+               "float_layers": self.count("float"), "kept_float_faster": len(self.slower),
+               "linear_bytes": self.linear_bytes_after, "linear_bytes_dense": self.linear_bytes_before}
+        if self.gguf_kept or self.gguf_dequantized:
+            out.update(gguf_tensors_kept=len(self.gguf_kept),
+                       gguf_tensors_dequantized=len(self.gguf_dequantized))
+        return out
+
+    def dequantized_by_reason(self) -> dict[str, int]:
+        """How many of the file's quantized tensors were dequantized, by why."""
+        return dict(sorted(Counter(why for _, why in self.gguf_dequantized.values()).items()))
+
+
+def decoder_linears(model: nn.Module) -> list[tuple[str, nn.Module, str, nn.Linear]]:
+    """(parameter name prefix, parent, attribute, layer) for the decoder's ``nn.Linear``s."""
+    head = model.get_output_embeddings()
+    prefix = next(name for name, module in model.named_modules() if module is model.base_model)
+    found = []
+    for parent_name, parent in model.base_model.named_modules():
+        for attr, child in parent.named_children():
+            if type(child) is nn.Linear and child is not head:
+                name = ".".join(p for p in (prefix, parent_name, attr) if p)
+                found.append((name, parent, attr, child))
+    return found
+
+
+def apply_weights(model: nn.Module, mode: str, device: torch.device, dtype: torch.dtype, *,
+                  gguf: Path | None = None, choices_dir: Path | None = None,
+                  decode_step: str = "auto") -> WeightsReport:
+    """Swap the decoder's linears for quantized ones as ``mode`` says; -> what was done."""
+    if mode not in MODES:
+        raise ValueError(f"weights must be one of {', '.join(MODES)}, not {mode!r}")
+    if decode_step not in STEP_MODES:
+        raise ValueError(f"cpu_decode_step must be one of {', '.join(STEP_MODES)}, not {decode_step!r}")
+    report = WeightsReport(mode)
+    layers = decoder_linears(model)
+    for name, _, _, layer in layers:
+        report.forms[name] = "float"
+        report.linear_bytes_before += _bytes(layer)
+    report.linear_bytes_after = report.linear_bytes_before
+    if mode == "float" or not layers or (mode == "auto" and gguf is None):
+        if gguf is not None:
+            _account_gguf(report, model, gguf, None, {}, "the model has no decoder linears")
+        return report
+    from_file = None  # mode is auto, int4 or int8 from here on
+    if gguf is not None:
+        from station.model.gguf_groups import read_gguf_weights
+
+        from_file = read_gguf_weights(gguf, model)
+    choices = KernelChoices(_choices_path(choices_dir, model, gguf) if mode == "auto" else None)
+    # the C decode step (cpu_step) may take the 4-bit layers' values: keep its form of them
+    step_wanted = decode_step != "off" and device.type == "cpu" and dtype == torch.float32
+    built: dict[str, list] = {"int4": [], "int8": []}  # form -> [(name, parent, attr, layer, new, values, source)]
+    why: dict[str, str] = {}  # weight name -> why its layer stayed float (for the file's account)
+    for name, parent, attr, layer in layers:
+        weight_name = f"{name}.weight"
+        form = _form(mode, from_file.types.get(weight_name) if from_file else None)
+        if form is None:
+            continue
+        if mode == "auto" and form == "int4" and weight_name not in from_file.int4:
+            # auto: a block that did not check out stays float, never re-rounded
+            why[weight_name] = f"its blocks were not used: {from_file.rejected.get(weight_name, 'unread')}"
+            continue
+        bias = None if layer.bias is None else layer.bias.detach()
+        made = _build(form, layer, from_file.int4.get(weight_name) if from_file else None,
+                      device, dtype, step_wanted)
+        if made is None:
+            why[weight_name] = f"the {form} kernel does not take a {tuple(layer.weight.shape)} weight"
+            continue
+        quantized, values, source = made
+        if not checked(quantized, values.to(device), bias):
+            log.warning("quantized_layer_disagrees", layer=name, form=form)
+            why[weight_name] = f"its {form} layer disagreed with F.linear over its values"
+            continue
+        built[form].append((name, parent, attr, layer, quantized, values, source))
+    for form, entries in built.items():
+        if mode == "auto" and not choices.choose(form, [(e[4], e[5]) for e in entries], device, dtype):
+            report.slower.extend(e[0] for e in entries)  # the same values run faster dense here
+            why.update((f"{e[0]}.weight", f"float layers measured faster than {form} here") for e in entries)
+            continue
+        for name, parent, attr, layer, quantized, _, source in entries:
+            setattr(parent, attr, quantized)
+            report.forms[name], report.source[name] = form, source
+            report.linear_bytes_after += _bytes(quantized) - _bytes(layer)
+    del built
+    head_why = "the Q8_0 head kernel runs on a CPU in float32 only"
+    if gguf is not None and device.type == "cpu" and dtype == torch.float32:
+        report.head, head_why = _q8_head(model, gguf, choices, choices_dir, device, dtype)
+    if gguf is not None:
+        _account_gguf(report, model, gguf, from_file, why, head_why)
+    if any(form != "float" for form in report.forms.values()):
+        _own_memory(model)
+    if step_wanted and report.count("int4"):
+        from station.kernels.cpu_step import release_step_forms
+
+        report.step = _cpu_step(model, choices, choices_dir, decode_step)
+        release_step_forms(model)  # the step holds its own stacked copy, or there is no step
+    choices.save()
+    log.info("weights_applied", **report.summary())
+    return report
+
+
+def _q8_head(model: nn.Module, gguf: Path, choices: KernelChoices, cache_dir: Path | None,
+             device: torch.device, dtype: torch.dtype) -> tuple[Any, str]:
+    """The head over the file's own Q8_0 blocks (``cpu_kernels``), where they give the float32
+    head's weight bit for bit, the kernel builds, computes the same product, and is faster;
+    -> (the kernel or None, why not)."""
+    head = model.get_output_embeddings()
+    if type(head) is not nn.Linear or head.bias is not None or head.weight.shape[1] % 32:
+        return None, "the head is not a plain linear layer over 32-wide blocks"
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    if any(getattr(config, name, None) for name in ("final_logit_softcapping", "logit_scale")):
+        # the engine runs the model's own head then (linear_kernels.VocabHead): no kernel to build
+        return None, "the model post-processes its logits (soft-capping or a scale)"
+    from station.kernels.cpu_kernels import Q8Linear, load_library
+    from station.model.gguf_groups import read_q8_rows
+
+    blocks = read_q8_rows(gguf, model, head.weight)
+    if blocks is None:
+        return None, "the head's tensor is not Q8_0 blocks that give its weight bit for bit"
+    lib = load_library(cache_dir)
+    if lib is None:
+        return None, "the Q8_0 head kernel could not be built here"
+    kernel = Q8Linear(lib, *blocks)
+    x = torch.randn(5, kernel.in_features, generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        got, want = kernel(x), F.linear(x, head.weight.detach())
+        # the same product in another order (float32 sums), and a row alone as in a batch
+        if not (float((got - want).abs().max()) <= 1e-4 * float(want.abs().max())
+                and torch.equal(kernel(x[2:3]), got[2:3])):
+            log.warning("q8_head_disagrees", simd=lib.gnosis_simd().decode())
+            return None, "the Q8_0 head kernel disagreed with F.linear"
+    if not choices.choose("q8-head", [(kernel, head.weight.detach())], device, dtype):
+        return None, "the float32 head measured faster here"
+    log.info("q8_head_used", bytes=kernel.q.numel() + kernel.d.numel() * 4,
+             float_bytes=head.weight.numel() * 4, simd=lib.gnosis_simd().decode())
+    return kernel, ""
+
+
+def _account_gguf(report: WeightsReport, model: nn.Module, gguf: Path, from_file: Any,
+                  why: dict[str, str], head_why: str) -> None:
+    """Which of the file's quantized tensors run on their own blocks (or as int8 rows of a
+    Q8_0 tensor), and which were dequantized and why; logged as ``gguf_tensors_dequantized``
+    (counts by type and by reason, the first names; every name at debug level)."""
+    from station.model.gguf_groups import FLOAT_TYPES, KEPT_TYPES, file_tensors
+
+    tensors = from_file.tensors if from_file is not None and from_file.tensors else file_tensors(gguf, model)
+    head = model.get_output_embeddings()
+    head_weight = getattr(head, "weight", None)
+    head_names = {p for p, t in model.named_parameters(remove_duplicate=False) if t is head_weight}
+    embeddings = model.get_input_embeddings()
+    embedding_names = {p for p, t in model.named_parameters(remove_duplicate=False)
+                       if t is getattr(embeddings, "weight", None)}
+    forms = {f"{name}.weight": form for name, form in report.forms.items()}
+    sources = {f"{name}.weight": source for name, source in report.source.items()}
+    for gguf_name, (kind, param) in tensors.items():
+        if kind in FLOAT_TYPES:
+            continue
+        if report.mode == "float":
+            report.gguf_dequantized[gguf_name] = (kind, "weights=float")
+        elif param is None:
+            report.gguf_dequantized[gguf_name] = (kind, "no parameter of the model reads it")
+        elif param in forms:  # a decoder linear
+            form = forms[param]
+            if (form == "int4" and sources.get(param) == "gguf") or (form == "int8" and kind == "Q8_0"):
+                report.gguf_kept[gguf_name] = (kind, form)
+            elif form != "float":
+                report.gguf_dequantized[gguf_name] = (
+                    kind, f"{kind}: no kept form as {form}; weights={report.mode} quantized it again at load")
+            elif param in why:
+                report.gguf_dequantized[gguf_name] = (kind, why[param])
+            elif kind not in KEPT_TYPES:
+                report.gguf_dequantized[gguf_name] = (kind, f"{kind}: no kept form")
+            else:
+                report.gguf_dequantized[gguf_name] = (kind, f"weights={report.mode}")
+        elif param in head_names:  # the vocabulary head, maybe tied to the embeddings
+            if report.head is not None:
+                report.gguf_kept[gguf_name] = (kind, "q8-head")
+            elif kind != "Q8_0":
+                report.gguf_dequantized[gguf_name] = (kind, f"{kind}: no kept form for the vocabulary head")
+            else:
+                report.gguf_dequantized[gguf_name] = (kind, f"vocabulary head: {head_why}")
+        elif param in embedding_names:
+            report.gguf_dequantized[gguf_name] = (kind, "embeddings: looked up as float")
+        else:
+            report.gguf_dequantized[gguf_name] = (kind, "not a linear layer")
+    by_type = Counter(kind for kind, _ in report.gguf_dequantized.values())
+    kept = Counter(f"{kind} as {form}" for kind, form in report.gguf_kept.values())
+    names = list(report.gguf_dequantized)
+    log.info("gguf_tensors_dequantized", count=len(names), of=len(names) + len(report.gguf_kept),
+             by_type=dict(sorted(by_type.items())), reasons=report.dequantized_by_reason(),
+             kept=dict(sorted(kept.items())), first=names[:8], more=max(0, len(names) - 8))
+    log.debug("gguf_tensors_dequantized_names",
+              tensors={name: f"{kind}: {why}" if not why.startswith(kind) else why
+                       for name, (kind, why) in report.gguf_dequantized.items()})
+
+
+def _cpu_step(model: nn.Module, choices: KernelChoices, cache_dir: Path | None, mode: str) -> Any:
+    """The C decode step (``cpu_step``) where the model has its shape, the library builds
+    and the step agrees with the model's forward; ``auto``: and it measures no slower than
+    torch's products alone for the same token (by ``KernelChoices.FLOAT_MARGIN``)."""
+    from station.kernels.cpu_kernels import load_library
+    from station.kernels.cpu_step import StepWeights, checked_and_timed
+
+    lib = load_library(cache_dir)
+    weights = StepWeights.for_model(model, lib) if lib is not None else None
+    if weights is None:
+        return None
+    key = "cpu-step:cpu"
+    measure = mode == "auto" and key not in choices.answers  # else known, or not asked
+    agrees, step_s, torch_s = checked_and_timed(weights, model, timed=measure)
+    if not agrees:
+        return None
+    if measure:
+        choices.measured[key] = (step_s, torch_s)
+        choices.answers[key] = step_s < torch_s * choices.FLOAT_MARGIN
+        log.info("cpu_step_measured", step_ms=round(step_s * 1e3, 3),
+                 torch_linears_ms=round(torch_s * 1e3, 3))
+    used = mode == "on" or choices.answers[key]
+    log.info("cpu_step_used" if used else "cpu_step_not_used", mode=mode, bytes=weights.nbytes,
+             **({} if used else {"reason": "measured slower than torch's layers"}))
+    return weights if used else None
+
+
+def _own_memory(model: nn.Module) -> None:
+    """Copy what stays float out of the checkpoint's mapping, so the mapping is released.
+
+    transformers maps a safetensors file and hands out views of it: the weights we replaced
+    keep their file pages resident for as long as any tensor of that file lives. One copy
+    of the embeddings and norms frees the rest, then glibc is asked to give back the heap
+    that loading left behind.
+    """
+    with torch.no_grad():
+        for tensor in [*model.parameters(), *model.buffers()]:
+            if tensor.device.type == "cpu":
+                tensor.data = tensor.data.clone()
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: nothing to ask
+        pass
+
+
+def _form(mode: str, file_type: str | None) -> str | None:
+    if mode in ("int4", "int8"):
+        return mode
+    if file_type in ("Q4_0", "Q4_1", "Q4_K"):
+        return "int4"
+    if file_type == "Q8_0":
+        return "int8"
+    return None  # auto: a float tensor stays float
+
+
+def _build(form: str, layer: nn.Linear, from_file: Int4Groups | None, device: torch.device,
+           dtype: torch.dtype, step_form: bool) -> tuple[nn.Module, torch.Tensor, str] | None:
+    """(the quantized layer, the values it stands for, where they came from) or None."""
+    weight = layer.weight.detach()
+    bias = None if layer.bias is None else layer.bias.detach()
+    if form == "int4":
+        groups, source = (from_file, "gguf") if from_file is not None else (None, "load")
+        if groups is None:
+            if weight.shape[1] % 32:
+                return None
+            groups = Int4Groups.quantize(weight)
+        if not int4_applies(groups):
+            return None
+        quantized = Int4Linear(groups, bias, device)
+        if step_form:
+            quantized.step_form = groups.step_layout()
+        return quantized, groups.dequantize(), source
+    rows = Int8Rows.quantize(weight)
+    return Int8Linear(rows, bias, device, dtype), rows.dequantize(), "load"
+
+
+def _bytes(module: nn.Module) -> int:
+    return sum(t.numel() * t.element_size() for t in [*module.parameters(), *module.buffers()])
+
+
+def _choices_path(base: Path | None, model: nn.Module, gguf: Path | None) -> Path | None:
+    if base is None:
+        return None
+    config = model.config
+    ident = json.dumps([machine_tag(), str(gguf or ""), config.model_type, config.hidden_size,
+                        config.num_hidden_layers])
+    return base / "kernel-choices" / f"{hashlib.sha256(ident.encode()).hexdigest()[:16]}.json"
