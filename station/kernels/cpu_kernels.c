@@ -9,13 +9,16 @@
    weights. It reads 1 + 4/32 bytes a weight instead of 4. Each row of x is computed
    alike whatever M is, so a row gives the same logits alone as in a batch.
 
-   Rows of the weight are split over `threads` POSIX threads (the caller's own thread is
+   The functions and the struct they take are declared in cpu_abi.h. Rows of the weight
+   are split over `threads` POSIX threads (the caller's own thread is
    one of them); a call is one head, a few milliseconds, so starting threads per call
    costs little beside it. */
 
 #include <pthread.h>
-#include <stdint.h>
 #include <stddef.h>
+#include <stdint.h>
+
+#include "cpu_abi.h"
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -27,7 +30,7 @@
 #define GNOSIS_SIMD "scalar"
 #endif
 
-#define GROUP 32
+#define GROUP GNOSIS_GROUP
 #define TILE 4 /* rows of x per pass over a weight row */
 
 const char *gnosis_simd(void) { return GNOSIS_SIMD; }
@@ -89,48 +92,42 @@ static void tile(const int8_t *q, const float *d, const float *x, float *y, int 
 #endif
 }
 
-/* Output columns n0..n1 of y for every row of x (also the C decode step's head, on its
-   own threads: cpu_step.c). */
-void gnosis_q8_rows(const int8_t *q, const float *d, const float *x, float *y, int M, int N, int K,
-                    int n0, int n1) {
+void gnosis_q8_columns(const gnosis_q8_product_t *p, int32_t n0, int32_t n1) {
+    const int M = p->rows, N = p->out_features, K = p->in_features;
     for (int m0 = 0; m0 < M; m0 += TILE) {
         int mt = M - m0 < TILE ? M - m0 : TILE;
-        for (int n = n0; n < n1; n++) tile(q, d, x + (size_t)m0 * K, y + (size_t)m0 * N, mt, N, K, n);
+        for (int n = n0; n < n1; n++) tile(p->q, p->d, p->x + (size_t)m0 * K, p->y + (size_t)m0 * N, mt, N, K, n);
     }
 }
 
 typedef struct {
-    const int8_t *q;
-    const float *d, *x;
-    float *y;
-    int M, N, K, n0, n1;
+    const gnosis_q8_product_t *product;
+    int n0, n1;
 } job_t;
 
 static void *run(void *arg) {
     job_t *j = (job_t *)arg;
-    gnosis_q8_rows(j->q, j->d, j->x, j->y, j->M, j->N, j->K, j->n0, j->n1);
+    gnosis_q8_columns(j->product, j->n0, j->n1);
     return NULL;
 }
 
-/* K must be a multiple of 32. Returns 0, or -1 when a thread could not start (the rows it
-   would have computed are then computed by the caller's thread: the result is complete). */
-int gnosis_q8_linear(const int8_t *q, const float *d, const float *x, float *y, int M, int N, int K,
-                     int threads) {
-    enum { MAX_THREADS = 64 };
-    pthread_t tid[MAX_THREADS];
-    job_t jobs[MAX_THREADS];
-    int started[MAX_THREADS] = {0};
-    int status = 0;
+gnosis_status_t gnosis_q8_linear(const gnosis_q8_product_t *p, int32_t threads) {
+    pthread_t tid[GNOSIS_MAX_THREADS];
+    job_t jobs[GNOSIS_MAX_THREADS];
+    int started[GNOSIS_MAX_THREADS] = {0};
+    gnosis_status_t status = GNOSIS_OK;
+    const int N = p->out_features;
+    if (p->rows < 0 || N < 0 || p->in_features < 0 || p->in_features % GROUP) return GNOSIS_BAD_ARGUMENT;
     if (threads < 1) threads = 1;
-    if (threads > MAX_THREADS) threads = MAX_THREADS;
+    if (threads > GNOSIS_MAX_THREADS) threads = GNOSIS_MAX_THREADS;
     int per = (N + threads - 1) / threads;
     for (int i = 0; i < threads; i++) {
         int a = i * per < N ? i * per : N;
         int b = a + per < N ? a + per : N;
-        jobs[i] = (job_t){q, d, x, y, M, N, K, a, b};
+        jobs[i] = (job_t){p, a, b};
         if (i > 0 && a < b) {
             started[i] = pthread_create(&tid[i], NULL, run, &jobs[i]) == 0;
-            if (!started[i]) status = -1;
+            if (!started[i]) status = GNOSIS_NO_THREAD; /* its rows run on this thread below */
         }
     }
     run(&jobs[0]);

@@ -2,25 +2,30 @@
 
 A small GGUF model's vocabulary head is its tied embeddings, stored as Q8_0 (8-bit values
 with a float16 scale per 32). Read as float32 it is the largest weight a decode token
-reads: 49,152 x 576 values of SmolLM2 are 113 MB, 5 ms of a 20 ms token on a 2-core CPU.
-torch has no kernel that takes 8-bit weights with per-group scales and float32
-activations and gives float32 out (``_weight_int8pack_mm`` wants one scale a row and is
-5x slower in float32; in bfloat16 its logits come out in bfloat16, steps of 0.125 at 25).
-``cpu_kernels.c`` does exactly that product, in AVX-512, AVX2 or plain C, rows split over
-threads: the file's values, unrounded activations, float32 sums in another order, 30 MB
-read instead of 113.
+reads (49,152 x 576 values of SmolLM2 are 113 MB). torch has no kernel that takes 8-bit
+weights with per-group scales and float32 activations and gives float32 out
+(``_weight_int8pack_mm`` wants one scale a row and is slower in float32; in bfloat16 its
+logits come out in bfloat16, steps of 0.125 at 25). ``cpu_kernels.c`` does exactly that
+product, in AVX-512, AVX2 or plain C, rows split over threads: the file's values,
+unrounded activations, float32 sums in another order, 1 + 4/32 bytes read a weight
+instead of 4.
 
-The source is compiled on the machine it runs on (``cc -O3 -march=native``, a second or
-two) into ``<model_cache_dir>/kernels/``, keyed by the source, the compiler and the CPU,
-and loaded with ctypes (which releases the GIL for the call). Where no compiler is found,
-or it fails, or the build does not compute what it should, nothing changes: the head
-stays the float32 one. Whether it is used is measured like the other kernels
+The sources (``cpu_kernels.c`` and ``cpu_step.c``, both including ``cpu_abi.h``, the
+library's whole interface) are compiled on the machine they run on (``cc -O3
+-march=native``) into one library in ``<model_cache_dir>/kernels/``, keyed by the sources,
+the header, the compiler and the CPU, and loaded with ctypes (which releases the GIL for
+the call). Each ``ctypes.Structure`` here and in ``cpu_step.py`` mirrors a struct of the
+header, field for field (tests/station/kernels/test_cpu_abi.py checks the layouts), and
+each function's prototype is declared in the module that calls it. Where no compiler is
+found, or it fails, or the build does not compute what it should, nothing changes: the
+head stays the float32 one. Whether it is used is measured like the other kernels
 (``KernelChoices``, form ``q8-head``).
 """
 
 from __future__ import annotations
 
 import ctypes
+import enum
 import hashlib
 import os
 import shutil
@@ -37,9 +42,37 @@ log = get_logger(__name__)
 SOURCE = Path(__file__).with_suffix(".c")
 # compiled into the same library: the whole decode step (station.kernels.cpu_step)
 SOURCES = (SOURCE, SOURCE.with_name("cpu_step.c"))
-GROUP = 32
+HEADER = SOURCE.with_name("cpu_abi.h")  # included by both; part of the build's key
+GROUP = 32  # cpu_abi.h's GNOSIS_GROUP
 BUILD_TIMEOUT_S = 120
-_loaded: dict[str, ctypes.CDLL | None] = {}  # by key: the same source, compiler and machine
+_loaded: dict[str, ctypes.CDLL | None] = {}  # by key: the same sources, compiler and machine
+
+
+class Status(enum.IntEnum):
+    """cpu_abi.h's ``gnosis_status_t``: what a call that can fail returns."""
+
+    OK = 0
+    BAD_ARGUMENT = -1  # out of range; nothing was written
+    NO_MEMORY = -2
+    NO_THREAD = -3  # a thread could not start; the result is still complete
+
+
+class Q8Product(ctypes.Structure):
+    """cpu_abi.h's ``gnosis_q8_product_t``: ``y = x @ (q * d).T`` over Q8_0 blocks."""
+
+    _c_name_ = "gnosis_q8_product_t"
+    _fields_ = [("q", ctypes.c_void_p), ("d", ctypes.c_void_p), ("x", ctypes.c_void_p),
+                ("y", ctypes.c_void_p), ("rows", ctypes.c_int32), ("out_features", ctypes.c_int32),
+                ("in_features", ctypes.c_int32)]
+
+
+def declare_q8(lib: ctypes.CDLL) -> ctypes.CDLL:
+    """The prototypes of the library's Q8_0 functions (cpu_abi.h), set on ``lib``."""
+    lib.gnosis_simd.argtypes = []
+    lib.gnosis_simd.restype = ctypes.c_char_p
+    lib.gnosis_q8_linear.argtypes = [ctypes.POINTER(Q8Product), ctypes.c_int32]
+    lib.gnosis_q8_linear.restype = ctypes.c_int
+    return lib
 
 
 def compiler() -> str | None:
@@ -54,7 +87,7 @@ def load_library(cache_dir: Path | None) -> ctypes.CDLL | None:
     """The compiled kernels for this machine (built once, then reused); None if it cannot be."""
     from station.kernels.quantized import machine_tag
 
-    missing = [source.name for source in SOURCES if not source.is_file()]
+    missing = [source.name for source in (*SOURCES, HEADER) if not source.is_file()]
     if missing:
         log.info("cpu_kernels_unavailable", reason=f"{', '.join(missing)} not installed beside {__name__}")
         return None
@@ -68,7 +101,7 @@ def load_library(cache_dir: Path | None) -> ctypes.CDLL | None:
     except (OSError, subprocess.SubprocessError) as exc:
         log.info("cpu_kernels_unavailable", reason=f"{cc} --version: {exc}")
         return None
-    sources = b"".join(source.read_bytes() for source in SOURCES)
+    sources = b"".join(source.read_bytes() for source in (*SOURCES, HEADER))
     key = hashlib.sha256(sources + repr((version, machine_tag())).encode()).hexdigest()[:16]
     if key in _loaded:  # this process has built or opened this very library already
         return _loaded[key]
@@ -100,19 +133,7 @@ def _build_and_open(cc: str, path: Path, arch: tuple[str, ...] = ("-march=native
     except OSError as exc:
         log.warning("cpu_kernels_unloadable", path=str(path), reason=str(exc))
         return None
-    pointer, integer = ctypes.c_void_p, ctypes.c_int
-    lib.gnosis_q8_linear.argtypes = [pointer, pointer, pointer, pointer, integer, integer, integer, integer]
-    lib.gnosis_q8_linear.restype = integer
-    lib.gnosis_simd.restype = ctypes.c_char_p
-    lib.gnosis_step_create.argtypes = [pointer, pointer, pointer]
-    lib.gnosis_step_create.restype = pointer
-    lib.gnosis_step_free.argtypes = [pointer]
-    lib.gnosis_step_threads.argtypes = [pointer]
-    lib.gnosis_step_threads.restype = integer
-    lib.gnosis_step_run.argtypes = [pointer, integer, pointer, pointer, pointer, pointer, integer, pointer]
-    lib.gnosis_step_run.restype = integer
-    lib.gnosis_step_head.argtypes = [pointer, pointer, pointer, pointer, pointer, integer, integer, integer]
-    lib.gnosis_step_head.restype = integer
+    declare_q8(lib)  # the step's prototypes: cpu_step.declare_step, where they are called
     log.info("cpu_kernels_loaded", path=str(path), simd=lib.gnosis_simd().decode())
     return lib
 
@@ -130,11 +151,18 @@ class Q8Linear:
         self.out_features, self.in_features = q.shape
         self.threads = torch.get_num_threads()  # its own threads, whatever torch has later
 
+    def product(self, rows: torch.Tensor, y: torch.Tensor) -> Q8Product:
+        """The call's struct: ``rows`` [M, in_features] and ``y`` [M, out_features], float32,
+        contiguous, alive for the call."""
+        return Q8Product(q=self.q.data_ptr(), d=self.d.data_ptr(), x=rows.data_ptr(), y=y.data_ptr(),
+                         rows=rows.shape[0], out_features=self.out_features, in_features=self.in_features)
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features).to(torch.float32).contiguous()
         y = torch.empty(rows.shape[0], self.out_features, dtype=torch.float32)
-        self.lib.gnosis_q8_linear(self.q.data_ptr(), self.d.data_ptr(), rows.data_ptr(), y.data_ptr(),
-                                  rows.shape[0], self.out_features, self.in_features, self.threads)
+        status = self.lib.gnosis_q8_linear(ctypes.byref(self.product(rows, y)), self.threads)
+        if status not in (Status.OK, Status.NO_THREAD):  # NO_THREAD: its rows ran on this one
+            raise ValueError(f"cpu_kernels: gnosis_q8_linear refused the product (status {status})")
         return y.view(*x.shape[:-1], self.out_features)
 
     def dequantize(self) -> torch.Tensor:

@@ -1,5 +1,6 @@
-/* The forward of up to max_batch token rows of a Llama-family model on 4-bit weights, in
-   one call (station/kernels/cpu_step.py says when the station uses it and why).
+/* The forward of up to max_rows token rows of a Llama-family model on 4-bit weights, in
+   one call (station/kernels/cpu_step.py says when the station uses it and why; cpu_abi.h
+   declares the interface and the structs it takes).
 
    A decode token of a small model is 30 layers x (2 norms, 4 matrix products, rotary,
    attention, SiLU): a few hundred torch calls, each a Python round trip and an OpenMP
@@ -28,6 +29,8 @@
 #include <string.h>
 #include <time.h>
 
+#include "cpu_abi.h"
+
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 #define STEP_SIMD 1
@@ -35,37 +38,37 @@
 #define STEP_SIMD 0
 #endif
 
-#define G 32
-#define MAX_GROUPS 1024 /* input widths up to 32768 */
-#define MAX_HEAD_DIM 512
-#define MAX_THREADS 64
-#define MAX_ROWS 64 /* token rows a call may take (max_batch) */
+#define G GNOSIS_GROUP
+#define MAX_GROUPS (GNOSIS_STEP_MAX_WIDTH / G)
+#define MAX_HEAD_DIM GNOSIS_STEP_MAX_HEAD_DIM
+#define MAX_THREADS GNOSIS_MAX_THREADS
+#define MAX_ROWS GNOSIS_STEP_MAX_ROWS
 #define SPIN_NS 300000 /* a worker spins this long for work, then sleeps */
 
-typedef struct {
-    const uint8_t *q;   /* [N, K / 2] */
-    const uint16_t *s;  /* [N, K / 32] float16 steps */
-    const uint16_t *m;  /* [N, K / 32] float16 minimums */
-    const float *bias;  /* [N] or NULL */
-    int n, k;
-} mat_t;
+typedef gnosis_q4_matrix_t mat_t;
 
 typedef struct {
-    mat_t qkv, o, gate_up, down;
-    const float *norm1, *norm2;
-    float *k_pool, *v_pool; /* [slots, kv_heads, head_dim] */
+    gnosis_layer_weights_t w;
+    gnosis_kv_layer_t kv; /* [slots, kv_heads, head_dim] each */
 } layer_t;
 
-struct step;
-/* One chunk of a parallel region: chunk index, the running thread's index (its scratch). */
-typedef void (*task_fn)(struct step *, int chunk, int tid);
+/* How a matrix product writes its output. */
+typedef enum {
+    OUT_STORE,       /* out = x @ w.T */
+    OUT_ADD,         /* out += x @ w.T (into the residual) */
+    OUT_SILU_GATE_UP /* w is gate rows then up rows: out = SiLU(gate) * up, half w's rows wide */
+} out_mode_t;
 
-typedef struct step {
-    int layers, hidden, heads, kv_heads, head_dim, inter, block_size, max_pos, max_batch;
+typedef gnosis_step_t step_t;
+/* One chunk of a parallel region: chunk index, the running thread's index (its scratch). */
+typedef void (*task_fn)(step_t *, int chunk, int tid);
+
+struct gnosis_step {
+    int layers, hidden, heads, kv_heads, head_dim, inter, block_size, max_pos, max_rows;
     float eps, scaling;
     const float *embed, *final_norm, *cos, *sin;
     layer_t *layer;
-    /* scratch, sized for max_batch rows */
+    /* scratch, sized for max_rows rows */
     float *h, *x, *qkv, *att, *act, *scores, *acc, *xd, *xs;
     int16_t *xq;
     int group_start[MAX_ROWS], group_len[MAX_ROWS]; /* this call's attention groups */
@@ -76,16 +79,14 @@ typedef struct step {
     const int32_t *tables;
     int table_width;
     const mat_t *mat;
-    int out_mode; /* 0: store, 1: add into h, 2: SiLU(gate) * up */
+    out_mode_t out_mode;
     float *out;
     layer_t *cur;
-    const int8_t *head_q;
-    const float *head_d, *head_x;
-    int head_m, head_n, head_k;
+    gnosis_q8_product_t head;
     /* the pool */
     int nt, vocab, num_blocks;
     pthread_t tid[MAX_THREADS];
-    struct worker_arg { struct step *s; int id; } args[MAX_THREADS];
+    struct worker_arg { step_t *s; int id; } args[MAX_THREADS];
     atomic_int gen, stop;
     /* the region being run, in one word (TICKET), and its chunks finished */
     _Atomic int64_t ticket;
@@ -94,7 +95,7 @@ typedef struct step {
     pthread_mutex_t mu;
     pthread_cond_t cv;
     task_fn fn;
-} step_t;
+};
 
 static inline float f16(uint16_t v) {
 #if STEP_SIMD
@@ -334,9 +335,9 @@ static inline __attribute__((always_inline)) void dot_body(
 /* y[t] = sum_k w[n, k] * x[t, k] for the t < bt rows of a tile (rows of xq are k apart). */
 static void dot_rows(const mat_t *w, int n, const int16_t *xq, const float *xd, const float *xs,
                      int bt, float *y) {
-    const int k = w->k, groups = k / G;
+    const int k = w->cols, groups = k / G;
     const uint8_t *q = w->q + (size_t)n * (k / 2);
-    const uint16_t *sp = w->s + (size_t)n * groups, *mp = w->m + (size_t)n * groups;
+    const uint16_t *sp = w->step + (size_t)n * groups, *mp = w->min + (size_t)n * groups;
 #if STEP_SIMD
     switch (bt) {
     case 1: dot_body(q, sp, mp, k, xq, xd, xs, 1, y); break;
@@ -365,44 +366,44 @@ static void dot_rows(const mat_t *w, int n, const int16_t *xq, const float *xd, 
 static void matmul_task(step_t *s, int chunk, int tid) {
     (void)tid;
     const mat_t *w = s->mat;
-    int rows = s->out_mode == 2 ? w->n / 2 : w->n;
+    int rows = s->out_mode == OUT_SILU_GATE_UP ? w->rows / 2 : w->rows;
     int n0 = chunk * ROWS_PER_CHUNK, n1 = n0 + ROWS_PER_CHUNK < rows ? n0 + ROWS_PER_CHUNK : rows;
-    int groups = w->k / G;
+    int groups = w->cols / G;
     float y[TILE], u[TILE], up[TILE][ROWS_PER_CHUNK];
     for (int b0 = 0; b0 < s->b; b0 += TILE) {
         int bt = s->b - b0 < TILE ? s->b - b0 : TILE;
-        const int16_t *xq = s->xq + (size_t)b0 * w->k;
+        const int16_t *xq = s->xq + (size_t)b0 * w->cols;
         const float *xd = s->xd + (size_t)b0 * groups, *xs = s->xs + (size_t)b0 * groups;
         for (int n = n0; n < n1; n++) {
             dot_rows(w, n, xq, xd, xs, bt, y);
             if (w->bias) for (int t = 0; t < bt; t++) y[t] += w->bias[n];
-            if (s->out_mode == 2) {  /* gate here, up beside it; SiLU(gate) * up below */
+            if (s->out_mode == OUT_SILU_GATE_UP) {  /* gate here, up beside it; SiLU(gate) * up below */
                 dot_rows(w, n + rows, xq, xd, xs, bt, u);
                 if (w->bias) for (int t = 0; t < bt; t++) u[t] += w->bias[n + rows];
                 for (int t = 0; t < bt; t++) {
                     s->out[(size_t)(b0 + t) * rows + n] = y[t];
                     up[t][n - n0] = u[t];
                 }
-            } else if (s->out_mode == 1) {
+            } else if (s->out_mode == OUT_ADD) {
                 for (int t = 0; t < bt; t++) s->out[(size_t)(b0 + t) * rows + n] += y[t];
             } else {
                 for (int t = 0; t < bt; t++) s->out[(size_t)(b0 + t) * rows + n] = y[t];
             }
         }
-        if (s->out_mode == 2)
+        if (s->out_mode == OUT_SILU_GATE_UP)
             for (int t = 0; t < bt; t++) silu_mul(s->out + (size_t)(b0 + t) * rows + n0, up[t], n1 - n0);
     }
 }
 
-static void matmul(step_t *s, const mat_t *w, const float *x, int mode, float *out) {
-    int groups = w->k / G;
+static void matmul(step_t *s, const mat_t *w, const float *x, out_mode_t mode, float *out) {
+    int groups = w->cols / G;
     for (int t = 0; t < s->b; t++)
-        quantize(x + (size_t)t * w->k, w->k, s->xq + (size_t)t * w->k, s->xd + (size_t)t * groups,
+        quantize(x + (size_t)t * w->cols, w->cols, s->xq + (size_t)t * w->cols, s->xd + (size_t)t * groups,
                  s->xs + (size_t)t * groups);
     s->mat = w;
     s->out_mode = mode;
     s->out = out;
-    int rows = mode == 2 ? w->n / 2 : w->n;
+    int rows = mode == OUT_SILU_GATE_UP ? w->rows / 2 : w->rows;
     parallel(s, matmul_task, (rows + ROWS_PER_CHUNK - 1) / ROWS_PER_CHUNK);
 }
 
@@ -493,7 +494,7 @@ static void attention_task(step_t *s, int job, int tid) {
     float *acc = s->acc + (size_t)tid * s->pairs * hd;      /* [n][hd] */
     const int32_t *table = s->tables + (size_t)t0 * s->table_width;
     const int first = (int)s->pos[t0], ctx = first + g; /* row i sees positions 0..first + i */
-    const float *kbase = s->cur->k_pool + kv * hd, *vbase = s->cur->v_pool + kv * hd;
+    const float *kbase = s->cur->kv.k + kv * hd, *vbase = s->cur->kv.v + kv * hd;
     float best[n], total[n];
     for (int x = 0; x < n; x++) best[x] = -INFINITY;
     for (int p0 = 0, blk = 0; p0 < ctx; p0 += bs, blk++) {
@@ -616,40 +617,44 @@ static void rotate(float *x, int heads, int hd, const float *cos, const float *s
 
 /* -- the vocabulary head over Q8_0 blocks (cpu_kernels.c) on the step's threads */
 
-void gnosis_q8_rows(const int8_t *q, const float *d, const float *x, float *y, int M, int N, int K,
-                    int n0, int n1);
-
 #define HEAD_ROWS_PER_CHUNK 512
 
 static void head_task(step_t *s, int chunk, int tid) {
     (void)tid;
     int n0 = chunk * HEAD_ROWS_PER_CHUNK;
-    int n1 = n0 + HEAD_ROWS_PER_CHUNK < s->head_n ? n0 + HEAD_ROWS_PER_CHUNK : s->head_n;
-    gnosis_q8_rows(s->head_q, s->head_d, s->head_x, s->out, s->head_m, s->head_n, s->head_k, n0, n1);
+    int n1 = n0 + HEAD_ROWS_PER_CHUNK < s->head.out_features ? n0 + HEAD_ROWS_PER_CHUNK : s->head.out_features;
+    gnosis_q8_columns(&s->head, n0, n1);
 }
 
-/* y [m, n] = x [m, k] @ (q * d).T, as gnosis_q8_linear computes it, without starting threads. */
-int gnosis_step_head(void *handle, const int8_t *q, const float *d, const float *x, float *y, int m,
-                     int n, int k) {
-    step_t *s = (step_t *)handle;
-    if (m < 1 || n < 1 || k % G) return -1;
-    s->head_q = q; s->head_d = d; s->head_x = x; s->out = y;
-    s->head_m = m; s->head_n = n; s->head_k = k;
+gnosis_status_t gnosis_step_head(gnosis_step_t *s, const gnosis_q8_product_t *product) {
+    const int n = product->out_features;
+    if (product->rows < 1 || n < 1 || product->in_features < 1 || product->in_features % G)
+        return GNOSIS_BAD_ARGUMENT;
+    s->head = *product;
     parallel(s, head_task, (n + HEAD_ROWS_PER_CHUNK - 1) / HEAD_ROWS_PER_CHUNK);
-    return 0;
+    return GNOSIS_OK;
 }
 
-/* -- the interface (cpu_step.py) */
+/* -- the interface (cpu_abi.h; called from cpu_step.py) */
 
-static void set_mat(mat_t *m, const int64_t *p, const int64_t *d) {
-    m->q = (const uint8_t *)p[0]; m->s = (const uint16_t *)p[1]; m->m = (const uint16_t *)p[2];
-    m->bias = (const float *)p[3]; m->n = (int)d[0]; m->k = (int)d[1];
+/* A shape the step computes: widths its scratch and stack arrays hold, whole groups, GQA. */
+static int takes_shape(const gnosis_model_shape_t *m, int max_rows) {
+    const long att_n = (long)m->heads * m->head_dim;
+    return m->layers >= 1 && m->hidden >= G && m->hidden % G == 0 && m->hidden <= GNOSIS_STEP_MAX_WIDTH &&
+           m->intermediate >= G && m->intermediate % G == 0 && m->intermediate <= GNOSIS_STEP_MAX_WIDTH &&
+           att_n % G == 0 && att_n <= GNOSIS_STEP_MAX_WIDTH && m->head_dim >= 2 && m->head_dim % 2 == 0 &&
+           m->head_dim <= MAX_HEAD_DIM && m->kv_heads >= 1 && m->heads % m->kv_heads == 0 && m->vocab >= 1 &&
+           max_rows >= 1 && max_rows <= MAX_ROWS;
 }
 
-/* dims: layers, hidden, heads, kv_heads, head_dim, inter, block_size, max_pos, max_batch, threads,
-   vocab, num_blocks (of the pool)
-   fdims: eps, scaling; ptrs: embed, final_norm, cos, sin, then per layer: 4 matrices x (q, s, m,
-   bias), norm1, norm2, k_pool, v_pool. NULL if a buffer cannot be had. */
+/* Each matrix has the rows and columns the shape gives it. */
+static int takes_layer(const gnosis_layer_weights_t *w, const gnosis_model_shape_t *m) {
+    const int qkv_n = (m->heads + 2 * m->kv_heads) * m->head_dim, att_n = m->heads * m->head_dim;
+    return w->qkv.rows == qkv_n && w->qkv.cols == m->hidden && w->o.rows == m->hidden && w->o.cols == att_n &&
+           w->gate_up.rows == 2 * m->intermediate && w->gate_up.cols == m->hidden &&
+           w->down.rows == m->hidden && w->down.cols == m->intermediate;
+}
+
 /* The step and what it allocated (free(NULL) is nothing). */
 static void free_buffers(step_t *s) {
     free(s->layer); free(s->h); free(s->x); free(s->qkv); free(s->att); free(s->act);
@@ -657,36 +662,32 @@ static void free_buffers(step_t *s) {
     free(s);
 }
 
-void *gnosis_step_create(const int64_t *dims, const float *fdims, const int64_t *ptrs) {
+gnosis_status_t gnosis_step_create(const gnosis_step_config_t *config, gnosis_step_t **out) {
+    const gnosis_model_shape_t *m = &config->shape;
+    *out = NULL;
+    if (!takes_shape(m, config->max_rows) || config->rotary.max_positions < 1 || config->kv.num_blocks < 1 ||
+        config->kv.block_size < 1)
+        return GNOSIS_BAD_ARGUMENT;
+    for (int l = 0; l < m->layers; l++)
+        if (!takes_layer(&config->weights.layers[l], m)) return GNOSIS_BAD_ARGUMENT;
     step_t *s = calloc(1, sizeof(step_t));
-    if (!s) return NULL;
-    s->layers = dims[0]; s->hidden = dims[1]; s->heads = dims[2]; s->kv_heads = dims[3];
-    s->head_dim = dims[4]; s->inter = dims[5]; s->block_size = dims[6]; s->max_pos = dims[7];
-    s->max_batch = dims[8];
-    int nt = dims[9] < 1 ? 1 : dims[9] > MAX_THREADS ? MAX_THREADS : dims[9];
-    if (dims[1] > MAX_GROUPS * G || dims[5] > MAX_GROUPS * G || dims[2] * dims[4] > MAX_GROUPS * G ||
-        dims[4] > MAX_HEAD_DIM || dims[3] < 1 || dims[2] % dims[3] || dims[8] < 1 || dims[8] > MAX_ROWS) {
-        free(s);
-        return NULL;
-    }
-    s->vocab = dims[10];
-    s->num_blocks = dims[11];
-    s->eps = fdims[0]; s->scaling = fdims[1];
-    s->embed = (const float *)ptrs[0]; s->final_norm = (const float *)ptrs[1];
-    s->cos = (const float *)ptrs[2]; s->sin = (const float *)ptrs[3];
+    if (!s) return GNOSIS_NO_MEMORY;
+    s->layers = m->layers; s->hidden = m->hidden; s->heads = m->heads; s->kv_heads = m->kv_heads;
+    s->head_dim = m->head_dim; s->inter = m->intermediate; s->vocab = m->vocab;
+    s->eps = m->rms_eps; s->scaling = m->attention_scale;
+    s->block_size = config->kv.block_size; s->num_blocks = config->kv.num_blocks;
+    s->max_pos = config->rotary.max_positions; s->max_rows = config->max_rows;
+    int nt = config->threads < 1 ? 1 : config->threads > MAX_THREADS ? MAX_THREADS : config->threads;
+    s->embed = config->weights.embed; s->final_norm = config->weights.final_norm;
+    s->cos = config->rotary.cos; s->sin = config->rotary.sin;
     s->layer = calloc(s->layers, sizeof(layer_t));
+    if (s->layer)
+        for (int l = 0; l < s->layers; l++) {
+            s->layer[l].w = config->weights.layers[l];
+            s->layer[l].kv = config->kv.layers[l];
+        }
     int hd = s->head_dim, qkv_n = (s->heads + 2 * s->kv_heads) * hd, att_n = s->heads * hd;
-    for (int l = 0; l < s->layers; l++) {
-        const int64_t *p = ptrs + 4 + l * 20;
-        layer_t *L = &s->layer[l];
-        int64_t d_qkv[2] = {qkv_n, s->hidden}, d_o[2] = {s->hidden, att_n},
-                d_gu[2] = {2 * s->inter, s->hidden}, d_down[2] = {s->hidden, s->inter};
-        set_mat(&L->qkv, p, d_qkv); set_mat(&L->o, p + 4, d_o);
-        set_mat(&L->gate_up, p + 8, d_gu); set_mat(&L->down, p + 12, d_down);
-        L->norm1 = (const float *)p[16]; L->norm2 = (const float *)p[17];
-        L->k_pool = (float *)p[18]; L->v_pool = (float *)p[19];
-    }
-    int B = s->max_batch, widest = s->inter > qkv_n ? s->inter : qkv_n;
+    int B = s->max_rows, widest = s->inter > qkv_n ? s->inter : qkv_n;
     widest = widest > att_n ? widest : att_n;
     widest = widest > s->hidden ? widest : s->hidden;
     s->h = malloc(sizeof(float) * B * s->hidden);
@@ -710,7 +711,7 @@ void *gnosis_step_create(const int64_t *dims, const float *fdims, const int64_t 
     if (!s->layer || !s->h || !s->x || !s->qkv || !s->att || !s->act || !s->scores || !s->acc || !s->xq ||
         !s->xd || !s->xs) {
         free_buffers(s);
-        return NULL;
+        return GNOSIS_NO_MEMORY;
     }
     pthread_mutex_init(&s->mu, NULL);
     pthread_cond_init(&s->cv, NULL);
@@ -721,11 +722,11 @@ void *gnosis_step_create(const int64_t *dims, const float *fdims, const int64_t 
         if (pthread_create(&s->tid[i], NULL, worker, &s->args[i]) != 0) break;
         s->nt = i + 1;
     }
-    return s;
+    *out = s;
+    return GNOSIS_OK;
 }
 
-void gnosis_step_free(void *handle) {
-    step_t *s = (step_t *)handle;
+void gnosis_step_free(gnosis_step_t *s) {
     if (!s) return;
     atomic_store(&s->stop, 1);
     atomic_fetch_add(&s->gen, 1);
@@ -736,45 +737,53 @@ void gnosis_step_free(void *handle) {
     free_buffers(s);
 }
 
-int gnosis_step_threads(void *handle) { return ((step_t *)handle)->nt; }
+int32_t gnosis_step_threads(const gnosis_step_t *s) { return s->nt; }
 
-/* b token rows: tokens[b], positions[b], slots[b] (where each writes its K/V), tables
-   [b, width] (each sequence's block ids), out [b, hidden]. 0, or -1 for a bad argument. */
-int gnosis_step_run(void *handle, int b, const int64_t *tokens, const int64_t *pos, const int64_t *slots,
-                    const int32_t *tables, int width, float *out) {
-    step_t *s = (step_t *)handle;
-    if (b < 1 || b > s->max_batch) return -1;
-    for (int t = 0; t < b; t++) {
-        if (tokens[t] < 0 || tokens[t] >= s->vocab || slots[t] < 0 ||
-            slots[t] >= (int64_t)s->num_blocks * s->block_size || pos[t] < 0 || pos[t] >= s->max_pos ||
-            (int64_t)width * s->block_size <= pos[t])
-            return -1;
-        for (int i = 0; i <= pos[t] / s->block_size; i++)
-            if (tables[(size_t)t * width + i] < 0 || tables[(size_t)t * width + i] >= s->num_blocks) return -1;
+/* Every row's token, position, slot and the blocks its table names within range. */
+static int takes_rows(const step_t *s, const gnosis_step_rows_t *r) {
+    if (r->rows < 1 || r->rows > s->max_rows || r->table_width < 1) return 0;
+    for (int t = 0; t < r->rows; t++) {
+        const int64_t pos = r->positions[t];
+        if (r->tokens[t] < 0 || r->tokens[t] >= s->vocab || r->slots[t] < 0 ||
+            r->slots[t] >= (int64_t)s->num_blocks * s->block_size || pos < 0 || pos >= s->max_pos ||
+            (int64_t)r->table_width * s->block_size <= pos)
+            return 0;
+        const int32_t *table = r->block_tables + (size_t)t * r->table_width;
+        for (int i = 0; i <= pos / s->block_size; i++)
+            if (table[i] < 0 || table[i] >= s->num_blocks) return 0;
     }
-    const int H = s->hidden, hd = s->head_dim, kvh = s->kv_heads, qkv_n = (s->heads + 2 * kvh) * hd;
-    s->b = b; s->pos = pos; s->tables = tables; s->table_width = width;
+    return 1;
+}
+
+gnosis_status_t gnosis_step_run(gnosis_step_t *s, const gnosis_step_rows_t *rows) {
+    if (!takes_rows(s, rows)) return GNOSIS_BAD_ARGUMENT;
+    const int b = rows->rows, H = s->hidden, hd = s->head_dim, kvh = s->kv_heads;
+    const int qkv_n = (s->heads + 2 * kvh) * hd;
+    const int64_t *tokens = rows->tokens, *pos = rows->positions, *slots = rows->slots;
+    float *out = rows->hidden_out;
+    s->b = b; s->pos = pos; s->tables = rows->block_tables; s->table_width = rows->table_width;
     const int groups = group_rows(s, b);
     for (int t = 0; t < b; t++) memcpy(s->h + (size_t)t * H, s->embed + (size_t)tokens[t] * H, sizeof(float) * H);
     for (int l = 0; l < s->layers; l++) {
         layer_t *L = &s->layer[l];
         s->cur = L;
-        for (int t = 0; t < b; t++) rms_norm(s->h + (size_t)t * H, L->norm1, s->x + (size_t)t * H, H, s->eps);
-        matmul(s, &L->qkv, s->x, 0, s->qkv);
+        for (int t = 0; t < b; t++) rms_norm(s->h + (size_t)t * H, L->w.input_norm, s->x + (size_t)t * H, H, s->eps);
+        matmul(s, &L->w.qkv, s->x, OUT_STORE, s->qkv);
         for (int t = 0; t < b; t++) {
             float *q = s->qkv + (size_t)t * qkv_n, *k = q + s->heads * hd, *v = k + kvh * hd;
             const float *c = s->cos + (size_t)pos[t] * hd, *sn = s->sin + (size_t)pos[t] * hd;
             rotate(q, s->heads, hd, c, sn);
             rotate(k, kvh, hd, c, sn);
-            memcpy(L->k_pool + (size_t)slots[t] * kvh * hd, k, sizeof(float) * kvh * hd);
-            memcpy(L->v_pool + (size_t)slots[t] * kvh * hd, v, sizeof(float) * kvh * hd);
+            memcpy(L->kv.k + (size_t)slots[t] * kvh * hd, k, sizeof(float) * kvh * hd);
+            memcpy(L->kv.v + (size_t)slots[t] * kvh * hd, v, sizeof(float) * kvh * hd);
         }
         parallel(s, attention_task, groups * kvh);
-        matmul(s, &L->o, s->att, 1, s->h);
-        for (int t = 0; t < b; t++) rms_norm(s->h + (size_t)t * H, L->norm2, s->x + (size_t)t * H, H, s->eps);
-        matmul(s, &L->gate_up, s->x, 2, s->act);
-        matmul(s, &L->down, s->act, 1, s->h);
+        matmul(s, &L->w.o, s->att, OUT_ADD, s->h);
+        for (int t = 0; t < b; t++)
+            rms_norm(s->h + (size_t)t * H, L->w.post_attention_norm, s->x + (size_t)t * H, H, s->eps);
+        matmul(s, &L->w.gate_up, s->x, OUT_SILU_GATE_UP, s->act);
+        matmul(s, &L->w.down, s->act, OUT_ADD, s->h);
     }
     for (int t = 0; t < b; t++) rms_norm(s->h + (size_t)t * H, s->final_norm, out + (size_t)t * H, H, s->eps);
-    return 0;
+    return GNOSIS_OK;
 }

@@ -2,8 +2,8 @@
 
 On a small model a decode token is mostly Python: 30 layers of norms, four matrix
 products, rotary, attention and SiLU are a few hundred torch calls, each with its own
-dispatch and OpenMP fork/join, and ``make profile`` put that overhead at 8.5 ms of a 19 ms
-token on 2 cores. ``cpu_step.c`` computes the whole forward (embedding to final norm) for
+dispatch and OpenMP fork/join (``make profile`` shows that overhead's share of a token).
+``cpu_step.c`` computes the whole forward (embedding to final norm) for
 up to ``STEP_ROWS`` token rows in one call: the weights are the GGUF file's 4-bit groups
 (``Int4Groups.step_layout``, read once per call for every row), K/V go straight into the
 paged pool and are read back through each sequence's block table, and the work is split
@@ -24,48 +24,136 @@ whether its row was a decode or a prompt's.
 Used where ``StepWeights.for_model`` finds the shape it computes, the library builds, a
 check against the model's own forward agrees, and a step measures faster than the torch
 layers' products alone (``KernelChoices`` form ``cpu-step``, kept per machine).
+
+The C interface is ``cpu_abi.h``: the structs below mirror its step structs field for
+field (``gnosis_step_config_t`` for a step's life, ``gnosis_step_rows_t`` for a call), and
+``declare_step`` sets the prototypes of the functions this module calls.
 """
 
 from __future__ import annotations
 
 import ctypes
 import time
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
 
 from gnosis_daemon.logs import get_logger
+from station.kernels.cpu_kernels import Q8Linear, Q8Product, Status
 
 log = get_logger(__name__)
 
-MAX_WIDTH = 32768  # inputs of a layer (cpu_step.c's MAX_GROUPS groups of 32)
-MAX_HEAD_DIM = 512  # cpu_step.c's MAX_HEAD_DIM
-STEP_ROWS = 8  # token rows per call; more rows are more calls, each row computed alike
+MAX_WIDTH = 32768  # inputs of a layer: cpu_abi.h's GNOSIS_STEP_MAX_WIDTH
+MAX_HEAD_DIM = 512  # cpu_abi.h's GNOSIS_STEP_MAX_HEAD_DIM
+STEP_ROWS = 8  # token rows per call (at most GNOSIS_STEP_MAX_ROWS); more rows are more calls
+# the four matrices of a layer, in gnosis_layer_weights_t's order: the projections of each stacked
 _PROJECTIONS = (("self_attn", ("q_proj", "k_proj", "v_proj")), ("self_attn", ("o_proj",)),
                 ("mlp", ("gate_proj", "up_proj")), ("mlp", ("down_proj",)))
+_int, _float, _ptr = ctypes.c_int32, ctypes.c_float, ctypes.c_void_p
+
+
+class ModelShape(ctypes.Structure):
+    _c_name_ = "gnosis_model_shape_t"
+    _fields_ = [("layers", _int), ("hidden", _int), ("heads", _int), ("kv_heads", _int),
+                ("head_dim", _int), ("intermediate", _int), ("vocab", _int),
+                ("rms_eps", _float), ("attention_scale", _float)]
+
+
+class Q4Matrix(ctypes.Structure):
+    """GGUF's 4-bit groups: ``q`` [rows, cols / 2] bytes, float16 ``step``/``min`` a group."""
+
+    _c_name_ = "gnosis_q4_matrix_t"
+    _fields_ = [("q", _ptr), ("step", _ptr), ("min", _ptr), ("bias", _ptr),  # bias: None, or [rows]
+                ("rows", _int), ("cols", _int)]
+
+
+class LayerWeights(ctypes.Structure):
+    _c_name_ = "gnosis_layer_weights_t"
+    _fields_ = [("qkv", Q4Matrix), ("o", Q4Matrix), ("gate_up", Q4Matrix), ("down", Q4Matrix),
+                ("input_norm", _ptr), ("post_attention_norm", _ptr)]
+
+
+class ModelWeights(ctypes.Structure):
+    _c_name_ = "gnosis_model_weights_t"
+    _fields_ = [("embed", _ptr), ("final_norm", _ptr), ("layers", ctypes.POINTER(LayerWeights))]
+
+
+class Rotary(ctypes.Structure):
+    _c_name_ = "gnosis_rotary_t"
+    _fields_ = [("cos", _ptr), ("sin", _ptr), ("max_positions", _int)]
+
+
+class KvLayer(ctypes.Structure):
+    """One layer's K and V in the pool: [slots, kv_heads, head_dim] float32 each."""
+
+    _c_name_ = "gnosis_kv_layer_t"
+    _fields_ = [("k", _ptr), ("v", _ptr)]
+
+
+class KvPool(ctypes.Structure):
+    _c_name_ = "gnosis_kv_pool_t"
+    _fields_ = [("layers", ctypes.POINTER(KvLayer)), ("num_blocks", _int), ("block_size", _int)]
+
+
+class StepConfig(ctypes.Structure):
+    """What ``gnosis_step_create`` takes; it copies the structs, the tensors must outlive it."""
+
+    _c_name_ = "gnosis_step_config_t"
+    _fields_ = [("shape", ModelShape), ("weights", ModelWeights), ("rotary", Rotary), ("kv", KvPool),
+                ("max_rows", _int), ("threads", _int)]
+
+
+class StepRows(ctypes.Structure):
+    """One ``gnosis_step_run`` call's token rows and where their output goes."""
+
+    _c_name_ = "gnosis_step_rows_t"
+    _fields_ = [("tokens", _ptr), ("positions", _ptr), ("slots", _ptr),  # int64 [rows] each
+                ("block_tables", _ptr), ("hidden_out", _ptr),  # int32 [rows, table_width]; [rows, hidden]
+                ("rows", _int), ("table_width", _int)]
+
+
+def declare_step(lib: ctypes.CDLL) -> ctypes.CDLL:
+    """The prototypes of the library's step functions (cpu_abi.h), set on ``lib``."""
+    lib.gnosis_step_create.argtypes = [ctypes.POINTER(StepConfig), ctypes.POINTER(_ptr)]
+    lib.gnosis_step_create.restype = ctypes.c_int
+    lib.gnosis_step_free.argtypes = [_ptr]
+    lib.gnosis_step_free.restype = None
+    lib.gnosis_step_threads.argtypes = [_ptr]
+    lib.gnosis_step_threads.restype = _int
+    lib.gnosis_step_run.argtypes = [_ptr, ctypes.POINTER(StepRows)]
+    lib.gnosis_step_run.restype = ctypes.c_int
+    lib.gnosis_step_head.argtypes = [_ptr, ctypes.POINTER(Q8Product)]
+    lib.gnosis_step_head.restype = ctypes.c_int
+    return lib
+
+
+def _matrix(q: torch.Tensor, step: torch.Tensor, low: torch.Tensor, bias: torch.Tensor | None) -> Q4Matrix:
+    return Q4Matrix(q=q.data_ptr(), step=step.data_ptr(), min=low.data_ptr(),
+                    bias=None if bias is None else bias.data_ptr(), rows=q.shape[0], cols=2 * q.shape[1])
 
 
 class StepWeights:
     """The step's copy of a model: fused 4-bit matrices, norms, embeddings, shape."""
 
     def __init__(self, lib: ctypes.CDLL, model: nn.Module) -> None:
-        config, base = model.config, model.base_model
+        config, base = cast(Any, model.config), cast(Any, model.base_model)
         attn = base.layers[0].self_attn
         self.lib = lib
-        self.layers = len(base.layers)
-        self.hidden = config.hidden_size
-        self.heads = config.num_attention_heads
-        self.kv_heads = getattr(config, "num_key_value_heads", None) or self.heads
-        self.head_dim = attn.head_dim
-        self.inter = base.layers[0].mlp.gate_proj.out_features
-        self.vocab = base.embed_tokens.weight.shape[0]
+        self.layers: int = len(base.layers)
+        self.hidden: int = config.hidden_size
+        self.heads: int = config.num_attention_heads
+        self.kv_heads: int = getattr(config, "num_key_value_heads", None) or self.heads
+        self.head_dim: int = attn.head_dim
+        self.inter: int = base.layers[0].mlp.gate_proj.out_features
+        self.vocab: int = base.embed_tokens.weight.shape[0]
         self.eps = float(base.layers[0].input_layernorm.variance_epsilon)
         self.scaling = float(attn.scaling)
         self.rotary = base.rotary_emb
-        self.embed = base.embed_tokens.weight.detach()
-        self.final_norm = base.norm.weight.detach()
-        self.mats: list[list[tuple[torch.Tensor, ...]]] = []
+        self.embed: torch.Tensor = base.embed_tokens.weight.detach()
+        self.final_norm: torch.Tensor = base.norm.weight.detach()
+        # per layer, _PROJECTIONS' four matrices: (q, step, min, bias or None)
+        self.mats: list[list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]]] = []
         self.norms: list[tuple[torch.Tensor, torch.Tensor]] = []
         for layer in base.layers:
             parts = []
@@ -98,36 +186,49 @@ class StepWeights:
     def bind(self, kv_cache: Any, max_positions: int, threads: int | None = None) -> CpuStep:
         return CpuStep(self, kv_cache, max_positions, threads or torch.get_num_threads())
 
+    def shape(self) -> ModelShape:
+        return ModelShape(layers=self.layers, hidden=self.hidden, heads=self.heads, kv_heads=self.kv_heads,
+                          head_dim=self.head_dim, intermediate=self.inter, vocab=self.vocab,
+                          rms_eps=self.eps, attention_scale=self.scaling)
+
+    def layer_weights(self) -> ctypes.Array[LayerWeights]:
+        """Per layer, pointers into this object's tensors (valid while it lives)."""
+        return (LayerWeights * self.layers)(*(
+            LayerWeights(*(_matrix(*mat) for mat in parts), input_norm=norm1.data_ptr(),
+                         post_attention_norm=norm2.data_ptr())
+            for parts, (norm1, norm2) in zip(self.mats, self.norms)))
+
 
 class CpuStep:
     """``StepWeights`` bound to one KV pool; ``__call__`` runs a decode step."""
 
     def __init__(self, weights: StepWeights, kv_cache: Any, max_positions: int, threads: int) -> None:
         w = self.weights = weights
-        self.lib = w.lib
+        self.handle: int | None = None
+        self.lib = declare_step(w.lib)
         self.max_positions = max_positions
         self.block_size = kv_cache.block_size
         with torch.inference_mode():
             x = torch.zeros(1, 1, w.hidden)
             cos, sin = w.rotary(x, position_ids=torch.arange(max_positions)[None])
+        # the step points into these, the weights' tensors and the pool: all live as long as it
         self.cos, self.sin = cos[0].float().contiguous(), sin[0].float().contiguous()
-        self.kv = kv_cache.kv  # kept alive with the step
-        ptrs = [w.embed.data_ptr(), w.final_norm.data_ptr(), self.cos.data_ptr(), self.sin.data_ptr()]
-        for layer, parts in enumerate(w.mats):
-            for q, s, m, bias in parts:
-                ptrs += [q.data_ptr(), s.data_ptr(), m.data_ptr(), 0 if bias is None else bias.data_ptr()]
-            ptrs += [w.norms[layer][0].data_ptr(), w.norms[layer][1].data_ptr(),
-                     self.kv[layer, 0].data_ptr(), self.kv[layer, 1].data_ptr()]
-        dims = [w.layers, w.hidden, w.heads, w.kv_heads, w.head_dim, w.inter, self.block_size,
-                max_positions, STEP_ROWS, threads, w.vocab, kv_cache.num_blocks]
-        self._dims = torch.tensor(dims, dtype=torch.int64)
-        self._fdims = torch.tensor([w.eps, w.scaling], dtype=torch.float32)
-        self._ptrs = torch.tensor(ptrs, dtype=torch.int64)
-        self.handle = self.lib.gnosis_step_create(self._dims.data_ptr(), self._fdims.data_ptr(),
-                                                  self._ptrs.data_ptr())
-        if not self.handle:
-            # NULL: out of memory (the widths it cannot take were refused in _unsupported)
+        self.kv = kv_cache.kv  # [layers, 2 (K, V), blocks, block_size, kv_heads, head_dim]
+        kv_layers = (KvLayer * w.layers)(*(KvLayer(k=kv[0].data_ptr(), v=kv[1].data_ptr()) for kv in self.kv))
+        config = StepConfig(
+            shape=w.shape(),
+            weights=ModelWeights(embed=w.embed.data_ptr(), final_norm=w.final_norm.data_ptr(),
+                                 layers=w.layer_weights()),
+            rotary=Rotary(cos=self.cos.data_ptr(), sin=self.sin.data_ptr(), max_positions=max_positions),
+            kv=KvPool(layers=kv_layers, num_blocks=kv_cache.num_blocks, block_size=self.block_size),
+            max_rows=STEP_ROWS, threads=threads)
+        handle = _ptr()
+        status = self.lib.gnosis_step_create(ctypes.byref(config), ctypes.byref(handle))
+        if status == Status.NO_MEMORY:
             raise MemoryError("cpu_step: the step's buffers could not be allocated")
+        if status != Status.OK:  # the shapes it cannot take are refused in _unsupported first
+            raise ValueError(f"cpu_step: a model shape the step does not take (status {status})")
+        self.handle = handle.value
         self.threads = self.lib.gnosis_step_threads(self.handle)
         self.calls = 0  # token rows computed (tests and stats see the step was taken)
 
@@ -146,26 +247,24 @@ class CpuStep:
             pos = torch.tensor(positions[start:end], dtype=torch.int64)
             slot = torch.tensor(slots[start:end], dtype=torch.int64)
             table = torch.tensor([t + [0] * (width - len(t)) for t in tables[start:end]], dtype=torch.int32)
-            done = self.lib.gnosis_step_run(self.handle, end - start, ids.data_ptr(), pos.data_ptr(),
-                                            slot.data_ptr(), table.data_ptr(), width,
-                                            out[start:end].data_ptr())
-            if done != 0:
+            rows = StepRows(tokens=ids.data_ptr(), positions=pos.data_ptr(), slots=slot.data_ptr(),
+                            block_tables=table.data_ptr(), hidden_out=out[start:end].data_ptr(),
+                            rows=end - start, table_width=width)
+            if self.lib.gnosis_step_run(self.handle, ctypes.byref(rows)) != Status.OK:
                 raise ValueError("cpu_step: a token, position, slot or block id out of range")
         self.calls += len(tokens)
         return out
 
-    def head(self, kernel: Any, x: torch.Tensor) -> torch.Tensor:
+    def head(self, kernel: Q8Linear, x: torch.Tensor) -> torch.Tensor:
         """``kernel(x)`` (a ``cpu_kernels.Q8Linear``, the same sums) on the step's threads."""
         rows = x.reshape(-1, kernel.in_features).to(torch.float32).contiguous()
         y = torch.empty(rows.shape[0], kernel.out_features)
-        done = self.lib.gnosis_step_head(self.handle, kernel.q.data_ptr(), kernel.d.data_ptr(), rows.data_ptr(),
-                                         y.data_ptr(), rows.shape[0], kernel.out_features, kernel.in_features)
-        if done != 0:
+        if self.lib.gnosis_step_head(self.handle, ctypes.byref(kernel.product(rows, y))) != Status.OK:
             raise ValueError("cpu_step: a head of a shape the kernel does not take")
         return y
 
     def close(self) -> None:
-        if self.handle:
+        if getattr(self, "handle", None):  # None: never created (or __init__ failed before)
             self.lib.gnosis_step_free(self.handle)
             self.handle = None
 
@@ -178,14 +277,14 @@ def release_step_forms(model: nn.Module) -> None:
     copy, or there is no step."""
     for module in model.modules():
         if getattr(module, "step_form", None) is not None:
-            module.step_form = None
+            cast(Any, module).step_form = None
 
 
 def _unsupported(model: nn.Module) -> str | None:
     from station.forward.lean_decoder import _unsupported as lean_unsupported
     from station.kernels.quantized import Int4Linear
 
-    config, base = model.config, model.base_model
+    config, base = cast(Any, model.config), cast(Any, model.base_model)
     reason = lean_unsupported(config, base)
     if reason is not None:
         return reason
@@ -208,7 +307,8 @@ def _unsupported(model: nn.Module) -> str | None:
         widths = (config.hidden_size, layer.mlp.gate_proj.out_features, attn.head_dim * config.num_attention_heads)
         if max(widths) > MAX_WIDTH:
             return f"a layer wider than {MAX_WIDTH} inputs"
-        if attn.head_dim % 2 or attn.head_dim > MAX_HEAD_DIM or layer.mlp.gate_proj.out_features != layer.mlp.up_proj.out_features:
+        if (attn.head_dim % 2 or attn.head_dim > MAX_HEAD_DIM
+                or layer.mlp.gate_proj.out_features != layer.mlp.up_proj.out_features):
             return "unexpected shapes"
     return None
 

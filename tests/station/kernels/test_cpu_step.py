@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from gnosis_daemon.settings import Settings
-from station.core.requests import GenerationRequest, SamplingParams
+from station.core.requests import Choices, GenerationRequest, SamplingParams
 from station.kernels.cpu_kernels import _build_and_open, compiler
 from station.kernels.cpu_step import STEP_ROWS, StepWeights
 from station.forward.kv_cache import KVCache, KVCacheShape
@@ -181,7 +181,7 @@ def _with_logprobs(engine, rid: str, prompt: list[int], n: int, **asked) -> Coll
     asked.setdefault("logprobs", 1)
     collector = Collector()
     engine.add_request(GenerationRequest(rid, list(prompt), SamplingParams(max_tokens=n, temperature=0.0),
-                                         **asked), collector)
+                                         choices=Choices(**asked)), collector)
     return collector
 
 
