@@ -312,8 +312,10 @@ class Report:
                         + "".join("\n" + block + "\n" for block in kept))
 
 
-# Sections other drills write into the same file (`make fleet-bench`): a bench run keeps them.
-KEPT_MARKERS = (("<!-- fleet:begin -->", "<!-- fleet:end -->"),)
+# Sections a bench run keeps: what other drills write into the same file (`make fleet-bench`),
+# and the hand-kept record of past measurements.
+KEPT_MARKERS = (("<!-- fleet:begin -->", "<!-- fleet:end -->"),
+                ("<!-- past measurements:begin -->", "<!-- past measurements:end -->"))
 
 
 def _kept_sections(path: Path) -> list[str]:

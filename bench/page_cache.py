@@ -16,6 +16,7 @@ def page_cache_cold(tier_dir: Path) -> str:
         with open(path, "rb") as f:
             os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
     after_fadvise = resident_bytes(files)
+    after_drop: int | None
     if after_fadvise == 0:  # cold already: the whole machine's page cache is left alone
         dropped, after_drop = "not needed", 0
     else:

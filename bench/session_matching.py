@@ -1,7 +1,7 @@
 """What matching prompts to KV sessions costs now that the station does it, at admission.
 
 The old design (the host's token mirror, ``host/session_index.py``, measured before
-commit 93a0d82 and quoted in docs/engine.md, "Who matches prompts to sessions") cost a
+commit 93a0d82 and kept in docs/benchmarks.md, "Past measurements (engine notes)") cost a
 linear scan per request, a ``tokenize`` round trip per liquid request and a
 ``kv_session.list include_tokens`` per (re)connect. This measures the new one:
 
@@ -35,6 +35,7 @@ import time
 import uuid
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import Any
 
 import trio
 
@@ -46,13 +47,14 @@ from gnosis_daemon.settings import load_settings
 from gnosis_daemon.tokens import common_prefix_len
 from host.capabilities import PROBE, negotiate
 from station.core.block_pool import block_hashes_for
-from station.core.kv_manager import KVCacheManager, SessionOutcome
+from station.core.kv_manager import KVCacheManager
+from station.core.kv_results import SessionOutcome
 from station.core.requests import SamplingParams
 from station.core.sequence import Sequence
 
 BLOCK_SIZE = 16
 TENANT = "bench"
-# The old design's figures (docs/engine.md, 2026-11-30, same machine class), for the summary.
+# The old design's figures (docs/benchmarks.md, 2026-11-30, same machine class), for the summary.
 OLD = {"scan_ms": 23.3, "tokenize_short_ms": 0.54, "tokenize_long_ms": 2.68,
        "connect": "kv_session.list include_tokens: 131 ms over the socket + 46 ms unpack + "
                   "68 ms SessionIndex.replace_all (~245 ms) and 79.5 MiB held, at 256 x 8,176"}
@@ -204,7 +206,8 @@ def part3(port: int, rounds: int) -> dict:
     """Per round and kind: a miss (fresh prompt, saved), then the same prompt again (a hit)."""
     warm = _chat("short", f"warm-up-{uuid.uuid4().hex[:8]}")
     _expect(stream_chat(port, warm, 2), "miss", "warm-up")
-    data = {k: {"miss": [], "hit": [], "n": [], "cached": []} for k in ("short", "long")}
+    data: dict[str, dict[str, list[Any]]] = {
+        k: {"miss": [], "hit": [], "n": [], "cached": []} for k in ("short", "long")}
     for r in range(rounds):
         for kind in (("short", "long") if r % 2 == 0 else ("long", "short")):
             messages = _chat(kind, f"round-{r}-{uuid.uuid4().hex[:8]}")
@@ -278,8 +281,9 @@ def summary(header: str, rows: list[tuple], connect, api: dict | None, sessions:
         print("chat prompt | prompt tokens | hit TTFT | miss TTFT | hit / miss (of medians) | cached on hit")
         for kind, d in api.items():
             hit, miss = statistics.median(d["hit"]), statistics.median(d["miss"])
-            print(f"{kind:11} | {min(d['n']):6}-{max(d['n']):6} | {_med(d['hit'], digits=0)} | {_med(d['miss'], digits=0)} "
-                  f"| {hit / miss:.3f} | {min(d['cached'])}-{max(d['cached'])}")
+            print(f"{kind:11} | {min(d['n']):6}-{max(d['n']):6} | {_med(d['hit'], digits=0)} | "
+                  f"{_med(d['miss'], digits=0)} | {hit / miss:.3f} | "
+                  f"{min(d['cached'])}-{max(d['cached'])}")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -142,7 +142,8 @@ def _engine_greedy(loaded, prompts: list[list[int]], n: int) -> list[list[int]]:
         try:
             answers = []
             for i, prompt in enumerate(prompts):
-                tokens, done = [], threading.Event()
+                tokens: list[int] = []
+                done = threading.Event()
 
                 def sink(event, tokens=tokens, done=done):
                     if isinstance(event, Token):

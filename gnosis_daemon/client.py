@@ -225,6 +225,8 @@ class StationConnection:
                     if not isinstance(frame, dict):
                         continue
                     request_id = frame.get("id")
+                    if not isinstance(request_id, int):
+                        continue
                     inbox = self._pending.get(request_id)
                     if inbox is None:
                         continue

@@ -27,6 +27,9 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+from gnosis_daemon.setting_names import SettingsError, env_name
+from gnosis_daemon.setting_names import check as check_setting
+
 ZAP_DOMAIN = "gnosis-kv-events"
 _Z85_KEY_CHARS = 40
 
@@ -57,11 +60,9 @@ def is_loopback(endpoint: str) -> bool:
 def check(settings: Any) -> None:
     """Raise ``SettingsError`` for a KV events configuration that would leak prompts or
     that cannot be loaded (see the module docstring)."""
-    from gnosis_daemon.settings import SettingsError, _check, env_name
-
     host = settings.kv_events_advertise_host
-    _check(host, not set("/@ :[]") & set(host), "kv_events_advertise_host",
-           "empty or a host name (no scheme or port)")
+    check_setting(host, not set("/@ :[]") & set(host), "kv_events_advertise_host",
+                  "empty or a host name (no scheme or port)")
     secret, clients = settings.kv_events_curve_secret_file, settings.kv_events_curve_client_keys
     if bool(secret) != bool(clients.strip()):
         given, missing = (("kv_events_curve_secret_file", "kv_events_curve_client_keys")
@@ -89,8 +90,6 @@ def check(settings: Any) -> None:
 def load_curve_keys(settings: Any) -> CurveKeys | None:
     """The configured CURVE keys, or None when CURVE is off; ``SettingsError`` when a file
     or key does not load."""
-    from gnosis_daemon.settings import SettingsError
-
     path = settings.kv_events_curve_secret_file
     if not path:
         return None
@@ -114,7 +113,6 @@ def load_curve_keys(settings: Any) -> CurveKeys | None:
 
 
 def _client_keys(entry: str) -> set[bytes]:
-    from gnosis_daemon.settings import SettingsError
     import zmq.auth
 
     if len(entry) == _Z85_KEY_CHARS and not Path(entry).exists():

@@ -1,7 +1,8 @@
 """The station wire protocol: msgpack maps over a Unix stream socket.
 
 Torch-free: the station, the host and the supervisor all import it. The exact fields are
-documented in docs/protocol.md; this module is the single source of truth for them.
+documented in docs/protocol.md; this module is the single source of truth for the framing and
+the error codes, ``gnosis_daemon.wire`` for ``generate``'s arguments and events.
 
 Request frame::
 
@@ -27,11 +28,6 @@ import msgpack
 
 PROTOCOL_VERSION = 1
 DEFAULT_MAX_FRAME_BYTES = 16 * 1024 * 1024
-# Stop strings are matched on the station's socket thread after every token, at a cost that
-# grows with their number and with the square of their length: both are bounded, and the
-# host refuses past them with the field named.
-MAX_STOP_STRINGS = 16
-MAX_STOP_CHARS = 512
 
 
 class ErrorCode(enum.StrEnum):
@@ -117,7 +113,8 @@ class Request:
 
 
 def encode(message: dict[str, Any]) -> bytes:
-    return msgpack.packb(message, use_bin_type=True)
+    packed: bytes = msgpack.packb(message, use_bin_type=True)
+    return packed
 
 
 def request_frame(request_id: int | str, op: str, args: dict[str, Any] | None = None,

@@ -4,7 +4,8 @@ Precedence: defaults < TOML file (``--config``) < environment < CLI flags.
 This is the only module that reads the environment.
 
 Each field's environment name is ``GNOSIS_<FIELD>`` upper-cased, except the ones in
-``_ENV_ALIASES`` that the deployed system already uses (``THOTH_LIQUID_MEMORY``).
+``ENV_ALIASES`` that the deployed system already uses (``THOTH_LIQUID_MEMORY``): the names,
+and ``SettingsError`` that quotes them, live in ``gnosis_daemon.setting_names``.
 The supervisor hands its resolved settings to its children through ``to_env()``, so
 a child started by the supervisor sees exactly the supervisor's values.
 """
@@ -18,22 +19,17 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Mapping
 
-ENV_PREFIX = "GNOSIS_"
-_ENV_ALIASES = {
-    "liquid_memory": "THOTH_LIQUID_MEMORY",
-    # systemd's own names (sd_notify(3)): set by systemd for the unit's main process only.
-    "notify_socket": "NOTIFY_SOCKET",
-    "watchdog_usec": "WATCHDOG_USEC",
-}
+from gnosis_daemon import kv_event_keys
+from gnosis_daemon.setting_names import ENV_PREFIX, SettingsError, env_name
+from gnosis_daemon.setting_names import check as _check
+
+__all__ = ["ENV_PREFIX", "Settings", "SettingsError", "env_name", "load_settings"]
+
 # Settings a child must not inherit: only the supervisor talks to systemd (NotifyAccess=main).
 _NOT_FOR_CHILDREN = frozenset({"notify_socket", "watchdog_usec"})
 _SYSTEMD_CHILD_VARS = ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID", "LISTEN_FDS", "LISTEN_PID")
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
-
-
-class SettingsError(ValueError):
-    """A setting has a bad value; the message names the setting and how to set it."""
 
 
 def _default_runtime_dir() -> str:
@@ -94,7 +90,7 @@ class Settings:
     # Llama-family models: the decoder's forward in one loop over the same modules, without
     # transformers' per-call wrappers (bit for bit the same output); off: the model's forward.
     lean_decoder: bool = True
-    # 4-bit Llama-family models on a CPU: each decode step in one C call (station/runtime/
+    # 4-bit Llama-family models on a CPU: each decode step in one C call (station/kernels/
     # cpu_step.c). auto: where it checks out and measures no slower than torch's layers
     # (kept per machine); on: wherever it checks out; off: decode through torch.
     cpu_decode_step: str = "auto"
@@ -240,8 +236,7 @@ class Settings:
         if self.api_keys_file is not None:
             _check(self.api_keys_file, Path(self.api_keys_file).is_file(), "api_keys_file",
                    "an existing file of API keys (one a line, optionally followed by a tenant)")
-        from gnosis_daemon.kv_event_keys import check as check_kv_event_keys
-        check_kv_event_keys(self)  # no prompt tokens on a socket anyone can read
+        kv_event_keys.check(self)  # no prompt tokens on a socket anyone can read
         for f in fields(self):
             if f.name.endswith("_s"):
                 value = getattr(self, f.name)
@@ -309,20 +304,6 @@ class Settings:
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
-
-
-def _check(value: Any, ok: bool, name: str, expected: str) -> None:
-    if not ok:
-        raise SettingsError(
-            f"setting {name!r} = {value!r} is invalid: expected {expected} "
-            f"(set it with --{name.replace('_', '-')}, {env_name(name)}, or '{name}' in the TOML file)"
-        )
-
-
-def env_name(name: str) -> str:
-    if name == "disable_capabilities":
-        return "GNOSIS_STATION_DISABLE"
-    return _ENV_ALIASES.get(name, ENV_PREFIX + name.upper())
 
 
 def _coerce(name: str, raw: Any, source: str) -> Any:

@@ -1,1 +1,1 @@
-"""host package."""
+"""The host: the OpenAI-compatible HTTP API (Quart), answered through the station's socket."""

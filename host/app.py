@@ -79,7 +79,7 @@ def create_app(settings: Settings, link: StationLink,
     """The app; ``keyring`` defaults to the settings' keys (``KeyFileError`` on a bad file)."""
     keyring = load_keyring(settings) if keyring is None else keyring
     app = QuartTrio("gnosis_host")
-    app.asgi_http_class = RequestConnection  # type: ignore[assignment]
+    app.asgi_http_class = RequestConnection
     app.config["MAX_CONTENT_LENGTH"] = settings.max_request_bytes
     host_metrics = Metrics(settings.max_model_len)
     app.gnosis_metrics = host_metrics  # type: ignore[attr-defined]
@@ -193,6 +193,8 @@ def create_app(settings: Settings, link: StationLink,
                                 {key: refusal.get(key) for key in _REFUSAL_FIELDS}),
             # The station's KV disk tier at its start (restored, rejected, foreign).
             "station_kv_tier": hello.get("kv_tier") if hello else None,
+            # The station's decode plan: body, head, linear forms, every refused candidate's why.
+            "station_decode_plan": (hello.get("model") or {}).get("decode_plan") if hello else None,
         }
         # Liquid memory: effective state, env switch, station kv_session, reason when off.
         body.update(memory.state(connected=connected).health_fields())
@@ -293,7 +295,7 @@ def create_app(settings: Settings, link: StationLink,
 
 
 async def _body() -> Any:
-    data = await request.get_data(cache=False)
+    data = await request.get_data(cache=False, as_text=False, parse_form_data=False)
     g.body_read = True
     return json_body.decode(data)
 
@@ -334,7 +336,8 @@ def serve(settings: Settings) -> int:
                        refusal_file=settings.station_refusal_file,
                        buffer_bytes=settings.stream_buffer_bytes)
     app = create_app(settings, link, keyring)
-    http_server.install(settings.stream_stall_timeout_s, app.gnosis_metrics.stalled.inc)
+    metrics: Metrics = app.gnosis_metrics  # type: ignore[attr-defined]
+    http_server.install(settings.stream_stall_timeout_s, metrics.stalled.inc)
     config = HypercornConfig()
     config.bind = [_bind(settings)]
     config.backlog = settings.listen_backlog

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 from typing import Any
 
+from gnosis_daemon.wire import MAX_CHOICES, MAX_LOGPROBS
 from host import errors
 from host.fields import is_int, present
 
-MAX_N = 16  # choices per prompt (the station's bound too)
-MAX_TOP_LOGPROBS = 20  # chat's top_logprobs (OpenAI's bound)
-MAX_TEXT_LOGPROBS = 20  # completions' logprobs: OpenAI takes 5, vLLM 20; so do we
+# n: choices per prompt, MAX_CHOICES; chat's top_logprobs and completions' logprobs (OpenAI
+# takes 5 there, vLLM 20), MAX_LOGPROBS: the station's bounds.
 MAX_PROMPTS = 64  # prompts in one /v1/completions request
 MAX_INT32 = 2**31 - 1
 
@@ -31,7 +31,7 @@ def _int(body: dict[str, Any], key: str, low: int, high: int) -> int | None:
 
 def choices_n(body: dict[str, Any]) -> int:
     """``n`` in [1, 16]; ``best_of`` (completions) only equal to it (no server-side ranking)."""
-    n = _int(body, "n", 1, MAX_N) or 1
+    n = _int(body, "n", 1, MAX_CHOICES) or 1
     best_of = body.get("best_of")
     if best_of is not None:
         if not is_int(best_of):
@@ -46,7 +46,7 @@ def chat_logprobs(body: dict[str, Any]) -> dict[str, Any]:
     logprobs = body.get("logprobs")
     if logprobs is not None and not isinstance(logprobs, bool):
         raise errors.invalid_type("logprobs", "a boolean", logprobs)
-    top = _int(body, "top_logprobs", 0, MAX_TOP_LOGPROBS)
+    top = _int(body, "top_logprobs", 0, MAX_LOGPROBS)
     if top and not logprobs:  # 0 without logprobs is the default: it changes nothing
         raise errors.invalid_value("top_logprobs", "requires 'logprobs' to be true.")
     return {"logprobs": top or 0} if logprobs else {}
@@ -58,7 +58,7 @@ def text_logprobs(body: dict[str, Any]) -> dict[str, Any]:
         raise errors.invalid_type("echo", "a boolean", echo)
     if present(body, "logprobs") and isinstance(body["logprobs"], bool):
         raise errors.invalid_type("logprobs", "an integer", body["logprobs"])
-    k = _int(body, "logprobs", 0, MAX_TEXT_LOGPROBS)
+    k = _int(body, "logprobs", 0, MAX_LOGPROBS)
     if k is None:
         return {}
     return {"logprobs": k, **({"prompt_logprobs": k} if echo else {})}

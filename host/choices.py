@@ -13,10 +13,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from gnosis_daemon.wire import ChoiceResult, GenerateEvent, GenerateResult, LogprobEntry, PrefillEvent
 from host.openai_api import CHAT
 
 
-def chat_logprobs(entries: list[dict[str, Any]]) -> dict[str, Any]:
+def chat_logprobs(entries: list[LogprobEntry]) -> dict[str, Any]:
     """``choice.logprobs`` of a chat completion (or one chunk's share of it)."""
     return {"content": [{"token": e["token"], "logprob": e["logprob"], "bytes": e["bytes"],
                          "top_logprobs": [{"token": t["token"], "logprob": t["logprob"],
@@ -24,7 +25,7 @@ def chat_logprobs(entries: list[dict[str, Any]]) -> dict[str, Any]:
                         for e in entries], "refusal": None}
 
 
-def text_logprobs(entries: list[dict[str, Any]], offset: int) -> dict[str, Any]:
+def text_logprobs(entries: list[LogprobEntry], offset: int) -> dict[str, Any]:
     """``choice.logprobs`` of a text completion: ``offset`` is where the first token's
     text starts in the choice's text (the echoed prompt counts)."""
     tokens, offsets = [], []
@@ -42,11 +43,11 @@ def text_logprobs(entries: list[dict[str, Any]], offset: int) -> dict[str, Any]:
 @dataclass
 class Choice:
     index: int
-    entries: list[dict[str, Any]] = field(default_factory=list)  # the completion's logprobs
+    entries: list[LogprobEntry] = field(default_factory=list)  # the completion's logprobs
     offset: int = 0  # text offset of the next token (text completions)
     tokens: int = 0
 
-    def logprobs(self, kind: str, entries: list[dict[str, Any]] | None) -> dict[str, Any] | None:
+    def logprobs(self, kind: str, entries: list[LogprobEntry] | None) -> dict[str, Any] | None:
         """The logprobs of ``entries`` (the next tokens of this choice), None when not asked."""
         if entries is None:
             return None
@@ -64,21 +65,20 @@ class PromptChoices:
         self.n = n
         self.choices = [Choice(prompt_index * n + i) for i in range(n)]
         self.echo_text = echo_text
-        self.prompt_entries: list[dict[str, Any]] | None = None
+        self.prompt_entries: list[LogprobEntry] | None = None
 
-    def of(self, event: dict[str, Any]) -> Choice:
-        return self.choices[min(int(event.get("index") or 0), self.n - 1)]
-
-    def on_event(self, event: dict[str, Any]) -> tuple[Choice, list[dict[str, Any]] | None]:
+    def on_event(self, event: GenerateEvent) -> tuple[Choice, list[LogprobEntry] | None]:
         """A station event -> (its choice, its logprob entries or None)."""
-        if event.get("type") == "prefill":
-            self.prompt_entries = event.get("prompt_logprobs")
+        if isinstance(event, PrefillEvent):
+            lps = event.prompt_logprobs
+            self.prompt_entries = None if lps is None else list(lps)
             return self.choices[0], None
-        choice = self.of(event)
-        choice.tokens += len(event.get("token_ids") or ())
-        entries = event.get("logprobs")
-        if entries is not None:
-            choice.entries.extend(entries)
+        choice = self.choices[min(event.choice, self.n - 1)]
+        choice.tokens += len(event.token_ids)
+        if event.logprobs is None:
+            return choice, None
+        entries = list(event.logprobs)
+        choice.entries.extend(entries)
         return choice, entries
 
     def echo(self, kind: str, choice: Choice) -> tuple[str, dict[str, Any] | None]:
@@ -91,8 +91,6 @@ class PromptChoices:
         choice.offset = len(text)
         return text, lps
 
-    def results(self, result: dict[str, Any]) -> list[dict[str, Any]]:
+    def results(self, result: GenerateResult) -> tuple[ChoiceResult, ...]:
         """Each choice's part of the station's result: text, finish_reason, tokens."""
-        if "choices" in result:
-            return sorted(result["choices"], key=lambda c: c["index"])
-        return [result]
+        return result.each

@@ -27,6 +27,7 @@ import trio
 from quart import Response
 
 from gnosis_daemon.client import StationConnection, StationError
+from gnosis_daemon.wire import GenerateEvent, GenerateResult, PrefillEvent, TokensEvent
 from host.gather import gather
 from host.generic_tools import generic_messages
 from gnosis_daemon.settings import Settings
@@ -41,7 +42,7 @@ from host.sse_body import gnosis as _gnosis
 from host.sse_body import max_calls as _max_calls
 from host.sse_body import next_event as _next
 from host.sse_body import note_result as _note_result
-from host.sse_body import station_error, stream_body
+from host.sse_body import result_of, station_error, stream_body
 from host.sse_body import total as _total
 from host.tool_calls import forced_grammar, parse_tool_calls
 
@@ -86,10 +87,10 @@ async def complete(settings: Settings, link: StationLink, memory: LiquidMemory,
                            f"{settings.request_timeout_s:g} s.", errors.SERVER_ERROR, None,
                            "timeout") from None
         out = []
-        for prepared, outcome, result, prompt in runs:
+        for prepared, _, result, prompt in runs:
             memory.on_result(prepared, result)
             for choice, part in zip(prompt.choices, prompt.results(result)):
-                text, reason, calls = part.get("text", ""), part["finish_reason"], None
+                text, reason, calls = part.text, part.finish_reason, None
                 if parser is not None:
                     content, found = parse_tool_calls(text, parser, _max_calls(req))
                     if found:  # else the content is the whole text
@@ -105,8 +106,8 @@ async def complete(settings: Settings, link: StationLink, memory: LiquidMemory,
                                       tool_calls=calls))
         total = _total([r[2] for r in runs])
         _note_result(record, total)
-        usage = formatting.usage(total["prompt_tokens"], total["completion_tokens"],
-                                 total.get("cached_tokens", 0))
+        usage = formatting.usage(total.prompt_tokens, total.completion_tokens,
+                                 total.cached_tokens)
         outcome = runs[0][1]
         return json_response(fmt.completion(None, "", usage, _gnosis(outcome, total),
                                             choices=out), headers=liquid.headers(outcome))
@@ -247,24 +248,24 @@ def _too_long(req: openai_api.CompletionRequest, message: str) -> ApiError:
                     "context_length_exceeded")
 
 
-def _outcome(memory: LiquidMemory, prepared: Prepared, first: dict[str, Any] | None,
+def _outcome(memory: LiquidMemory, prepared: Prepared, first: GenerateEvent | None,
              record: RequestRecord) -> LiquidOutcome:
-    prefill = first if first is not None and first.get("type") == "prefill" else None
+    prefill = first if isinstance(first, PrefillEvent) else None
     outcome = memory.on_prefill(prepared, prefill)
     record.liquid_memory = outcome.liquid_memory
     record.liquid_reason = outcome.miss_reason
     record.liquid_tier = outcome.tier
     if prefill is not None:
         record.prefill_at = time.monotonic()
-        record.prompt_tokens = prefill.get("prompt_tokens")
-        record.cached_tokens = prefill.get("cached_tokens")
+        record.prompt_tokens = prefill.prompt_tokens
+        record.cached_tokens = prefill.cached_tokens
     return outcome
 
 
 async def _run(conn: StationConnection, memory: LiquidMemory,
                req: openai_api.CompletionRequest, record: RequestRecord, tenant: str,
                name: str | None, prompt_index: int, n: int
-               ) -> tuple[Prepared, LiquidOutcome, dict[str, Any], PromptChoices]:
+               ) -> tuple[Prepared, LiquidOutcome, GenerateResult, PromptChoices]:
     """A whole non-streamed generation: (prepared call, outcome, the station's result, its
     choices with their logprobs)."""
     prepared = memory.prepare(req.station_args, tenant=tenant, name=name)
@@ -275,10 +276,10 @@ async def _run(conn: StationConnection, memory: LiquidMemory,
         event = first
         while event is not None:
             prompt.on_event(event)
-            if event.get("type") == "tokens":
-                record.on_tokens(len(event.get("token_ids") or ()))
+            if isinstance(event, TokensEvent):
+                record.on_tokens(len(event.token_ids))
             event = await _next(stream)
+    result = result_of(stream)
     if req.echo:
         prompt.echo_text = await _echo_text(conn, req)
-    assert stream.result is not None
-    return prepared, outcome, stream.result, prompt
+    return prepared, outcome, result, prompt

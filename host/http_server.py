@@ -87,7 +87,7 @@ def server_class(stall_timeout_s: float, on_stall: Callable[[], None]) -> type[T
     class GuardedServer(TCPServer):
         _wrapper: ProtocolWrapper
 
-        @property  # type: ignore[override]
+        @property
         def protocol(self) -> ProtocolWrapper:
             return self._wrapper
 

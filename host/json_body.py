@@ -75,10 +75,10 @@ def unfit_path(value: Any, path: str = "") -> tuple[str, str] | None:
     a decoded body, whose depth is at most ``MAX_DEPTH``."""
     if isinstance(value, dict):
         for key, item in value.items():
-            if _unfit(key):
+            if why := _unfit(key):
                 # The key itself is the bad text: name it with the surrogate escaped.
                 shown = key.encode("utf-8", "backslashreplace").decode("ascii", "replace")
-                return (f"{path}.{shown}" if path else shown), _unfit(key)
+                return (f"{path}.{shown}" if path else shown), why
             found = unfit_path(item, f"{path}.{key}" if path else key)
             if found:
                 return found
@@ -87,8 +87,8 @@ def unfit_path(value: Any, path: str = "") -> tuple[str, str] | None:
             found = unfit_path(item, f"{path}[{index}]")
             if found:
                 return found
-    elif _unfit(value):
-        return path or "body", _unfit(value)
+    elif why := _unfit(value):
+        return path or "body", why
     return None
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from gnosis_daemon.wire import PrefillEvent
 from host.capabilities import FLAG, Negotiated
 
 OUTCOMES = ("hit", "miss", "capture_failed", "disabled")
@@ -90,21 +91,22 @@ def disabled(reason: str | None) -> LiquidOutcome:
     return LiquidOutcome("disabled", False, reason, "native")
 
 
-def from_prefill(event: dict[str, Any] | None, *, save_asked: bool,
+def from_prefill(event: PrefillEvent | None, *, save_asked: bool,
                  match_asked: bool) -> LiquidOutcome:
-    """The outcome of a liquid completion from the station's ``prefill`` event; the
-    station was asked to match the tenant's sessions (``match_asked``) when it can."""
-    event = event or {}
-    saved = bool(event.get("saved")) and save_asked
-    if event.get("session_loaded") and int(event.get("session_tokens") or 0) > 0:
-        return LiquidOutcome("hit", saved, None, "liquid", str(event.get("session_tier") or "pool"))
+    """The outcome of a liquid completion from the station's ``prefill`` event (None: the
+    stream had none); the station was asked to match the tenant's sessions
+    (``match_asked``) when it can."""
+    event = event or PrefillEvent(prompt_tokens=0, cached_tokens=0)
+    saved = event.saved and save_asked
+    if event.session_loaded and event.session_tokens > 0:
+        return LiquidOutcome("hit", saved, None, "liquid", event.session_tier or "pool")
     if save_asked and not saved:
         # A station that ignored the save arguments (no ``saved`` field) is a failed
         # capture too: the failure this project exists to prevent is a silent one.
-        return LiquidOutcome("capture_failed", False,
-                             str(event.get("save_error") or SAVE_UNCONFIRMED), "liquid")
-    if event.get("session_error"):
-        reason = str(event["session_error"])
+        return LiquidOutcome("capture_failed", False, event.save_error or SAVE_UNCONFIRMED,
+                             "liquid")
+    if event.session_error:
+        reason = event.session_error
     elif match_asked:
         reason = NO_SAVED_PREFIX  # no session of the tenant shares a full block with it
     else:

@@ -24,6 +24,7 @@ import trio
 from gnosis_daemon.client import StationConnection
 from gnosis_daemon.logs import get_logger
 from gnosis_daemon.protocol import Capability
+from gnosis_daemon.wire import GenerateResult, PrefillEvent
 from host import liquid
 from host.capabilities import Negotiated, negotiate
 from host.liquid import LiquidOutcome, LiquidState
@@ -89,7 +90,7 @@ class LiquidMemory:
             args["match_session"] = True
         return Prepared(args, ids, match)
 
-    def on_prefill(self, prepared: Prepared, event: dict[str, Any] | None) -> LiquidOutcome:
+    def on_prefill(self, prepared: Prepared, event: PrefillEvent | None) -> LiquidOutcome:
         """The outcome, from the prefill event."""
         if prepared.fixed is not None:
             return prepared.fixed
@@ -100,7 +101,7 @@ class LiquidMemory:
                         session=prepared.ids.save_session)
         return outcome
 
-    def on_result(self, prepared: Prepared, result: dict[str, Any]) -> None:
-        if prepared.ids is not None and result.get("final_save_error"):
-            log.warning("liquid_final_save_failed", error=result["final_save_error"],
+    def on_result(self, prepared: Prepared, result: GenerateResult) -> None:
+        if prepared.ids is not None and result.first.final_save_error:
+            log.warning("liquid_final_save_failed", error=result.first.final_save_error,
                         session=prepared.ids.save_final_session)

@@ -24,11 +24,13 @@ Field policy (docs/api.md lists every field):
 
 from __future__ import annotations
 
+import functools
 import json
+import operator
 from dataclasses import dataclass, replace
 from typing import Any
 
-from gnosis_daemon.protocol import MAX_STOP_CHARS
+from gnosis_daemon.wire import MAX_STOP_CHARS, SEED_MIN
 from host import errors
 from host.fields import (
     as_object,
@@ -60,8 +62,9 @@ SESSION_FIELDS = ("session_id", "prompt_cache_key", "user")
 SESSION_HEADER = "X-Session-Id"
 # The largest max_tokens / top_k accepted: far past any context, and an int32 everywhere.
 MAX_INT32 = 2**31 - 1
-# seed is an int64, as in OpenAI's API; the station folds it into its generator's 64 bits.
-SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
+# seed is an int64, as in OpenAI's API (the station also takes a uint64); the station folds
+# it into its generator's 64 bits.
+SEED_MAX = 2**63 - 1
 # Token ids before the station's vocab_size is known (the host checks that bound too).
 MAX_TOKEN_ID = MAX_INT32
 
@@ -127,7 +130,8 @@ def parse_chat(body: Any) -> CompletionRequest:
     if not messages:
         raise errors.invalid_value("messages", "empty array. Expected an array with minimum "
                                    "length 1, but got an empty array instead.")
-    args = {"messages": [_message(m, f"messages[{i}]") for i, m in enumerate(messages)]}
+    args: dict[str, Any] = {"messages": [_message(m, f"messages[{i}]")
+                                         for i, m in enumerate(messages)]}
     args.update(chat_logprobs(body))
     default_only(body, "functions", is_list, "an array", lambda v: not v)
     # Without functions (the only way here) "none" and "auto" both mean: answer in text.
@@ -185,7 +189,7 @@ def _finish(kind: str, body: dict[str, Any], args: dict[str, Any], max_tokens: i
     if model is not None and not isinstance(model, str):
         raise errors.invalid_type("model", "a string", model)
     for key, default in ROUTER_DEFAULTS.items():
-        default_only(body, key, is_bool, "a boolean", lambda v, d=default: v is d)
+        default_only(body, key, is_bool, "a boolean", functools.partial(operator.is_, default))
     if max_tokens is not None:
         args["max_tokens"] = max_tokens
     # OpenAI's default temperature is 1.0, so an unset temperature samples; 0 is greedy.
@@ -231,11 +235,10 @@ def _finish(kind: str, body: dict[str, Any], args: dict[str, Any], max_tokens: i
             raise errors.invalid("The 'stream_options' parameter is only allowed when 'stream' "
                                  "is enabled.", "stream_options", "invalid_value")
         check_known(options, STREAM_OPTION_FIELDS, "stream_options.")
-        include_usage = options.get("include_usage")
-        if include_usage is None:
-            include_usage = False
-        if not isinstance(include_usage, bool):
-            raise errors.invalid_type("stream_options.include_usage", "a boolean", include_usage)
+        given = options.get("include_usage")
+        if given is not None and not isinstance(given, bool):
+            raise errors.invalid_type("stream_options.include_usage", "a boolean", given)
+        include_usage = bool(given)
         # OpenAI's padding against length side channels: no effect on the answer.
         typed(options, "include_obfuscation", is_bool, "a boolean", "stream_options.")
     return CompletionRequest(kind, model, stream, include_usage, args, prompt_param, session_name,

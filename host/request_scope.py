@@ -43,7 +43,8 @@ class RequestConnection(TrioASGIHTTPConnection):
         if not self._response_sent:
             nursery.cancel_scope.cancel()
 
-    async def handle_request(self, nursery: trio.Nursery, req: Any, send: Any) -> None:
+    async def handle_request(self, nursery: trio.Nursery, req: Any,  # type: ignore[override]
+                             send: Any) -> None:
         async def send_tracked(message: dict[str, Any]) -> None:
             if message.get("type") == "http.response.body" and not message.get("more_body"):
                 self._response_sent = True

@@ -10,13 +10,10 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from gnosis_daemon.wire import BIAS_MAX, MAX_LOGIT_BIAS, PENALTY_MAX
 from host import errors
 from host.fields import bounded_int, number
 
-# OpenAI's bounds: a bias in [-100, 100] on at most 300 tokens, penalties in [-2, 2].
-MAX_LOGIT_BIAS = 300
-BIAS_MAX = 100.0
-PENALTY_MAX = 2.0
 # stop_token_ids (vLLM has no bound): enough for any model's special tokens, small in a frame.
 MAX_STOP_TOKEN_IDS = 1024
 MAX_INT32 = 2**31 - 1
@@ -68,7 +65,7 @@ def logit_bias(value: Any) -> dict[int, float]:
             raise errors.invalid_type(f"logit_bias.{key}", "a decimal", bias)
         if not -BIAS_MAX <= bias <= BIAS_MAX:
             raise errors.invalid_value("logit_bias", f"the bias of token {key} must be in "
-                                       f"[-100, 100], but got {bias}.")
+                                       f"[{-BIAS_MAX:g}, {BIAS_MAX:g}], but got {bias}.")
         out[int(key)] = float(bias)
     return out
 

@@ -114,8 +114,8 @@ class ScrapeCollector(Collector):
 def tier_families(stats: dict[str, Any]) -> Iterator[Metric]:
     """The KV tiers' figures in ``stats``; a metric none of whose keys is there is left out."""
     for metric, kind, keys in _TIER_METRICS:
-        values = [(tier, _number(stats.get(key))) for tier, key in keys.items()]
-        values = [(tier, value) for tier, value in values if value is not None]
+        numbers = [(tier, _number(stats.get(key))) for tier, key in keys.items()]
+        values = [(tier, value) for tier, value in numbers if value is not None]
         if not values:
             continue
         cls = CounterMetricFamily if kind == "counter" else GaugeMetricFamily

@@ -10,9 +10,12 @@ stream after another, so no stream's frames wait in the host for another prompt 
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from typing import Any, AsyncIterator
 
 from gnosis_daemon.client import StationError, StationStream, first_ready
+from gnosis_daemon.protocol import ErrorCode, OpError
+from gnosis_daemon.wire import GenerateEvent, GenerateResult, PrefillEvent, TokensEvent, event_from_wire
 from host import errors, formatting, liquid, openai_api, sse
 from host.errors import ApiError
 from host.liquid import LiquidOutcome
@@ -21,11 +24,25 @@ from host.metrics import RequestRecord
 from host.tool_calls import ToolCallParser
 
 
-async def next_event(stream: StationStream) -> dict[str, Any] | None:
+async def next_event(stream: StationStream) -> GenerateEvent | None:
+    """The stream's next ``generate`` event; None once its result has come."""
     try:
-        return await stream.__anext__()
+        data = await stream.__anext__()
     except StopAsyncIteration:
         return None
+    try:
+        return event_from_wire(data)
+    except OpError as exc:  # the station broke the protocol: its failure, not the client's
+        raise StationError(ErrorCode.INTERNAL.value, f"malformed generate event: {exc.message}") from None
+
+
+def result_of(stream: StationStream) -> GenerateResult:
+    """The ``generate`` result of a stream that has ended."""
+    assert stream.result is not None
+    try:
+        return GenerateResult.from_wire(stream.result)
+    except OpError as exc:
+        raise StationError(ErrorCode.INTERNAL.value, f"malformed generate result: {exc.message}") from None
 
 
 def station_error(exc: StationError, req: openai_api.CompletionRequest) -> ApiError:
@@ -43,29 +60,27 @@ def max_calls(req: openai_api.CompletionRequest) -> int | None:
     return 1 if tools is not None and (tools.named or not tools.parallel) else None
 
 
-def total(results: list[dict[str, Any]]) -> dict[str, Any]:
+def total(results: list[GenerateResult]) -> GenerateResult:
     """The results of every prompt as one: each prompt counted once, every choice's tokens."""
-    out = dict(results[0])
-    for key in ("prompt_tokens", "completion_tokens", "cached_tokens"):
-        out[key] = sum(r.get(key, 0) for r in results)
-    return out
+    return replace(results[0], prompt_tokens=sum(r.prompt_tokens for r in results),
+                   completion_tokens=sum(r.completion_tokens for r in results),
+                   cached_tokens=sum(r.cached_tokens for r in results))
 
 
-def note_result(record: RequestRecord, result: dict[str, Any]) -> None:
+def note_result(record: RequestRecord, result: GenerateResult) -> None:
     record.finished_at = time.monotonic()
-    record.finish_reason = result.get("finish_reason")
-    record.prompt_tokens = result.get("prompt_tokens")
-    record.completion_tokens = result.get("completion_tokens")
-    record.cached_tokens = result.get("cached_tokens", 0)
-    record.ttft_ms = result.get("ttft_ms")
+    record.finish_reason = result.finish_reason
+    record.prompt_tokens = result.prompt_tokens
+    record.completion_tokens = result.completion_tokens
+    record.cached_tokens = result.cached_tokens
+    record.ttft_ms = result.ttft_ms
 
 
-def gnosis(outcome: LiquidOutcome, result: dict[str, Any]) -> dict[str, Any]:
+def gnosis(outcome: LiquidOutcome, result: GenerateResult) -> dict[str, Any]:
     return liquid.gnosis_block(
-        outcome, prompt_tokens=result["prompt_tokens"],
-        completion_tokens=result["completion_tokens"],
-        cached_tokens=result.get("cached_tokens", 0), ttft_ms=result.get("ttft_ms"),
-        tokens_per_second=result.get("decode_tokens_per_s"))
+        outcome, prompt_tokens=result.prompt_tokens, completion_tokens=result.completion_tokens,
+        cached_tokens=result.cached_tokens, ttft_ms=result.ttft_ms,
+        tokens_per_second=result.decode_tokens_per_s)
 
 
 async def stream_body(opened: list, fmt: formatting.Formatter, memory: LiquidMemory,
@@ -76,8 +91,8 @@ async def stream_body(opened: list, fmt: formatting.Formatter, memory: LiquidMem
     a call, each call when it is complete."""
     tools: dict[int, ToolCallParser] = {}
     completion_tokens = 0
-    results: dict[int, dict[str, Any]] = {}
-    summed: dict[str, Any] = {}
+    results: dict[int, GenerateResult] = {}
+    summed: GenerateResult | None = None
     block = None
 
     def chunks(index: int, text: str, lps: dict | None, calls: Any = ()) -> list[bytes]:
@@ -113,16 +128,16 @@ async def stream_body(opened: list, fmt: formatting.Formatter, memory: LiquidMem
         stream, _, prepared, outcome, prompt = opened[at]
         if event is not None:
             choice, entries = prompt.on_event(event)
-            if event.get("type") == "prefill" and req.echo:
+            if isinstance(event, PrefillEvent) and req.echo:
                 for c in prompt.choices:
                     for chunk in chunks(c.index, *prompt.echo(req.kind, c)):
                         yield chunk
-            if event.get("type") == "tokens":
-                count = len(event.get("token_ids") or ())
+            if isinstance(event, TokensEvent):
+                count = len(event.token_ids)
                 record.on_tokens(count)
                 completion_tokens += count
                 record.completion_tokens = completion_tokens
-                text = event.get("text") or ""
+                text = event.text
                 calls: list = []
                 if text and choice.index in tools:
                     text, calls = tools[choice.index].feed(text)
@@ -131,8 +146,12 @@ async def stream_body(opened: list, fmt: formatting.Formatter, memory: LiquidMem
                     yield chunk
             continue
         live.remove(at)
-        result = stream.result
-        assert result is not None
+        try:
+            result = result_of(stream)
+        except StationError as exc:
+            record.outcome = f"error:{exc.code}"
+            yield sse.event(errors.for_client(station_error(exc, req), record.request_id).body())
+            return
         memory.on_result(prepared, result)
         results[at] = result
         if not live:  # the last prompt to end: the request's totals
@@ -147,13 +166,13 @@ async def stream_body(opened: list, fmt: formatting.Formatter, memory: LiquidMem
                     yield chunk
                 reason = "tool_calls" if tools[choice.index].calls else None
             last = not live and choice is prompt.choices[-1]
-            yield sse.event(fmt.finish_chunk(reason or part["finish_reason"],
+            yield sse.event(fmt.finish_chunk(reason or part.finish_reason,
                                              None if fmt.include_usage or not last else block,
                                              choice.index))
     if fmt.include_usage:
-        usage = formatting.usage(summed["prompt_tokens"], summed["completion_tokens"],
-                                 summed.get("cached_tokens", 0))
-        assert block is not None
+        assert summed is not None and block is not None
+        usage = formatting.usage(summed.prompt_tokens, summed.completion_tokens,
+                                 summed.cached_tokens)
         yield sse.event(fmt.usage_chunk(usage, block))
     record.outcome = "ok"
     yield sse.DONE

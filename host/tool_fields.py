@@ -23,10 +23,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from gnosis_daemon.grammar_spec import schema_problem
+from gnosis_daemon.wire import MAX_TOOLS
 from host import errors, json_body
 from host.fields import check_known
 
-MAX_TOOLS = 128
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 TOOL_FIELDS = frozenset({"type", "function"})
 FUNCTION_FIELDS = frozenset({"name", "description", "parameters", "strict"})

@@ -57,9 +57,9 @@ class _TorchThread:
     Why one thread: libgomp keeps an OpenMP thread pool per thread that ever ran a parallel
     region. With two such threads (say, the main thread loading the model and an engine
     thread decoding) it manages more threads than there are CPUs and throttles its
-    spin-waits, so every parallel op pays a futex wake-up: on a 2-core host the batched
-    decode step measured 30-40% slower than the same step on the process's only torch
-    thread. The trio thread never runs a parallel torch op.
+    spin-waits, so every parallel op pays a futex wake-up, and a batched decode step runs
+    markedly slower than the same step on the process's only torch thread. The trio thread
+    never runs a parallel torch op.
     """
 
     def __init__(self, settings: Settings) -> None:

@@ -85,9 +85,9 @@ class Supervisor:
         self._probe_key = probe_api_key(settings)
         env = settings.child_environ()
         policy = RestartPolicy.from_settings(settings)
-        common = dict(health_interval_s=settings.health_interval_s,
-                      health_timeout_s=settings.health_timeout_s,
-                      failures_before_kill=settings.health_failures_before_kill)
+        common: dict[str, Any] = dict(health_interval_s=settings.health_interval_s,
+                                      health_timeout_s=settings.health_timeout_s,
+                                      failures_before_kill=settings.health_failures_before_kill)
         sock, frame = settings.station_socket, settings.max_frame_bytes
         self.station = self._child(ChildSpec(
             "station", child_argv("station"), env,

@@ -31,9 +31,6 @@ from bench.fleet.cluster import Replica, Router
 from bench.fleet.drill import Conversation, client_for, run_turns, scripts
 from bench.fleet.report import Figures, render, write_section
 
-GOAL_HASH = 0.95  # turn-2+ hit rate through consistent hashing
-GOAL_MOVED = 0.9  # moved conversations' next turns that hit on the survivor
-
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench.fleet", description=__doc__,

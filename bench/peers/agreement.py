@@ -9,6 +9,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -131,7 +132,7 @@ class Reference:
         self.model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
                                                           dtype=torch.float32).eval()
         self.load_s = time.perf_counter() - started
-        self._texts = None
+        self._texts: Any = None  # station.serving.token_text.TokenTexts, made at first use
 
     def greedy(self, ids: list[int], n: int, suppress: list[int]) -> list[int]:
         torch = self.torch

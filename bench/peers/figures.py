@@ -13,16 +13,19 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import Protocol, TypeVar
 
 import trio
 
 from bench.common import Pairs, Report, free_port, start_station, stop_station
 from bench.liquid import start_host
 from bench.peers import plots
-from bench.peers.http_side import aggregate, daemon_endpoint, text_prompt
+from bench.peers.http_side import Completion, aggregate, daemon_endpoint, text_prompt
 from bench.peers.procs import InprocPeer, PeerProc, ServerPeer, measuring
 from bench.peers.section import llama_cpp_version, render, skip_reason
 from gnosis_daemon.client import open_station_client
+
+T = TypeVar("T")  # what ``interleaved`` measures
 
 SINGLE = "single-stream decode tok/s, daemon / llama.cpp (better of server and in-process)"
 DECODE_PNG = "decode_by_concurrency.png"
@@ -45,10 +48,14 @@ def add_arguments(parser) -> None:
                        help="interleaved rounds per point of the plots (their median is plotted)")
 
 
+class Target(Protocol):
+    def complete(self, prompt: str, max_tokens: int) -> Completion: ...
+
+
 @dataclass
 class Side:
     name: str
-    target: object  # has complete(prompt, max_tokens) -> Completion
+    target: Target  # an HTTP endpoint or an in-process peer
     proc: PeerProc | None = None  # None: the daemon
 
 
@@ -170,12 +177,12 @@ class PeerBench:
         self.n = args.decode_tokens
 
     def interleaved(self, sides: list[Side], rounds: int,
-                    measure: Callable[[Side, int], object]) -> list[dict[str, object]]:
+                    measure: Callable[[Side, int], T]) -> list[dict[str, T]]:
         """Per round, every side measured in turn (the order reversed every other round),
         each with every peer but its own paused."""
         out = []
         for r in range(rounds):
-            got = {}
+            got: dict[str, T] = {}
             for side in sides if r % 2 == 0 else sides[::-1]:
                 with measuring(self.peers, side.proc):
                     got[side.name] = measure(side, r)

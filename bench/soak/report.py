@@ -93,7 +93,8 @@ class Result:
             f"{args.duration:g} s, until the last fault was recovered from); mix "
             + ", ".join(f"{name} {weight}%" for name, weight in MIX)
             + f"; max_tokens {args.max_tokens}; {TENANTS} tenants + 1 probe tenant by API key "
-            f"({'keys enforced: a request without a key got 401' if self.keys_enforced else 'keys NOT enforced by this build'})",
+            + ("(keys enforced: a request without a key got 401)" if self.keys_enforced
+               else "(keys NOT enforced by this build)"),
             "- daemon settings: " + ", ".join(f"`{k}={v}`" for k, v in sorted(self.settings.items())
                                               if k != "GNOSIS_API_KEYS"),
             f"- hang bound: {args.hang_s:g} s per request",

@@ -139,6 +139,13 @@ class BlockPool:
     def num_held_blocks(self) -> int:
         return self.num_blocks - len(self._free)
 
+    def stats(self) -> dict[str, int]:
+        """The pool's figures for the ``stats`` op (plain counters: any thread may read them)."""
+        return {"block_size": self.block_size, "blocks_total": self.num_blocks,
+                "blocks_free": self.num_free_blocks,  # allocatable, cached-but-unreferenced included
+                "blocks_cached": self.num_cached_blocks, "blocks_held": self.num_held_blocks,
+                "blocks_allocated": self.num_allocated}
+
     def free_queue_ids(self) -> list[int]:
         """The eviction order, head first (for tests and diagnostics)."""
         return list(self._free)
@@ -206,8 +213,8 @@ class BlockPool:
             for x in reversed(path):
                 level += 1
                 depth[x] = level
-        blocks = sorted(by_ext.values(), key=lambda b: depth[b.ext_hash])
-        return [(b.ext_hash, b.ext_parent, b.token_ids) for b in blocks]
+        blocks = sorted(by_ext.items(), key=lambda item: depth[item[0]])
+        return [(ext, b.ext_parent, b.token_ids) for ext, b in blocks]
 
     # -- reference counting
     def touch(self, blocks: Sequence[KVBlock]) -> None:

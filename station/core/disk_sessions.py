@@ -48,7 +48,7 @@ class DiskSessions:
 
     def __init__(self) -> None:
         self._sessions: dict[str, DiskSession] = {}
-        self._by_hash = HashIndex()
+        self._by_hash: HashIndex[DiskSession] = HashIndex()
         # KV events (``station.serving.kv_events.Listener``): told of every session that
         # joins or leaves, to publish their blocks as the DISK medium. None: no events.
         self.events = None

@@ -10,33 +10,50 @@ pool's ``SessionRegistry`` and the disk tier's ``DiskSessions``.
 from __future__ import annotations
 
 import sys
-from typing import Any, Sequence
+from collections.abc import KeysView
+from typing import Generic, Protocol, Sequence, TypeVar
 
 from station.core.block_pool import BlockHash
 
 
-class HashIndex:
-    """Block hash -> {session id: session}. A session is anything with ``session_id``,
-    ``tenant``, ``last_used`` and ``block_hashes``."""
+class IndexedSession(Protocol):
+    """What the index reads of a session (the pool's ``KVSession``, the tier's
+    ``DiskSession``)."""
+
+    @property
+    def session_id(self) -> str: ...
+    @property
+    def tenant(self) -> str: ...
+    @property
+    def last_used(self) -> float: ...
+    @property
+    def block_hashes(self) -> Sequence[BlockHash]: ...
+
+
+S = TypeVar("S", bound=IndexedSession)
+
+
+class HashIndex(Generic[S]):
+    """Block hash -> {session id: session}."""
 
     def __init__(self) -> None:
-        self._by_hash: dict[BlockHash, dict[str, Any]] = {}
+        self._by_hash: dict[BlockHash, dict[str, S]] = {}
 
     def __len__(self) -> int:
         return len(self._by_hash)
 
-    def keys(self):
+    def keys(self) -> KeysView[BlockHash]:
         return self._by_hash.keys()
 
     def sizeof(self) -> int:
         """Bytes of the index's own dicts (the hashes and the sessions are shared)."""
         return sys.getsizeof(self._by_hash) + sum(map(sys.getsizeof, self._by_hash.values()))
 
-    def add(self, session: Any) -> None:
+    def add(self, session: S) -> None:
         for block_hash in session.block_hashes:
             self._by_hash.setdefault(block_hash, {})[session.session_id] = session
 
-    def remove(self, session: Any) -> None:
+    def remove(self, session: S) -> None:
         """Forget ``session``; an entry its replacement (same id) already made stays."""
         for block_hash in session.block_hashes:
             holders = self._by_hash.get(block_hash)
@@ -46,7 +63,7 @@ class HashIndex:
                     del self._by_hash[block_hash]
 
     def deepest_match(self, tenant: str, block_hashes: Sequence[BlockHash],
-                      max_blocks: int) -> tuple[Any, int]:
+                      max_blocks: int) -> tuple[S | None, int]:
         """``tenant``'s session sharing the most leading blocks (at most ``max_blocks``)
         with a prompt whose block hashes are ``block_hashes``; the most recently used of
         equals, and how many blocks it shares ((None, 0) for none). O(prompt blocks):
@@ -57,7 +74,7 @@ class HashIndex:
             holders = by_hash.get(block_hashes[depth])
             if not holders:
                 continue
-            best = None
+            best: S | None = None
             for session in holders.values():
                 if session.tenant == tenant and (best is None or session.last_used > best.last_used):
                     best = session

@@ -16,7 +16,9 @@ Modelled on vLLM v1's ``KVCacheManager``: the scheduler decides *who* runs, this
 Sessions are pinned here too (``pin`` / ``unpin`` / ``load_into``), ``resident_blocks``
 answers "is the KV of these tokens still in the pool" for ``kv_session.save`` of a token
 list, and ``begin_load`` / ``finish_load`` bring a disk-tier session back into fresh
-blocks (``station.tier.disk_tier`` reads its files between the two).
+blocks (``station.tier.disk_tier`` reads its files between the two). ``fork`` gives a
+choice of an ``n > 1`` generate its parent's prompt KV (its partial block copied by the KV
+tensors' ``copy_block`` hook); ``hold_blocks`` keeps blocks as they are for a disk write.
 
 Thread-safety: none. Every call happens on the engine thread (``stats`` only reads ints).
 """
@@ -41,8 +43,10 @@ log = get_logger(__name__)
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, session_budget: int = 1, *,
                  tenant_share: float = 1.0, model_fingerprint: str = "", tenant_salt: str = "",
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time,
+                 copy_block: Callable[[int, int], None] | None = None) -> None:
         self.pool = BlockPool(num_blocks, block_size)
+        self.copy_block = copy_block  # (src, dst) block ids: the KV tensors' copy, for fork
         self.sessions = SessionRegistry(self.pool, session_budget, clock=clock,
                                         tenant_share=tenant_share)
         self.block_size = block_size
@@ -74,24 +78,10 @@ class KVCacheManager:
         return -(-num_tokens // self.block_size)
 
     def stats(self) -> dict[str, Any]:
-        """The pool's and the sessions' figures for the ``stats`` op: plain counters, so
-        another thread may read them (they may be one step stale)."""
-        pool, sessions = self.pool, self.sessions
+        """The pool's, the sessions' and the disk index's figures for the ``stats`` op: plain
+        counters, so another thread may read them (they may be one step stale)."""
         return {
-            "block_size": pool.block_size,
-            "blocks_total": pool.num_blocks,
-            "blocks_free": pool.num_free_blocks,  # allocatable, cached-but-unreferenced included
-            "blocks_cached": pool.num_cached_blocks,
-            "blocks_held": pool.num_held_blocks,
-            "blocks_allocated": pool.num_allocated,
-            "kv_sessions": len(sessions),
-            "kv_session_budget": sessions.budget,
-            "kv_sessions_expired": sessions.num_expired,
-            "pinned_blocks": sessions.pinned_blocks,
-            "kv_session_tenants": sessions.num_tenants,
-            "kv_session_tenant_max_sessions": sessions.tenant_max_sessions,
-            "kv_session_tenant_max_blocks": sessions.tenant_max_blocks,
-            "kv_sessions_expired_over_share": sessions.num_expired_over_share,
+            **self.pool.stats(), **self.sessions.stats(),
             "kv_disk_sessions": len(self.disk),
             "kv_sessions_offloaded": self.num_offloaded,
             "kv_sessions_lost": self.num_lost,
@@ -120,30 +110,25 @@ class KVCacheManager:
                 return self._from_disk_session(on_disk, disk_depth, hits)
             load_session = found.session_id if found is not None else None
         if not load_session:
-            return ComputedBlocks(tuple(hits), len(hits) * bs)
+            return ComputedBlocks.hits_only(hits, bs)
         session = self.sessions.get(load_session)
         if session is None:
             on_disk = self.disk.get(load_session)
             if on_disk is None:
-                return ComputedBlocks(tuple(hits), len(hits) * bs,
-                                      session_outcome=SessionOutcome.NOT_FOUND)
+                return ComputedBlocks.hits_only(hits, bs, SessionOutcome.NOT_FOUND)
             if on_disk.tenant != seq.tenant:
-                return ComputedBlocks(tuple(hits), len(hits) * bs,
-                                      session_outcome=SessionOutcome.TENANT_MISMATCH)
+                return ComputedBlocks.hits_only(hits, bs, SessionOutcome.TENANT_MISMATCH)
             n = min(common_prefix_len(on_disk.token_ids, seq.token_ids), seq.num_tokens - 1) // bs
             if n == 0:
-                return ComputedBlocks(tuple(hits), len(hits) * bs,
-                                      session_outcome=SessionOutcome.NO_COMMON_PREFIX)
+                return ComputedBlocks.hits_only(hits, bs, SessionOutcome.NO_COMMON_PREFIX)
             return self._from_disk_session(on_disk, n, hits)
         if session.tenant != seq.tenant:
-            return ComputedBlocks(tuple(hits), len(hits) * bs,
-                                  session_outcome=SessionOutcome.TENANT_MISMATCH)
+            return ComputedBlocks.hits_only(hits, bs, SessionOutcome.TENANT_MISMATCH)
         # Full blocks only, and never the last prompt token (its logits are needed).
         usable = min(common_prefix_len(session.token_ids, seq.token_ids), seq.num_tokens - 1)
         n = usable // bs
         if n == 0:
-            return ComputedBlocks(tuple(hits), len(hits) * bs,
-                                  session_outcome=SessionOutcome.NO_COMMON_PREFIX)
+            return ComputedBlocks.hits_only(hits, bs, SessionOutcome.NO_COMMON_PREFIX)
         # Cache hits past the session hold the same prefix's KV: keep them too.
         blocks = (*session.blocks[:n], *hits[n:])
         return ComputedBlocks(blocks, len(blocks) * bs, session, SessionOutcome.LOADED, n * bs)
@@ -228,6 +213,27 @@ class KVCacheManager:
         seq.blocks = []
         seq.num_registered_blocks = 0
 
+    def fork(self, parent: Sequence, child: Sequence) -> bool:
+        """Give ``child`` (holding nothing) the KV of ``parent``'s computed prompt: a reference
+        on each full block (shared, nothing copied) and a fresh block holding a copy of the
+        partial last one (copy-on-fork: from then on each writes its own last block). False,
+        taking nothing, when the pool has no free block for that copy."""
+        assert not child.blocks, "fork into a sequence that holds blocks"
+        assert parent.num_computed_tokens >= parent.num_prompt_tokens, "the prompt is not computed"
+        full, partial = divmod(parent.num_prompt_tokens, self.block_size)
+        if partial and not self.pool.can_allocate(1):
+            return False
+        self.pool.touch(parent.blocks[:full])
+        child.blocks = list(parent.blocks[:full])
+        if partial:
+            assert self.copy_block is not None, "a partial block to fork and no copy hook"
+            [block] = self.pool.allocate(1)
+            self.copy_block(parent.blocks[full].block_id, block.block_id)
+            child.blocks.append(block)
+        child.block_hashes = list(parent.block_hashes[:full])
+        child.num_registered_blocks = full
+        return True
+
     # -- KV sessions
     def get_session(self, session_id: str) -> KVSession | None:
         return self.sessions.get(session_id)
@@ -289,6 +295,22 @@ class KVCacheManager:
         return blocks
 
     # -- the disk tier
+    def hold_blocks(self, blocks: Seq[KVBlock]) -> list[int]:
+        """Take a reference on each of ``blocks`` (a write job reads them: they are neither
+        freed nor reused until ``release_blocks``). -> their block ids."""
+        self.pool.touch(blocks)
+        return [block.block_id for block in blocks]
+
+    def release_blocks(self, block_ids: Seq[int]) -> None:
+        """Drop the references ``hold_blocks`` took."""
+        self.pool.free([self.pool.blocks[i] for i in block_ids])
+
+    def adopt_disk_session(self, on_disk: DiskSession) -> None:
+        """Index a session another replica wrote to the shared disk tier; the pool's copy of
+        that id (an older turn of it), if any, is deleted and its blocks unpinned."""
+        self.sessions.delete(on_disk.session_id)
+        self.disk.add(on_disk)
+
     def enable_disk_tier(self, sessions: Seq[DiskSession] = ()) -> None:
         """Keep evicted durable sessions on disk from now on; ``sessions``: the tier's
         index as the station's start found it."""

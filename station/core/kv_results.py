@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from typing import Sequence
 
 from station.core.block_pool import KVBlock
 from station.core.disk_sessions import DiskSession
@@ -42,6 +43,12 @@ class ComputedBlocks:
         assert loaded == (self.session_outcome is SessionOutcome.LOADED)
         assert self.session is None or self.cached_disk_session is None
         assert (self.disk_session is not None) == (self.session_outcome is SessionOutcome.ON_DISK)
+
+    @classmethod
+    def hits_only(cls, hits: Sequence[KVBlock], block_size: int,
+                  outcome: SessionOutcome | None = None) -> ComputedBlocks:
+        """Prefix-cache hits and no session (``outcome``: why none served the prompt)."""
+        return cls(tuple(hits), len(hits) * block_size, session_outcome=outcome)
 
 
 @dataclass(frozen=True, slots=True)

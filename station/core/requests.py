@@ -13,97 +13,84 @@ station is a ``gnosis_daemon.protocol.OpError`` carrying the wire's error code.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 from typing import Any, Callable
 
 from gnosis_daemon.protocol import ErrorCode, OpError
+from gnosis_daemon.wire import Choices, PrefillReport, Sampling, Sessions
+from gnosis_daemon.wire.read import bad
+
+__all__ = ["CallDone", "Choices", "EngineCallHandler", "EngineEvent", "EventCallback", "Failed",
+           "Finished", "GenerationRequest", "Prefill", "SamplingParams", "SequenceLimits",
+           "Sessions", "Token"]
 
 
-# Bounds of the sampling controls (OpenAI's and vLLM's): penalties in [-2, 2], a logit
-# bias in [-100, 100] on at most 300 tokens.
-PENALTY_MAX = 2.0
-BIAS_MAX = 100.0
-MAX_LOGIT_BIAS = 300
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SamplingParams(Sampling):
+    """One sequence's sampling controls (``gnosis_daemon.wire.Sampling``, whose checks
+    apply) and its token budget: ``max_tokens``, capped by the room the context leaves."""
+
+    max_tokens: int
+
+    def __post_init__(self) -> None:
+        Sampling.__post_init__(self)
+        if self.max_tokens < 1:
+            raise bad("argument 'max_tokens' must be at least 1")
+
+    @classmethod
+    def of(cls, sampling: Sampling, max_tokens: int) -> SamplingParams:
+        return cls(max_tokens=max_tokens,
+                   **{f.name: getattr(sampling, f.name) for f in fields(Sampling)})
 
 
 @dataclass(frozen=True, slots=True)
-class SamplingParams:
-    """One request's sampling controls. ``presence_penalty`` / ``frequency_penalty`` act on
-    the completion's tokens so far (OpenAI); ``repetition_penalty`` on the prompt's and the
-    completion's (vLLM: a positive logit is divided by it, a negative one multiplied);
-    ``logit_bias``: (token id, bias) pairs added to the logits; ``min_tokens``: the stop ids
-    (eos unless ``ignore_eos``, ``stop_token_ids``) are masked until that many tokens."""
-
-    max_tokens: int
-    temperature: float = 1.0  # 0 = greedy
-    top_p: float = 1.0
-    top_k: int = 0  # 0 = off
-    seed: int | None = None
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
-    min_p: float = 0.0  # 0 = off
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0  # 1 = off
-    logit_bias: tuple[tuple[int, float], ...] = ()
-    min_tokens: int = 0
-
-    def __post_init__(self) -> None:
-        if self.max_tokens < 1:
-            raise ValueError("'max_tokens' must be at least 1")
-        if self.temperature < 0:
-            raise ValueError("'temperature' must be >= 0")
-        if not 0 < self.top_p <= 1:
-            raise ValueError("'top_p' must be in (0, 1]")
-        if self.top_k < 0:
-            raise ValueError("'top_k' must be >= 0")
-        if not 0 <= self.min_p <= 1:
-            raise ValueError("'min_p' must be in [0, 1]")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if not -PENALTY_MAX <= getattr(self, name) <= PENALTY_MAX:
-                raise ValueError(f"'{name}' must be in [-2, 2]")
-        if not 0 < self.repetition_penalty < float("inf"):
-            raise ValueError("'repetition_penalty' must be a finite number > 0")
-        if len(self.logit_bias) > MAX_LOGIT_BIAS:
-            raise ValueError(f"'logit_bias' takes at most {MAX_LOGIT_BIAS} tokens")
-        if any(not -BIAS_MAX <= bias <= BIAS_MAX for _, bias in self.logit_bias):
-            raise ValueError("'logit_bias' values must be in [-100, 100]")
-        if len({token for token, _ in self.logit_bias}) != len(self.logit_bias):
-            raise ValueError("'logit_bias' names a token twice")
-        if self.min_tokens < 0:
-            raise ValueError("'min_tokens' must be >= 0")
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0 or self.top_k == 1
-
-    @property
-    def penalized(self) -> bool:
-        """Penalties need the sequence's token counts."""
-        return bool(self.presence_penalty or self.frequency_penalty
-                    or self.repetition_penalty != 1.0)
-
-
-@dataclass(slots=True)
 class GenerationRequest:
+    """A generate as the engine takes it: the prompt's ids, the sampling controls with the
+    capped budget, and the wire's choice and session arguments as they came."""
+
     request_id: str
     prompt_ids: list[int]
     params: SamplingParams
-    tenant: str = ""
-    # Liquid memory: start from a saved KV session / save the prompt's KV.
-    load_session: str | None = None
-    match_session: bool = False  # no load_session: load the tenant's longest saved prefix
-    save_session: str | None = None
-    save_final_session: str | None = None  # pin prompt+completion KV when it ends
+    sessions: Sessions = field(default_factory=Sessions)
+    choices: Choices = field(default_factory=Choices)
     # Structured output: an xgrammar CompiledGrammar (opaque here, see
     # station.sampling.grammar); None: unconstrained.
     grammar: Any = None
-    # ``n`` choices share the prompt's prefill (``station.engine.forks``);
-    # ``logprobs``: top alternatives per sampled token (None: no logprobs);
+
+    # The engine's reads (``station.engine.forks``): ``n`` choices share the prompt's
+    # prefill; ``logprobs``: top alternatives per sampled token (None: no logprobs);
     # ``prompt_logprobs``: the same for every prompt token (no prefix-cache reuse then).
-    n: int = 1
-    logprobs: int | None = None
-    prompt_logprobs: int | None = None
+    @property
+    def n(self) -> int:
+        return self.choices.n
+
+    @property
+    def logprobs(self) -> int | None:
+        return self.choices.logprobs
+
+    @property
+    def prompt_logprobs(self) -> int | None:
+        return self.choices.prompt_logprobs
+
+    @property
+    def tenant(self) -> str:
+        return self.sessions.tenant
+
+    @property
+    def load_session(self) -> str | None:
+        return self.sessions.load_session
+
+    @property
+    def match_session(self) -> bool:  # no load_session: load the tenant's longest saved prefix
+        return self.sessions.match_session
+
+    @property
+    def save_session(self) -> str | None:
+        return self.sessions.save_session
+
+    @property
+    def save_final_session(self) -> str | None:  # pin prompt+completion KV when it ends
+        return self.sessions.save_final_session
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,20 +137,12 @@ EngineCallHandler = Callable[..., Any]
 # Finished or Failed.
 
 @dataclass(frozen=True, slots=True)
-class Prefill:
-    """The prompt is fully prefilled (reported with its first token)."""
+class Prefill(PrefillReport):
+    """The prompt is fully prefilled (reported with its first token): the wire's
+    ``PrefillReport`` of it, and the engine's timing and prompt logprobs."""
 
     request_id: str
-    prompt_tokens: int
-    cached_tokens: int  # prompt tokens whose KV came from the prefix cache or a session
     prefill_ms: float
-    session_loaded: bool = False
-    session_id: str | None = None  # the session the prompt started from, when one was
-    session_tokens: int = 0  # of cached_tokens: served by that session
-    session_tier: str | None = None  # where that session's KV was: "pool" | "host" | "disk"
-    session_error: str | None = None  # why no session was loaded (SessionOutcome value)
-    saved: bool = False  # save_session pinned the prompt's full blocks
-    save_error: str | None = None
     # [None, TokenLogprobs...] per prompt token when prompt_logprobs was asked
     prompt_logprobs: Any = None
 
@@ -178,7 +157,7 @@ class Token:
 @dataclass(frozen=True, slots=True)
 class Finished:
     request_id: str
-    finish_reason: str  # "stop" | "length" | "cancelled"
+    finish_reason: str  # "stop" | "length" (the wire's ChoiceResult), or "cancelled"
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int

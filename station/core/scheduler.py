@@ -17,7 +17,8 @@ the head of the waiting queue. Nothing here raises on exhaustion.
 Held sequences (``forward``/``decode_next``) are ``park``ed between calls (they keep their
 blocks and are not scheduled) and ``resume``d with new tokens; a resumed sequence gets
 blocks for its new tokens like a decode does. ``park_loaded`` parks a new held sequence on
-a KV session's blocks (``kv_session.load``).
+a KV session's blocks (``kv_session.load``). ``add_fork`` runs a choice of an ``n > 1``
+generate on its parent's prompt KV once the parent's prompt is prefilled.
 
 The scheduler owns the queues and the order of work; the manager owns every block. Neither
 touches tensors.
@@ -28,7 +29,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field, replace
 
-from station.core.kv_manager import ComputedBlocks, KVCacheManager, LoadPlan, SessionOutcome
+from station.core.kv_manager import KVCacheManager
+from station.core.kv_results import ComputedBlocks, LoadPlan, SessionOutcome
 from station.core.sequence import Sequence, SequenceStatus
 from station.core.sessions import KVSession
 
@@ -106,27 +108,41 @@ class Scheduler:
         elif seq.status is not SequenceStatus.PARKED:
             return
         self._release(seq)
-        seq.status = SequenceStatus.FINISHED
-        seq.finish_reason = reason
+        seq.finish(reason)
 
     def park(self, seq: Sequence) -> None:
         """A held sequence whose call is done: keep its blocks, stop scheduling it."""
         assert seq.status is SequenceStatus.RUNNING and seq.num_uncomputed_tokens == 0
         self.running.remove(seq)
-        seq.status = SequenceStatus.PARKED
+        seq.change_status(SequenceStatus.PARKED)
 
     def park_loaded(self, seq: Sequence, session: KVSession) -> None:
         """A new held sequence of a session's tokens: park it on the session's blocks, its
         KV all computed, so its next ``forward`` only computes what it appends."""
         assert seq.status is SequenceStatus.WAITING and not seq.blocks
         seq.num_computed_tokens = self.kv.load_into(seq, session)
-        seq.status = SequenceStatus.PARKED
+        seq.change_status(SequenceStatus.PARKED)
 
     def resume(self, seq: Sequence) -> None:
         """A parked sequence got new tokens (appended by the caller): schedule it again."""
         assert seq.status is SequenceStatus.PARKED and seq.num_uncomputed_tokens > 0
-        seq.status = SequenceStatus.RUNNING
+        seq.change_status(SequenceStatus.RUNNING)
         self.running.append(seq)
+
+    def add_fork(self, parent: Sequence, child: Sequence) -> bool:
+        """Run ``child``, a choice of ``parent``'s prompt, on the parent's prompt KV
+        (``KVCacheManager.fork``): computed up to the prompt's end, it joins the running
+        batch. False: the pool has no block for its copy of the partial block, so it waits at
+        the head of the queue to run as a sequence of its own (its full blocks are cache hits)."""
+        assert child.status is SequenceStatus.WAITING and not child.blocks
+        if not self.kv.fork(parent, child):
+            self.waiting.appendleft(child)
+            return False
+        child.num_computed_tokens = parent.num_prompt_tokens
+        child.num_cached_tokens = child.num_admitted_cached_tokens = parent.num_cached_tokens
+        child.change_status(SequenceStatus.RUNNING)
+        self.running.append(child)
+        return True
 
     # -- the step
     def schedule(self) -> SchedulerOutput:
@@ -193,6 +209,7 @@ class Scheduler:
             computed = ComputedBlocks((), 0)
         if computed.session_outcome is SessionOutcome.ON_DISK:
             on_disk = computed.disk_session
+            assert on_disk is not None  # ComputedBlocks holds one exactly when ON_DISK
             plan = None if on_disk.loading else self.kv.begin_load(on_disk)
             if on_disk.loading:  # being read back, for this sequence or another
                 if plan is not None:
@@ -214,7 +231,7 @@ class Scheduler:
         if not self.kv.allocate_slots(seq, seq.num_tokens - computed.num_cached_tokens, computed):
             return False
         seq.num_computed_tokens = computed.num_cached_tokens
-        seq.status = SequenceStatus.RUNNING
+        seq.change_status(SequenceStatus.RUNNING)
         seq.num_admitted_cached_tokens = seq.num_computed_tokens
         if first_admission:
             seq.num_cached_tokens = seq.num_computed_tokens
@@ -253,15 +270,14 @@ class Scheduler:
         self._release(seq)
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1
-        seq.status = SequenceStatus.WAITING
+        seq.change_status(SequenceStatus.WAITING)
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
         out.preempted.append(seq)
 
     def _end_without_room(self, seq: Sequence, out: SchedulerOutput) -> None:
         self._release(seq)
-        seq.status = SequenceStatus.FINISHED
-        seq.finish_reason = "length"
+        seq.finish("length")
         out.finished.append(seq)
 
     def _release(self, seq: Sequence) -> None:

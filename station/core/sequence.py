@@ -1,13 +1,27 @@
-"""One generation request's state inside the engine (pure Python)."""
+"""One generation request's state inside the engine (pure Python).
+
+A sequence's status changes only through ``Sequence.change_status``, which asserts the
+change is in ``TRANSITIONS``::
+
+    WAITING --admitted / forked--> RUNNING --preempted--> WAITING
+    WAITING --kv_session.load--> PARKED <--call done-- RUNNING
+    PARKED --resumed (a call appended tokens)--> RUNNING
+    WAITING | RUNNING | PARKED --finished / aborted / no room--> FINISHED (terminal)
+"""
 
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 from station.core.block_pool import BlockHash, ExtraKeys, KVBlock
+from station.core.disk_sessions import DiskSession
 from station.core.requests import SamplingParams
+
+if TYPE_CHECKING:  # the engine's per-sequence state: named here, never used by the core
+    from station.engine.state import RequestState
+    from station.sampling.logits import SequenceSampling
 
 
 class SequenceStatus(enum.Enum):
@@ -15,6 +29,19 @@ class SequenceStatus(enum.Enum):
     RUNNING = "running"
     PARKED = "parked"  # a held sequence between calls: holds blocks, not scheduled
     FINISHED = "finished"
+
+
+S = SequenceStatus
+TRANSITIONS: dict[SequenceStatus, frozenset[SequenceStatus]] = {
+    S.WAITING: frozenset({S.RUNNING, S.PARKED, S.FINISHED}),
+    S.RUNNING: frozenset({S.WAITING, S.PARKED, S.FINISHED}),
+    S.PARKED: frozenset({S.RUNNING, S.FINISHED}),
+    S.FINISHED: frozenset(),  # terminal: its blocks are released
+}
+
+
+class IllegalTransition(AssertionError):
+    """A status change the table does not allow: a bug in the engine, never user input."""
 
 
 class SequenceKind(enum.Enum):
@@ -48,26 +75,44 @@ class Sequence:
     session_tier: str | None = None  # where that session's KV was: "pool" | "host" | "disk"
     # The disk tier: admission found its session on disk and is reading it back (the
     # sequence waits, others are admitted past it); or that read failed its checks.
-    awaiting_load: Any = None  # the DiskSession being read back
+    awaiting_load: DiskSession | None = None  # the disk session being read back
     loaded_tier: str | None = None  # its session was read back from this tier: "host" | "disk"
     load_error: str | None = None  # its disk session could not be read back (a SessionOutcome)
-    status: SequenceStatus = SequenceStatus.WAITING
     prefill_reported: bool = False  # PREFILL is sent once, not again after a preemption
     finish_reason: str | None = None
     num_preemptions: int = 0
-    # The engine's sampling state (generator, token counts for penalties; opaque here).
-    sampling: Any = None
-    user: Any = None  # the engine's per-request bookkeeping (callback, timings)
+    # The engine's sampling state (generator, token counts for penalties; opaque here),
+    # None for a held sequence (its caller samples).
+    sampling: SequenceSampling | None = None
+    user: RequestState | None = None  # the engine's per-request bookkeeping (callback, timings)
     # Top alternatives to report per sampled token / per prompt token (None:
     # not asked; a prompt_logprobs sequence keeps every prompt row's logits and takes no
     # prefix-cache hit); the choices forked from this one once its prompt is prefilled.
     logprobs: int | None = None
     prompt_logprobs: int | None = None
-    forks: list[Any] = field(default_factory=list)
+    forks: list[Sequence] = field(default_factory=list)
+    _status: SequenceStatus = field(default=SequenceStatus.WAITING, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if not self.num_prompt_tokens:
             self.num_prompt_tokens = len(self.token_ids)
+
+    # -- the one place the status changes
+    @property
+    def status(self) -> SequenceStatus:
+        return self._status
+
+    def change_status(self, new: SequenceStatus) -> None:
+        """Move to ``new``; raises ``IllegalTransition`` when ``TRANSITIONS`` does not allow it."""
+        if new not in TRANSITIONS[self._status]:
+            raise IllegalTransition(f"sequence {self.seq_id!r}: {self._status.value} -> "
+                                    f"{new.value} is not allowed")
+        self._status = new
+
+    def finish(self, reason: str | None) -> None:
+        """End the sequence with ``reason`` (its owner has released its blocks)."""
+        self.change_status(SequenceStatus.FINISHED)
+        self.finish_reason = reason
 
     @property
     def num_tokens(self) -> int:

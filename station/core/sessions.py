@@ -74,7 +74,7 @@ class SessionRegistry:
         self._tenants: dict[str, _TenantUsage] = {}  # only tenants that hold a session
         # block hash -> the sessions holding a block of that hash at that depth (the hash
         # chains every block before it, so one hit names a whole shared prefix)
-        self._by_hash = HashIndex()
+        self._by_hash: HashIndex[KVSession] = HashIndex()
         self.num_expired = 0
         # Sessions expired (budget or reclaim) since the KV cache manager last took them:
         # it moves the durable ones to the disk tier's index instead of losing them.
@@ -126,6 +126,15 @@ class SessionRegistry:
         read from another thread without iterating anything the engine mutates.
         """
         return self.pool.num_pinned_blocks
+
+    def stats(self) -> dict[str, float]:
+        """The registry's figures for the ``stats`` op (plain counters: any thread may read them)."""
+        return {"kv_sessions": len(self), "kv_session_budget": self.budget,
+                "kv_sessions_expired": self.num_expired, "pinned_blocks": self.pinned_blocks,
+                "kv_session_tenants": self.num_tenants,
+                "kv_session_tenant_max_sessions": self.tenant_max_sessions,
+                "kv_session_tenant_max_blocks": self.tenant_max_blocks,
+                "kv_sessions_expired_over_share": self.num_expired_over_share}
 
     def save(self, session_id: str, tenant: str, token_ids: Sequence[int],
              blocks: Sequence[KVBlock], block_hashes: Sequence[BlockHash] = ()) -> KVSession:

@@ -1,1 +1,1 @@
-"""The engine thread: the step loop over the torch-free core, the calls it answers, and sequence forks."""
+"""The engine thread: the step loop over the torch-free core, its calls, forks and outcomes."""

@@ -2,6 +2,8 @@
 
 Everything here runs on the engine thread, at a step boundary (``PagedEngine.call`` queues
 it), so session and block bookkeeping is never touched concurrently with a step.
+``EngineCalls`` is handed the parts it works on (the KV cache manager, the scheduler, the
+sequence limits, the model, and the disk tier once attached), never the engine.
 
 Held sequences (``forward`` / ``decode_next`` / ``kv_session.load``) belong to the
 connection (``owner``) that made them and are freed when it closes (``release_owner``).
@@ -24,7 +26,6 @@ from __future__ import annotations
 
 import collections
 import itertools
-import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -32,13 +33,18 @@ import torch
 
 from gnosis_daemon.logs import get_logger
 from gnosis_daemon.protocol import ErrorCode, OpError, pack_array
-from station.core.requests import CallDone, EngineCallHandler, EventCallback, SamplingParams
-from station.sampling.sample import make_generator, sample
-from station.core.kv_manager import SessionOutcome
+from station.core.disk_sessions import DiskSession
+from station.core.requests import CallDone, EngineCallHandler, SamplingParams, SequenceLimits
+from station.core.kv_manager import KVCacheManager
+from station.core.kv_results import LoadPlan, SessionOutcome
+from station.core.scheduler import Scheduler
 from station.core.sequence import Sequence, SequenceKind, SequenceStatus
+from station.core.sessions import KVSession
+from station.engine.state import HeldState, RequestState
+from station.sampling.sample import make_generator, sample
 
 if TYPE_CHECKING:
-    from station.engine.loop import PagedEngine
+    from station.tier.disk_tier import DiskTier
 
 log = get_logger(__name__)
 
@@ -47,32 +53,6 @@ _PENDING = object()  # the call is answered later, from on_logits / fail
 
 def _error(code: ErrorCode, message: str) -> OpError:
     return OpError(code, message)
-
-
-@dataclass(slots=True, eq=False)
-class HeldState:
-    owner: Any
-    pending: CallDone | None = None  # the call waiting for this sequence's next logits
-    kind: str = ""  # "forward" | "decode_next"
-    new: bool = False  # the pending forward created the sequence
-    token_id: int | None = None  # the token decode_next sampled
-    logits: torch.Tensor | None = None  # [V] float32 of the last position
-
-
-@dataclass(slots=True)
-class RequestState:
-    """Per-request bookkeeping the scheduler never looks at (``Sequence.user``): a
-    generate's event callback and sessions to save, or a held sequence's ``HeldState``."""
-
-    on_event: EventCallback | None  # None for a held sequence
-    stop_ids: frozenset[int]
-    save_session: str | None = None
-    save_final_session: str | None = None
-    final_saved: bool = False
-    final_save_error: str | None = None
-    held: HeldState | None = None  # set for held sequences (forward/decode_next)
-    prompt_lps: list[Any] | None = None  # prompt_logprobs so far (station.sampling.logprobs)
-    arrival: float = field(default_factory=time.perf_counter)
 
 
 @dataclass(slots=True, eq=False)
@@ -86,16 +66,29 @@ class EmbedJob:
 class EngineCalls:
     """Each public call method is an op's engine-thread handler (``station.serving.op_registry``)."""
 
-    def __init__(self, engine: PagedEngine) -> None:
-        self.engine = engine
+    def __init__(self, kv: KVCacheManager, scheduler: Scheduler, limits: SequenceLimits,
+                 model: Any, device: torch.device) -> None:
+        """``model``: the loaded transformers model (``embed`` runs its ``base_model``)."""
+        self.kv = kv
+        self.scheduler = scheduler
+        self.limits = limits
+        self.model = model
+        self.device = device
+        self.tier: DiskTier | None = None  # the disk tier, once the engine attached it
         self.seqs: dict[str, Sequence] = {}
         self._ids = itertools.count(1)
         self.embeds: collections.deque[EmbedJob] = collections.deque()  # in progress, round robin
         self.embed_inputs_done = 0  # inputs embedded since start (stats)
         # kv_session.load calls waiting for a disk read: (DiskSession, owner, done)
-        self.disk_waits: list[tuple[Any, Any, CallDone]] = []
+        self.disk_waits: list[tuple[DiskSession, Any, CallDone]] = []
 
     # -- dispatch
+    @staticmethod
+    def makes_sequence(handler: EngineCallHandler, kwargs: dict[str, Any]) -> bool:
+        """A call that adds a new sequence to the waiting queue (the engine bounds those)."""
+        return (handler is EngineCalls.forward and kwargs.get("seq_id") is None
+                and not kwargs.get("release"))
+
     def run(self, handler: EngineCallHandler, owner: Any, done: CallDone | None,
             kwargs: dict[str, Any]) -> None:
         if handler is EngineCalls.release_owner:  # queued by the engine itself: no answer
@@ -118,57 +111,55 @@ class EngineCalls:
     def kv_save(self, owner: Any, done: CallDone, session_id: str, prefix_len: int,
                 tenant: str = "", tokens: list[int] | None = None,
                 seq_id: str | None = None) -> dict[str, Any]:
-        engine = self.engine
         if seq_id is not None:
             seq = self._owned(owner, seq_id)
             if prefix_len > seq.num_tokens:
                 raise _error(ErrorCode.BAD_REQUEST, f"prefix_len {prefix_len} exceeds the "
                              f"sequence's {seq.num_tokens} tokens")
-            num = engine.kv.pin_sequence(session_id, seq, prefix_len)
+            num = self.kv.pin_sequence(session_id, seq, prefix_len)
             return {"session_id": session_id, "num_tokens": num}
         tokens = list(tokens or [])
         if prefix_len > len(tokens):
             raise _error(ErrorCode.BAD_REQUEST, f"prefix_len {prefix_len} exceeds the "
                          f"{len(tokens)} tokens given")
-        bs = engine.block_size
+        bs = self.kv.block_size
         num_blocks = prefix_len // bs
-        blocks = engine.kv.resident_blocks(tokens[:num_blocks * bs], tenant)
+        blocks = self.kv.resident_blocks(tokens[:num_blocks * bs], tenant)
         if len(blocks) < num_blocks:
             raise _error(ErrorCode.NOT_FOUND, f"the KV of the first {num_blocks * bs} tokens "
                          f"is not resident (block {len(blocks)} missing)")
-        engine.kv.pin(session_id, tenant, tokens[:num_blocks * bs], blocks)
+        self.kv.pin(session_id, tenant, tokens[:num_blocks * bs], blocks)
         return {"session_id": session_id, "num_tokens": num_blocks * bs}
 
     def kv_load(self, owner: Any, done: CallDone, session_id: str) -> Any:
-        engine = self.engine
-        session = engine.kv.get_session(session_id)
+        session = self.kv.get_session(session_id)
         if session is not None:
             return self._park_session(owner, session)
-        on_disk = engine.kv.disk.get(session_id)
-        if on_disk is None or engine.tier is None:
+        on_disk = self.kv.disk.get(session_id)
+        if on_disk is None or self.tier is None:
             raise _error(ErrorCode.NOT_FOUND, f"no KV session {session_id!r}")
         if not on_disk.loading:  # else a request is reading it back already: wait for that
-            plan = engine.kv.begin_load(on_disk)
+            plan = self.kv.begin_load(on_disk)
             if plan is None:
                 raise _error(ErrorCode.CAPACITY, f"no room in the KV pool to read KV session "
                              f"{session_id!r} back from disk")
-            engine.tier.submit_loads([plan])
+            self.tier.submit_loads([plan])
         self.disk_waits.append((on_disk, owner, done))
         return _PENDING
 
-    def _park_session(self, owner: Any, session: Any) -> dict[str, Any]:
+    def _park_session(self, owner: Any, session: KVSession) -> dict[str, Any]:
         seq = self._new_seq(owner, list(session.token_ids), session.tenant, None)
-        self.engine.scheduler.park_loaded(seq, session)
+        self.scheduler.park_loaded(seq, session)
         return {"seq_id": seq.seq_id, "num_tokens": seq.num_tokens}
 
-    def on_load_done(self, plan: Any, error: Any) -> None:
+    def on_load_done(self, plan: LoadPlan, error: SessionOutcome | None) -> None:
         """The disk tier read a session back (or could not): admit the scheduler's waiters,
         answer the ``kv_session.load`` calls waiting for it."""
-        self.engine.scheduler.on_load_done(plan, error)
+        self.scheduler.on_load_done(plan, error)
         for wait in [w for w in self.disk_waits if w[0] is plan.session]:
             self.disk_waits.remove(wait)
             _, owner, done = wait
-            session = self.engine.kv.get_session(plan.session.session_id)
+            session = self.kv.get_session(plan.session.session_id)
             if session is None:
                 answer(done, None, _error(ErrorCode.NOT_FOUND, f"KV session "
                        f"{plan.session.session_id!r} could not be read back ({error or 'deleted'})"))
@@ -176,21 +167,22 @@ class EngineCalls:
                 answer(done, self._park_session(owner, session), None)
 
     def kv_delete(self, owner: Any, done: CallDone, session_id: str) -> dict[str, Any]:
-        deleted = self.engine.kv.unpin(session_id)
-        if self.engine.tier is not None:
-            self.engine.tier.delete(session_id)  # its manifest, after any write queued for it
+        deleted = self.kv.unpin(session_id)
+        if self.tier is not None:
+            self.tier.delete(session_id)  # its manifest, after any write queued for it
         return {"deleted": deleted}
 
     def kv_list(self, owner: Any, done: CallDone, include_tokens: bool = False) -> dict[str, Any]:
-        sessions = self.engine.kv.sessions
+        sessions = self.kv.sessions
         pool = reversed(sessions.sessions())  # most recently used first
-        disk = sorted(self.engine.kv.disk.sessions(), key=lambda d: -d.last_used)
+        disk = sorted(self.kv.disk.sessions(), key=lambda d: -d.last_used)
         listed = []
         for tier, tier_sessions in (("pool", pool), ("disk", disk)):
             for s in tier_sessions:
                 item: dict[str, Any] = {"session_id": s.session_id, "tenant": s.tenant,
                                         "num_tokens": s.num_tokens, "last_used": s.last_used,
-                                        "tier": tier, "durable": tier == "disk" or s.durable}
+                                        "tier": tier,
+                                        "durable": isinstance(s, DiskSession) or s.durable}
                 if include_tokens:
                     item["tokens"] = list(s.token_ids)
                 listed.append(item)
@@ -200,7 +192,6 @@ class EngineCalls:
     def forward(self, owner: Any, done: CallDone, tokens: list[int], seq_id: str | None = None,
                 tenant: str = "", load_session: str | None = None,
                 release: bool = False) -> Any:
-        engine = self.engine
         if seq_id is None:
             if release:
                 raise _error(ErrorCode.BAD_REQUEST, "release needs a seq_id")
@@ -208,12 +199,12 @@ class EngineCalls:
                 raise _error(ErrorCode.BAD_REQUEST, "forward of a new sequence needs tokens")
             self._check_room(tokens)
             seq = self._new_seq(owner, list(tokens), tenant, load_session)
-            state = seq.user.held
+            state = held_state(seq)
             state.pending, state.kind, state.new = done, "forward", True
-            engine.scheduler.add(seq)
+            self.scheduler.add(seq)
             return _PENDING
         seq = self._owned(owner, seq_id)
-        state = seq.user.held
+        state = held_state(seq)
         if release:
             if tokens:
                 raise _error(ErrorCode.BAD_REQUEST, "release takes no tokens")
@@ -226,36 +217,34 @@ class EngineCalls:
         self._check_room(tokens, held=seq.num_tokens)
         seq.token_ids.extend(tokens)
         state.pending, state.kind, state.new = done, "forward", False
-        engine.scheduler.resume(seq)
+        self.scheduler.resume(seq)
         return _PENDING
 
     def decode_next(self, owner: Any, done: CallDone, seq_id: str, temperature: float = 1.0,
                     top_p: float = 1.0, top_k: int = 0, seed: int | None = None) -> Any:
         seq = self._owned(owner, seq_id)
-        state = seq.user.held
+        state = held_state(seq)
         self._check_idle(seq)
         if state.logits is None:
             raise _error(ErrorCode.BAD_REQUEST, "the sequence has no logits yet: forward at "
                          "least one token first")
         self._check_room([], held=seq.num_tokens, room=1)
-        try:
-            params = SamplingParams(max_tokens=1, temperature=temperature, top_p=top_p,
-                                    top_k=top_k, seed=seed)
-        except ValueError as exc:
-            raise _error(ErrorCode.BAD_REQUEST, str(exc)) from None
-        generator = make_generator(seed, self.engine.device)
+        # Checked on the wire (its bounds raise bad_request): a call from code meets them too.
+        params = SamplingParams(max_tokens=1, temperature=temperature, top_p=top_p,
+                                top_k=top_k, seed=seed)
+        generator = make_generator(seed, self.device)
         token = int(sample(state.logits[None], [params], [generator])[0])
         seq.token_ids.append(token)
         state.pending, state.kind, state.token_id = done, "decode_next", token
-        self.engine.scheduler.resume(seq)  # its KV is computed in the next batched step
+        self.scheduler.resume(seq)  # its KV is computed in the next batched step
         return _PENDING
 
     def on_logits(self, seq: Sequence, logits: torch.Tensor) -> None:
         """A step produced the last position's logits of a held sequence: answer its call."""
-        state: HeldState = seq.user.held
+        state = held_state(seq)
         assert seq.num_uncomputed_tokens == 0
         state.logits = logits.clone()  # a row of the step's [K, V]: do not keep the whole tensor
-        self.engine.scheduler.park(seq)
+        self.scheduler.park(seq)
         done, state.pending = state.pending, None
         assert done is not None, "a held sequence ran without a call"
         if state.kind == "decode_next":
@@ -268,14 +257,14 @@ class EngineCalls:
     def fail(self, seq: Sequence, error: OpError) -> None:
         """The sequence ended (its blocks are released): forget it, fail its pending call."""
         self.seqs.pop(seq.seq_id, None)
-        state: HeldState = seq.user.held
+        state = held_state(seq)
         done, state.pending = state.pending, None
         if done is not None:
             answer(done, None, error)
 
     def release_owner(self, owner: Any) -> None:
         closed = _error(ErrorCode.CANCELLED, "the connection closed")
-        for seq in [s for s in self.seqs.values() if s.user.held.owner == owner]:
+        for seq in [s for s in self.seqs.values() if held_state(s).owner == owner]:
             self._free(seq, closed)
         self._drop_waits(lambda wait: wait[1] == owner, closed)
         for job in [j for j in self.embeds if j.owner == owner]:
@@ -285,7 +274,7 @@ class EngineCalls:
     def cancel(self, dones: set[CallDone]) -> None:
         """Drop the in-flight calls whose ``done`` is in ``dones``, freeing what they held."""
         cancelled = _error(ErrorCode.CANCELLED, "request cancelled")
-        for seq in [s for s in self.seqs.values() if s.user.held.pending in dones]:
+        for seq in [s for s in self.seqs.values() if held_state(s).pending in dones]:
             self._free(seq, cancelled)
         self._drop_waits(lambda wait: wait[2] in dones, cancelled)
         for job in [j for j in self.embeds if j.done in dones]:
@@ -339,10 +328,9 @@ class EngineCalls:
     def _embed_one(self, ids: list[int]) -> torch.Tensor:
         """Mean of the final hidden states, L2-normalised. One text per forward: no padding,
         so no mask (outside a step the paged attention function is plain causal SDPA)."""
-        engine = self.engine
-        base = engine.loaded.model.base_model  # the decoder without lm_head
+        base = self.model.base_model  # the decoder without lm_head
         with torch.inference_mode():
-            hidden = base(input_ids=torch.tensor([ids], device=engine.device),
+            hidden = base(input_ids=torch.tensor([ids], device=self.device),
                           use_cache=False).last_hidden_state[0].float()  # [T, H]
             pooled = hidden.mean(dim=0)
             return pooled / pooled.norm().clamp_min(1e-12)
@@ -350,11 +338,10 @@ class EngineCalls:
     # -- internals
     def _new_seq(self, owner: Any, tokens: list[int], tenant: str,
                  load_session: str | None) -> Sequence:
-        engine = self.engine
         seq_id = f"h{next(self._ids)}"
         seq = Sequence(
             seq_id, tokens, SamplingParams(max_tokens=1), kind=SequenceKind.HELD,
-            extra_keys=engine.kv.extra_keys(tenant), tenant=tenant, load_session=load_session,
+            extra_keys=self.kv.extra_keys(tenant), tenant=tenant, load_session=load_session,
             user=RequestState(None, frozenset(), held=HeldState(owner)),
         )
         self.seqs[seq_id] = seq
@@ -362,22 +349,35 @@ class EngineCalls:
 
     def _owned(self, owner: Any, seq_id: str) -> Sequence:
         seq = self.seqs.get(seq_id)
-        if seq is None or seq.user.held.owner != owner:  # another connection's: not yours
+        if seq is None or held_state(seq).owner != owner:  # another connection's: not yours
             raise _error(ErrorCode.NOT_FOUND, f"no held sequence {seq_id!r} on this connection")
         return seq
 
     def _check_idle(self, seq: Sequence) -> None:
-        if seq.user.held.pending is not None:
+        if held_state(seq).pending is not None:
             raise _error(ErrorCode.BAD_REQUEST, f"sequence {seq.seq_id!r} already has a call "
                          "in flight")
         assert seq.status is SequenceStatus.PARKED
 
     def _check_room(self, token_ids: list[int], *, held: int = 0, room: int = 0) -> None:
-        self.engine.limits.check(token_ids, room=room, held=held, what="the sequence")
+        self.limits.check(token_ids, room=room, held=held, what="the sequence")
 
     def _free(self, seq: Sequence, error: OpError) -> None:
-        self.engine.scheduler.finish(seq, "cancelled")  # releases its blocks, whatever its state
+        self.scheduler.finish(seq, "cancelled")  # releases its blocks, whatever its state
         self.fail(seq, error)
+
+
+def request_state(seq: Sequence) -> RequestState:
+    """The engine's bookkeeping of ``seq`` (every sequence the engine made has one)."""
+    assert seq.user is not None, f"sequence {seq.seq_id!r} has no request state"
+    return seq.user
+
+
+def held_state(seq: Sequence) -> HeldState:
+    """The pending-call state of a held sequence."""
+    held = request_state(seq).held
+    assert held is not None, f"sequence {seq.seq_id!r} is not held"
+    return held
 
 
 def session_fields(seq: Sequence) -> dict[str, Any]:

@@ -3,7 +3,10 @@
 One engine thread loops like nano-vllm's ``LLMEngine.step``: schedule -> run -> postprocess.
 Every running sequence decodes in the same forward; prompts are prefilled in chunks beside
 them; a prompt whose leading full blocks are in the prefix cache skips those tokens. A finished
-sequence's full blocks stay cached (evictable, LRU).
+sequence's full blocks stay cached (evictable, LRU). What becomes of a sequence after its
+step (its events, its end) is ``station.engine.outcomes``; the choices of an ``n > 1``
+generate fork from their parent in ``station.engine.forks``. Each helper is handed the parts
+it works on (the KV cache manager, the scheduler, the runner's rows), never the engine.
 
 Resource handling: requests and aborts arrive under a lock and are applied at the next step
 boundary (never mid-forward); an aborted or finished sequence frees its blocks at once.
@@ -30,24 +33,28 @@ from __future__ import annotations
 import collections
 import threading
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from gnosis_daemon.logs import get_logger
 from gnosis_daemon.protocol import ErrorCode, OpError
-from station.core.requests import (CallDone, EngineCallHandler, EngineEvent, EventCallback, Failed,
-                                   Finished, GenerationRequest, Prefill, SequenceLimits, Token)
-from station.forward.decode_graphs import graph_limits
-from station.engine.calls import EngineCalls, RequestState, answer, session_fields
+from station.core.requests import (CallDone, EngineCallHandler, EventCallback, GenerationRequest,
+                                   SequenceLimits)
+from station.plan.choose import choose_plan
+from station.engine import forks
+from station.engine.calls import EngineCalls, answer
+from station.engine.outcomes import Outcomes
 from station.forward.kv_cache import KVCache, KVCacheShape, num_blocks_for
 from station.tier.disk_tier import DiskTier
 from station.forward.runner import ModelRunner
-from station.engine import forks as fanout
-from station.sampling.logprobs import prompt_logprobs_of
 from station.core.kv_manager import KVCacheManager
 from station.core.scheduler import Scheduler
-from station.core.sequence import Sequence, SequenceKind
+from station.core.sequence import Sequence
+
+if TYPE_CHECKING:
+    from gnosis_daemon.settings import Settings
+    from station.model.loader import LoadedModel
 
 log = get_logger(__name__)
 
@@ -55,8 +62,9 @@ log = get_logger(__name__)
 class PagedEngine:
     """the engine over a paged KV pool (see the module docstring)."""
 
-    def __init__(self, loaded: Any, settings: Any, num_blocks: int | None = None) -> None:
-        """``loaded``: a ``model_loader.LoadedModel``; ``num_blocks`` overrides the budget."""
+    def __init__(self, loaded: LoadedModel, settings: Settings, num_blocks: int | None = None) -> None:
+        """``num_blocks`` overrides the KV budget. The helpers (``EngineCalls``, the forks)
+        get the parts they use, never the engine."""
         self.loaded = loaded
         self.settings = settings
         self.block_size = settings.kv_block_size
@@ -65,22 +73,24 @@ class PagedEngine:
         shape = KVCacheShape.from_config(loaded.model.config, self.block_size, loaded.dtype)
         if num_blocks is None:
             num_blocks = num_blocks_for(shape, settings, device)
-        graphs = graph_limits(settings, device)  # the decode graphs' (rows, context), or None
+        # The decode plan (station.plan.choose): body, head, linear forms, static decode steps.
+        plan, parts = choose_plan(loaded, settings)
         # Shared for the disk tier's I/O process (a CPU pool that does not stage); scratch for graphs.
-        self.kv_cache = KVCache(shape, num_blocks, device, scratch_blocks=int(graphs is not None),
+        self.kv_cache = KVCache(shape, num_blocks, device, scratch_blocks=int(parts.graphs is not None),
                                 shared=settings.kv_persistence and not settings.kv_host_bytes)
         self.limits = SequenceLimits(loaded.max_model_len, loaded.vocab_size, self.block_size, num_blocks)
         self.kv = KVCacheManager(num_blocks, self.block_size, settings.kv_session_budget,
                                  tenant_share=settings.kv_session_tenant_share,
                                  model_fingerprint=loaded.fingerprint,
-                                 tenant_salt=settings.tenant_salt)
+                                 tenant_salt=settings.tenant_salt,
+                                 copy_block=self.kv_cache.copy_block)
         self.scheduler = Scheduler(self.kv, settings.max_batch_size, settings.prefill_chunk_tokens)
-        self.calls = EngineCalls(self)
-        self.runner = ModelRunner(loaded.model, self.kv_cache, device, loaded.attention,
-                                  pack_linears=settings.cpu_packed_linears, lean=settings.lean_decoder,
-                                  head_kernel=getattr(loaded.weights, "head", None),
-                                  step=getattr(loaded.weights, "step", None),
-                                  max_positions=loaded.max_model_len, graphs=graphs)
+        self.calls = EngineCalls(self.kv, self.scheduler, self.limits, loaded.model, device)
+        self.outcomes = Outcomes(self.kv, self.scheduler, self.calls, self._forget,
+                                 loaded.max_model_len)
+        assert loaded.attention is not None  # load_model reads every layer's attention kind
+        self.runner = ModelRunner(loaded.model, self.kv_cache, device, loaded.attention, plan, parts,
+                                  max_positions=loaded.max_model_len)
         self.device = device
         self._cond = threading.Condition()
         self._inbox: collections.deque[Sequence] = collections.deque()
@@ -118,6 +128,7 @@ class PagedEngine:
         stay on disk, ``sessions`` (the tier's index at start) can be read back."""
         self.tier = DiskTier(io, store_stats, self.kv, slots, self._wake,
                              self.calls.on_load_done, self.settings.kv_write_behind_s)
+        self.calls.tier = self.tier
         self.kv.enable_disk_tier(sessions)
 
     def _resync_wanted(self) -> bool:
@@ -143,7 +154,7 @@ class PagedEngine:
         for seq in leftovers:
             if seq in self.scheduler.running or seq in self.scheduler.waiting:
                 self.scheduler.finish(seq, "shutting_down")
-            self._end(seq, ErrorCode.SHUTTING_DOWN, "the station is shutting down")
+            self.outcomes.fail(seq, ErrorCode.SHUTTING_DOWN, "the station is shutting down")
         for _handler, _owner, done, _kwargs in calls:
             if done is not None:
                 done(None, OpError(ErrorCode.SHUTTING_DOWN, "the station is shutting down"))
@@ -151,7 +162,9 @@ class PagedEngine:
 
     def add_request(self, request: GenerationRequest, on_event: EventCallback) -> None:
         self.limits.check(list(request.prompt_ids), room=1)  # at least one token to generate
-        seqs = fanout.make_sequences(self, request, on_event)  # n > 1: the choices to fork
+        seqs = forks.make_sequences(  # n > 1: the choices to fork
+            request, on_event, extra_keys=self.kv.extra_keys(request.tenant),
+            eos_token_ids=self.loaded.eos_token_ids, device=self.device)
         seq = seqs[0]
         with self._cond:
             if self._stopping:
@@ -185,7 +198,7 @@ class PagedEngine:
         with self._cond:
             if self._stopping:
                 raise OpError(ErrorCode.SHUTTING_DOWN, "the station is shutting down")
-            if _makes_sequence(handler, kwargs):
+            if EngineCalls.makes_sequence(handler, kwargs):
                 self._check_queue()
             self._call_queue.append((handler, owner, done, kwargs))
             self._cond.notify_all()
@@ -202,7 +215,7 @@ class PagedEngine:
     def _check_queue(self) -> None:
         """Refuse a new waiting sequence past ``max_waiting_requests`` (lock held)."""
         waiting = (len(self._inbox) + len(self.scheduler.waiting)
-                   + sum(_makes_sequence(handler, kwargs)
+                   + sum(EngineCalls.makes_sequence(handler, kwargs)
                          for handler, _, _, kwargs in self._call_queue))
         limit = self.settings.max_waiting_requests
         if waiting >= limit:
@@ -263,12 +276,11 @@ class PagedEngine:
             for seq in new:
                 self.scheduler.add(seq)
             for request_id, reason in aborts.items():
-                seq = self.scheduler.get(request_id)
-                if seq is not None:
+                if (aborted := self.scheduler.get(request_id)) is not None:
                     if reason == "stop":
-                        self._final_save(seq)
-                    self.scheduler.finish(seq, reason)
-                    self._finished(seq)
+                        self.outcomes.final_save(aborted)
+                    self.scheduler.finish(aborted, reason)
+                    self.outcomes.finished(aborted)
             for handler, owner, done, kwargs in calls:
                 if done is not None and done in cancels:
                     cancels.discard(done)
@@ -293,108 +305,34 @@ class PagedEngine:
         if self.tier is not None:
             self.tier.submit_loads(out.loads)
         for seq in out.finished:
-            self._finished(seq)
+            self.outcomes.finished(seq)
         if out.is_empty:
             head = next((s for s in sched.waiting if s.awaiting_load is None), None)
             if head is None or sched.running or (self.tier and self.tier.busy()):
                 return
             if self.tier and self.tier.holds_blocks():  # saves being written hold the blocks
                 return self.tier.wait_for_writer()
-            return self._end(head, ErrorCode.CAPACITY, "no free KV blocks for this prompt", "capacity")
+            return self.outcomes.fail(head, ErrorCode.CAPACITY, "no free KV blocks for this prompt",
+                                      "capacity")
         self.num_steps += 1
         try:
             logits, sampled = self.runner.run(out)
             sched.on_step_done(out)
-            held, gens, tokens, lps = fanout.sample_step(self, out, logits, sampled)
+            held, gens, tokens, lps = forks.sample_step(sched, out, logits, sampled,
+                                                        self.runner.prompt_rows)
         except Exception as exc:  # one bad step must not take the engine down
             log.exception("engine_step_failed")
             for seq in [*out.decodes, *(s for s, _ in out.prefills), *out.forked]:
-                self._end(seq, ErrorCode.INTERNAL, f"model step failed: {type(exc).__name__}: {exc}", "error")
+                self.outcomes.fail(seq, ErrorCode.INTERNAL,
+                                   f"model step failed: {type(exc).__name__}: {exc}", "error")
             return
-        for seq, row in held:
+        for seq, row in held:  # (a sampled row: the step made logits)
+            assert logits is not None
             self.calls.on_logits(seq, logits[row])
         for seq, token, lp in zip(gens, tokens, lps):
-            self._postprocess(seq, token, lp)
+            self.outcomes.token(seq, token, lp)
 
-    # -- KV sessions (engine thread)
-    def _save_named(self, session_id: str | None, seq: Sequence, num_tokens: int) -> tuple[bool, str | None]:
-        if not session_id:
-            return False, None
-        try:
-            self.kv.pin_sequence(session_id, seq, num_tokens)
-        except Exception as exc:  # a failed save is reported, the request carries on
-            log.exception("kv_session_save_failed", session_id=session_id)
-            return False, f"{type(exc).__name__}: {exc}"
-        return True, None
-
-    def _final_save(self, seq: Sequence) -> None:
-        client: RequestState = seq.user
-        if client.save_final_session and seq.kind is SequenceKind.GENERATE and not seq.finished:
-            saved, error = self._save_named(client.save_final_session, seq, seq.num_tokens)
-            client.final_saved, client.final_save_error = saved, error
-
-    def _postprocess(self, seq: Sequence, token: int, logprobs: Any = None) -> None:
-        client: RequestState = seq.user
-        if not seq.prefill_reported:
-            seq.prefill_reported = True
-            saved, save_error = self._save_named(client.save_session, seq, seq.num_prompt_tokens)
-            self._emit(seq, Prefill(
-                seq.seq_id, seq.num_prompt_tokens, seq.num_cached_tokens,
-                (time.perf_counter() - client.arrival) * 1000, **session_fields(seq),
-                saved=saved, save_error=save_error, prompt_logprobs=prompt_logprobs_of(seq)))
-        if (failure := seq.sampling.failure) is not None:  # a grammar no token continues
-            return self._end(seq, ErrorCode.BAD_REQUEST, f"argument 'grammar' {failure}", "error")
-        seq.token_ids.append(token)
-        self._emit(seq, Token(seq.seq_id, token, logprobs))
-        if token in client.stop_ids or seq.sampling.finished:  # eos, or the grammar's end
-            reason = "stop"
-        elif (seq.num_completion_tokens >= seq.params.max_tokens
-              or seq.num_tokens >= self.max_model_len):
-            reason = "length"
-        else:
-            return
-        self._final_save(seq)  # before finish() releases the blocks
-        self.scheduler.finish(seq, reason)
-        self._finished(seq)
-
-    def _finished(self, seq: Sequence) -> None:
-        client: RequestState = seq.user
-        if seq.kind is SequenceKind.HELD:
-            # Only the scheduler ends a held sequence this way: it outgrew the pool.
-            self._end(seq, ErrorCode.CAPACITY, "the sequence no longer fits the KV pool")
-            return
-        fanout.end_forks(self, seq)  # choices not forked yet end with their parent
-        self._forget(seq)
-        final_saved, final_error = client.final_saved, client.final_save_error
-        if client.save_final_session and not final_saved and final_error is None:
-            final_error = "not saved: the request ended before its KV was complete"
-        self._emit(seq, Finished(seq.seq_id, seq.finish_reason, seq.num_prompt_tokens,
-                                 seq.num_completion_tokens, seq.num_cached_tokens,
-                                 final_saved, final_error))
-
-    def _end(self, seq: Sequence, code: ErrorCode, message: str, finish: str = "") -> None:
-        """End a sequence with an error; ``finish``: release its blocks first, with that reason."""
-        if finish:
-            self.scheduler.finish(seq, finish)
-        if seq.kind is SequenceKind.HELD:
-            self.calls.fail(seq, OpError(code, message))
-            return
-        fanout.end_forks(self, seq, (code, message))
-        self._forget(seq)
-        self._emit(seq, Failed(seq.seq_id, OpError(code, message)))
-
-    def _forget(self, seq: Sequence) -> None:
+    def _forget(self, request_id: str) -> None:
         with self._cond:
-            self._known.discard(seq.seq_id)
-            self._aborts.pop(seq.seq_id, None)
-
-    def _emit(self, seq: Sequence, event: EngineEvent) -> None:
-        try:
-            seq.user.on_event(event)
-        except Exception:  # a broken callback must not kill the engine thread
-            log.exception("engine_event_callback_failed", request_id=seq.seq_id)
-
-
-def _makes_sequence(handler: EngineCallHandler, kwargs: dict[str, Any]) -> bool:
-    """An engine call that adds a new sequence to the waiting queue."""
-    return handler is EngineCalls.forward and kwargs.get("seq_id") is None and not kwargs.get("release")
+            self._known.discard(request_id)
+            self._aborts.pop(request_id, None)

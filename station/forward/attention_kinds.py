@@ -150,7 +150,7 @@ def read_attention_kinds(model: Any, num_kv_heads: int, head_dim: int) -> Attent
         calls, _Trace.active = _Trace.active, []
     finally:
         model.set_attn_implementation(previous)
-    by_layer: dict[int, tuple] = {}
+    by_layer: dict[int, tuple[Any, tuple, tuple, tuple, dict[str, Any]]] = {}
     for module, q_shape, k_shape, v_shape, kwargs in calls:
         idx = getattr(module, "layer_idx", None)
         if idx is None or idx in by_layer:
@@ -230,8 +230,9 @@ def _layer(model_type: str, idx: int, module: Any, q_shape: tuple, k_shape: tupl
 def _ranges(ids: list[int]) -> str:
     """[0, 1, 2, 5] -> '0-2, 5'."""
     out, start = [], ids[0]
-    for a, b in zip(ids, ids[1:] + [None]):
+    for a, b in zip(ids, [*ids[1:], None]):
         if b != a + 1:
             out.append(str(start) if start == a else f"{start}-{a}")
-            start = b
+            if b is not None:
+                start = b
     return ", ".join(out)

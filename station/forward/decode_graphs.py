@@ -18,12 +18,13 @@ smallest captured bucket of Bp >= B rows and Cp >= C positions:
   do not change from step to step.
 
 Graphs are captured lazily, on a bucket's first step, in one memory pool shared by all of
-them. A capture that fails (out of memory, most likely) leaves that bucket to the eager path:
-logged as ``decode_graph_capture_failed`` and counted in the engine's stats. Steps
-with a prompt chunk, more rows than the largest bucket, or a context past
-``decode_graph_max_context`` run eagerly, as before.
+them. A capture that fails (out of memory, most likely) leaves that bucket's static step
+uncaptured: the same arithmetic, run eagerly, logged as ``decode_graph_capture_failed`` and
+counted in the engine's stats. Which steps run here is the decode plan's rule
+(``station.plan``, ``GraphShape``): pure-decode steps within its rows and context
+(``covers``); steps with a prompt chunk or a longer context run the forward body.
 
-The same static step runs eagerly on a CPU (``capture=False``, setting
+The same static step runs uncaptured on a CPU (``capture=False``, setting
 ``decode_graphs=on``). That is how the CPU suite checks its arithmetic, padding and scratch
 writes; the ``gpu`` tests capture and replay it.
 """
@@ -65,10 +66,14 @@ def context_buckets(block_size: int, max_context: int) -> list[int]:
     return sizes + [top]
 
 
-def decode_rows(decodes: list[Sequence], bs: int) -> tuple[list[int], ...]:
+def decode_rows(decodes: list[Sequence],
+                bs: int) -> tuple[list[int], list[int], list[int], list[list[int]]]:
     """Each decoding sequence's next row: (tokens, positions, KV slots, block tables up to
     the block of its position); the runner's steps and the graphs' read the same rows."""
-    tokens, positions, slots, tables = [], [], [], []
+    tokens: list[int] = []
+    positions: list[int] = []
+    slots: list[int] = []
+    tables: list[list[int]] = []
     for seq in decodes:
         pos = seq.num_computed_tokens
         tokens.append(seq.token_ids[pos])
@@ -78,11 +83,9 @@ def decode_rows(decodes: list[Sequence], bs: int) -> tuple[list[int], ...]:
     return tokens, positions, slots, tables
 
 
-def graph_limits(settings, device: torch.device) -> tuple[int, int] | None:
-    """Setting ``decode_graphs`` on ``device`` -> (the most rows, the longest context) to
-    capture, or None: every step eager."""
-    on = settings.decode_graphs == "on" or (settings.decode_graphs == "auto" and device.type == "cuda")
-    return (settings.max_batch_size, settings.decode_graph_max_context) if on else None
+def _context(decodes: list[Sequence]) -> int:
+    """The longest context a decode step of these rows attends to."""
+    return max(seq.num_computed_tokens for seq in decodes) + 1
 
 
 def _smallest(buckets: list[int], n: int) -> int | None:
@@ -105,7 +108,7 @@ class StaticDecode:
     tables: torch.Tensor = field(init=False)  # [rows * blocks], row-major
     masks: dict = field(default_factory=dict)  # window (None: full) -> [rows, 1, 1, blocks * bs] bool
     logits: torch.Tensor | None = None  # the captured step's output
-    graph: object | None = None  # torch.cuda.CUDAGraph once captured
+    graph: torch.cuda.CUDAGraph | None = None  # once captured
     static = True  # paged_attention_forward hands this context's layers to ``attend``
 
     def __post_init__(self) -> None:
@@ -147,15 +150,15 @@ class DecodeGraphs:
         self.context_blocks = context_buckets(self.block_size, max_context)
         self.capture = capture
         self._forward, self._head, self._use_context = forward, head, use_context
-        self._static: dict[tuple[int, int], StaticDecode | None] = {}  # None: capture failed, eager
+        self._static: dict[tuple[int, int], StaticDecode] = {}  # graph None: uncaptured
         self._pool = torch.cuda.graph_pool_handle() if capture else None
-        self._stream = None  # the side stream of every warm-up and capture
+        self._stream: torch.cuda.Stream | None = None  # the side stream of every capture
         self.replays = 0
         self.failed: list[tuple[int, int]] = []
 
     @property
     def captured(self) -> int:
-        return sum(1 for s in self._static.values() if s is not None and s.graph is not None)
+        return sum(1 for s in self._static.values() if s.graph is not None)
 
     def bucket(self, rows: int, context: int) -> tuple[int, int] | None:
         if context > self.max_context:
@@ -164,15 +167,16 @@ class DecodeGraphs:
         cb = _smallest(self.context_blocks, -(-context // self.block_size))
         return None if bp is None or cb is None else (bp, cb)
 
-    def run(self, decodes: list[Sequence]) -> torch.Tensor | None:
-        """Logits [B, V] float32 of one pure-decode step, or None: this step runs eagerly."""
-        context = max(seq.num_computed_tokens for seq in decodes) + 1
-        key = self.bucket(len(decodes), context)
+    def covers(self, decodes: list[Sequence]) -> bool:
+        """A pure-decode step of these rows fits a bucket (the plan's rows and context)."""
+        return bool(decodes) and self.bucket(len(decodes), _context(decodes)) is not None
+
+    def run(self, decodes: list[Sequence]) -> torch.Tensor:
+        """Logits [B, V] float32 of one pure-decode step that ``covers`` takes."""
+        key = self.bucket(len(decodes), _context(decodes))
         if key is None:
-            return None
+            raise ValueError(f"a decode step of {len(decodes)} rows past the static steps' bounds")
         static = self._static[key] if key in self._static else self._build(*key)
-        if static is None:
-            return None
         static.packed.copy_(self._packed(*key, decodes))
         if static.graph is not None:
             static.graph.replay()
@@ -201,20 +205,20 @@ class DecodeGraphs:
             hidden = self._forward(static.tokens[None], static.positions[None])
         return self._head(hidden[0])
 
-    def _build(self, rows: int, blocks: int) -> StaticDecode | None:
-        """The bucket's static step; captured as a graph when ``capture``. Its buffers start as
-        padding (every write to the scratch block), so warm-up and capture touch no real K/V."""
+    def _build(self, rows: int, blocks: int) -> StaticDecode:
+        """The bucket's static step; captured as a graph when ``capture`` (a capture that
+        fails leaves it uncaptured). Its buffers start as padding (every write to the
+        scratch block), so warm-up and capture touch no real K/V."""
         static = StaticDecode(self.kv_cache, rows, blocks, self._packed(rows, blocks, []).to(self.device))
+        self._static[(rows, blocks)] = static
         if self.capture:
             try:
                 self._capture(static)
             except RuntimeError as exc:  # torch.cuda.OutOfMemoryError is one
                 log.warning("decode_graph_capture_failed", rows=rows, blocks=blocks, error=str(exc)[:200])
                 self.failed.append((rows, blocks))
-                self._static[(rows, blocks)] = None
-                return None
-        self._static[(rows, blocks)] = static
-        if self.capture:
+                static.graph = static.logits = None
+                return static
             log.info("decode_graph_captured", rows=rows, context=blocks * self.block_size,
                      graphs=self.captured)
         return static

@@ -96,7 +96,7 @@ class SharedBlocks:
             self.pinned = int(err) == 0
 
     def layout(self) -> dict[str, int]:
-        """What the other process needs to map the blocks (``kv_io_worker``)."""
+        """What the other process needs to map the blocks (``station.tier.io.worker``)."""
         return {"num_blocks": self.num_blocks, "nbytes": self.nbytes}
 
 
@@ -129,3 +129,8 @@ class KVCache:
     @property
     def bytes_total(self) -> int:
         return self.num_blocks * self.shape.bytes_per_block
+
+    def copy_block(self, src: int, dst: int) -> None:
+        """Copy block ``src``'s K and V, every layer, into block ``dst`` (the KV cache
+        manager's copy hook: a fork's own copy of its parent's partial block)."""
+        self.kv[:, :, dst].copy_(self.kv[:, :, src])

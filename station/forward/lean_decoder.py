@@ -57,18 +57,12 @@ class LeanDecoder:
 
     @classmethod
     def for_model(cls, model: nn.Module, attention: Callable[[], Callable]) -> LeanDecoder | None:
-        config = model.config
-        base = model.base_model
-        reason = _unsupported(config, base)
+        reason = refusal(model)
         if reason is not None:
-            log.info("lean_decoder_not_used", model_type=getattr(config, "model_type", None),
+            log.info("lean_decoder_not_used", model_type=getattr(model.config, "model_type", None),
                      reason=reason)
             return None
-        rotate = getattr(sys.modules[type(base.layers[0].self_attn).__module__],
-                         "apply_rotary_pos_emb", None)
-        if rotate is None:
-            return None
-        return cls(base, rotate, attention)
+        return cls(model.base_model, _rotate(model.base_model), attention)
 
     def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         """input_ids, position_ids: [1, T] -> the final hidden states [1, T, H]."""
@@ -168,6 +162,18 @@ def _rms_norm(hidden: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.T
     variance = hidden.pow(2).mean(-1, keepdim=True)
     hidden = hidden * torch.rsqrt(variance + eps)
     return weight * hidden.to(dtype)
+
+
+def refusal(model: nn.Module) -> str | None:
+    """Why the lean loop would not compute ``model``'s forward exactly (None: it would)."""
+    reason = _unsupported(model.config, model.base_model)
+    if reason is None and _rotate(model.base_model) is None:
+        return "the layers' module has no apply_rotary_pos_emb"
+    return reason
+
+
+def _rotate(base: nn.Module) -> Callable | None:
+    return getattr(sys.modules[type(base.layers[0].self_attn).__module__], "apply_rotary_pos_emb", None)
 
 
 def _unsupported(config: Any, base: nn.Module) -> str | None:

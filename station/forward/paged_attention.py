@@ -87,9 +87,10 @@ class StepContext:
         blocks it reads."""
         if window not in self.decode_windowed:
             bs = self.kv_cache.block_size
-            lens = self.decode_ctx_lens
+            lens, tables = self.decode_ctx_lens, self.decode_tables
+            assert lens is not None and tables is not None  # set for every batched decode step
             firsts = [max(0, n - window) // bs for n in lens]
-            rows = [table[first:] for table, first in zip(self.decode_tables, firsts)]
+            rows = [table[first:] for table, first in zip(tables, firsts)]
             width = max(len(row) for row in rows)
             device = self.decode_lens.device
             flat = torch.tensor([block for row in rows for block in row + [0] * (width - len(row))],
@@ -318,8 +319,10 @@ def _decode_kv(ctx: StepContext, k_pool: torch.Tensor, v_pool: torch.Tensor, b: 
         return (k_pool[first:first + n_blocks].view(1, -1, num_kv_heads, head_dim),
                 v_pool[first:first + n_blocks].view(1, -1, num_kv_heads, head_dim))
     # index_select on a flat 1-D table is much cheaper than 2-D advanced indexing
-    return (k_pool.index_select(0, ctx.decode_block_tables).view(b, -1, num_kv_heads, head_dim),
-            v_pool.index_select(0, ctx.decode_block_tables).view(b, -1, num_kv_heads, head_dim))
+    table = ctx.decode_block_tables
+    assert table is not None  # set for every decode step
+    return (k_pool.index_select(0, table).view(b, -1, num_kv_heads, head_dim),
+            v_pool.index_select(0, table).view(b, -1, num_kv_heads, head_dim))
 
 
 def registered_attention():

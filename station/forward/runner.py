@@ -10,16 +10,15 @@ it. The model is called with every scheduled token packed into one row (batch 1)
 
 Every per-step index tensor is built once per step (``StepContext``), not per layer. Only
 the rows whose logits are needed reach ``lm_head`` (``VocabHead``, or the model's own
-forward with ``logits_to_keep`` when its logits are post-processed). Two other ways run
-the same step: the C step on a CPU (``station.kernels.cpu_step``, every row) and, for steps
-whose rows all decode, a bucket's static step replayed as a CUDA graph
-(``station.forward.decode_graphs``). The runner makes no policy decisions: it runs exactly
-what the scheduler handed it.
+forward with ``logits_to_keep`` when its logits are post-processed). Which body computes
+the step (transformers' forward, the lean decoder, or the C step over every row:
+``station.kernels.cpu_step``), which head, and whether pure-decode steps run a bucket's
+static step replayed as a CUDA graph (``station.forward.decode_graphs``) is the decode
+plan's (``station.plan``), fixed at start. The runner makes no policy decisions: it runs
+exactly what the scheduler handed it, the way the plan says.
 """
 
 from __future__ import annotations
-
-from typing import Any
 
 import torch
 
@@ -27,13 +26,13 @@ from gnosis_daemon.logs import get_logger
 from station.forward.attention_kinds import AttentionKinds
 from station.forward.decode_graphs import DecodeGraphs, decode_rows
 from station.forward.kv_cache import KVCache
-from station.forward.lean_decoder import LeanDecoder
-from station.kernels.dense import VocabHead, pack_decoder_linears
 from station.forward.paged_attention import (ATTN_IMPLEMENTATION, PrefillMeta, StepContext, causal_mask,
-                                             install_kinds, register_attention, registered_attention,
-                                             step_context, window_mask)
+                                             install_kinds, register_attention, step_context,
+                                             window_mask)
 from station.core.scheduler import SchedulerOutput
 from station.core.sequence import Sequence
+from station.plan.choose import DecodeParts
+from station.plan.plan import DecodePlan
 
 log = get_logger(__name__)
 
@@ -55,60 +54,37 @@ def _first_if_consecutive(block_ids: list[int]) -> int | None:
 
 
 class ModelRunner:
+    """Runs each step as the decode plan (``station.plan``) says: its body, head and static
+    decode steps were chosen and built once (``choose_plan``); nothing is chosen here."""
+
     def __init__(self, model: torch.nn.Module, kv_cache: KVCache, device: torch.device,
-                 kinds: AttentionKinds, pack_linears: bool = True, lean: bool = True,
-                 head_kernel=None, step=None, max_positions: int = 0,
-                 graphs: tuple[int, int] | None = None) -> None:
+                 kinds: AttentionKinds, plan: DecodePlan, parts: DecodeParts, max_positions: int) -> None:
         register_attention()
         install_kinds(kinds)  # each layer's window, soft-cap, sinks (station.forward.attention_kinds)
         model.set_attn_implementation(ATTN_IMPLEMENTATION)
         self.kinds = kinds
+        self.plan = plan
         self.model = model.eval()
         self.kv_cache = kv_cache
         self.block_size = kv_cache.block_size
         self.device = device
-        # station.kernels.dense: on CPU fp32 the linears run through oneDNN, packed once.
-        # When logits are exactly lm_head(hidden), the runner applies the head itself
-        # (VocabHead); else the model's own forward.
-        if pack_linears:
-            pack_decoder_linears(model)
-        self._head = VocabHead.for_model(model, pack=pack_linears, kernel=head_kernel)
-        # station.forward.lean_decoder: the same layers' arithmetic without transformers'
-        # per-call wrappers (Llama family); None: the model's own forward.
-        self._lean = LeanDecoder.for_model(model, registered_attention) if lean else None
-        # station.kernels.cpu_step: every row of a step, decode or prompt, through C calls
-        # of up to 8 rows (4-bit Llama-family on a CPU), where the runner applies the head.
-        # The step computes plain causal attention over the whole context: never a model whose
-        # layers have windows, soft-capping or sinks.
-        if step is not None and not kinds.all_full:
-            log.warning("cpu_step_not_used", reason="the model's attention is not full causal on every layer")
-            step = None
-        self._step = (step.bind(kv_cache, max_positions) if step is not None and self._head is not None
-                      and max_positions > 0 else None)
+        # The head for the rows a step keeps (station.kernels.dense.VocabHead); None: the
+        # model's own forward, whose logits are post-processed.
+        self._head = parts.head
+        self._head_kernel = parts.head_kernel  # the head's Q8_0 kernel, on the C step's threads
+        # The body of every step: a torch decoder over the packed row (the lean decoder or
+        # transformers' forward), or the C step over every row (station.kernels.cpu_step).
+        self._decoder = parts.body.decoder
+        self._step = parts.body.step.bind(kv_cache, max_positions) if parts.body.step is not None else None
         self._torch_threads = torch.get_num_threads()
-        # station.forward.decode_graphs: pure-decode steps replayed as CUDA graphs (captured on
-        # a GPU; on a CPU the same static step, eagerly, where the setting asks for it).
-        # ``graphs``: (the most rows, the longest context) to capture; None: eager steps.
-        self._graphs = (self._decode_graphs(graphs[0], min(graphs[1], max_positions))
-                        if graphs is not None else None)
-
-    def _decode_graphs(self, max_batch: int, max_context: int) -> DecodeGraphs | None:
-        reason = ("the model's forward is not the lean decoder's" if self._lean is None
-                  else "the model's logits are post-processed" if self._head is None
-                  else "the KV pool has no scratch block" if self.kv_cache.scratch_block is None
-                  else "no context to capture" if max_context < 1 else None)
-        if reason is not None:
-            log.info("decode_graphs_not_used", reason=reason)
-            return None
-        return DecodeGraphs(self.kv_cache, self.device, self._lean, self._head, step_context,
-                            max_batch, max_context, capture=self.device.type == "cuda")
-
-    def plan(self) -> dict[str, Any]:
-        """How this runner's steps are computed (the start check's record is keyed by it)."""
-        return {"forward": "c-step" if self._step is not None else "lean" if self._lean is not None
-                else "transformers", "decode_graphs": self._graphs is not None,
-                "head": None if self._head is None else type(self._head).__name__,
-                "head_kernel": getattr(self._head, "kernel", None) is not None}
+        # station.forward.decode_graphs: pure-decode steps within the plan's bounds through
+        # the static step, replayed as CUDA graphs where the plan captures them.
+        self._graphs: DecodeGraphs | None = None
+        if parts.graphs is not None:  # the plan's static step runs the lean decoder and the head
+            shape, decoder, head = parts.graphs, parts.body.decoder, parts.head
+            assert decoder is not None and head is not None
+            self._graphs = DecodeGraphs(kv_cache, device, decoder, head, step_context, shape.max_rows,
+                                        shape.max_context, capture=shape.capture)
 
     @property
     def stepped(self) -> bool:
@@ -118,25 +94,20 @@ class ModelRunner:
     def graph_stats(self) -> dict[str, int]:
         return self._graphs.stats() if self._graphs is not None else {}
 
-    def _decoder(self, ids: torch.Tensor, pos_ids: torch.Tensor) -> torch.Tensor:
-        if self._lean is not None:
-            return self._lean(ids, pos_ids)
-        return self.model.base_model(input_ids=ids, position_ids=pos_ids, use_cache=False).last_hidden_state
-
     def _stepped_head(self, stepped: torch.Tensor) -> torch.Tensor:
         """The C step's rows' logits, computed alike whatever else is in the step: the Q8_0
         head on the step's threads (the kernel's own sums) where there is one."""
-        kernel = getattr(self._head, "kernel", None)
+        assert self._step is not None and self._head is not None  # the plan's c-step has a head
         with torch.inference_mode():
-            if kernel is not None:
-                return self._step.head(kernel, stepped)
+            if self._head_kernel is not None:
+                return self._step.head(self._head_kernel, stepped)
             return self._head(stepped).float()
 
     def _quiet_torch(self, quiet: bool) -> None:
         """Decode steps that run wholly in C (the step, then the head's C kernel) leave torch
         one thread until the next prefill: the few torch ops around them (sampling) then open
         no OpenMP region, whose threads would spin for a while after it on the cores the C
-        threads need (on 2 cores: 54-65 against 83-106 tok/s through a station's socket)."""
+        threads need (the cost through a station's socket is in docs/benchmarks.md)."""
         want = 1 if quiet else self._torch_threads
         if torch.get_num_threads() != want:
             torch.set_num_threads(want)
@@ -172,7 +143,8 @@ class ModelRunner:
                 sampled.append(seq)
             extra += _prompt_rows(seq, start, end, row)
         self._keep_prompt_rows(extra, keep)
-        self._quiet_torch(getattr(self._head, "kernel", None) is not None)
+        assert self._step is not None and self._head is not None
+        self._quiet_torch(self._head_kernel is not None)
         with torch.inference_mode():
             hidden = self._step(tokens, positions, slots, tables)
         if not keep:  # a mid-prompt chunk only: no logits, no head
@@ -189,16 +161,14 @@ class ModelRunner:
         sampled: list[Sequence] = []
         keep: list[int] = []
 
-        if self._step is not None and (batch.decodes or batch.prefills) and self._step.fits(
-                [seq.num_computed_tokens for seq in batch.decodes]
-                + [seq.num_computed_tokens + n - 1 for seq, n in batch.prefills]):
+        if self._step is not None:  # the plan's body is the C step: every row of every step
             return self._run_stepped(batch)
-        if self._graphs is not None and batch.decodes and not batch.prefills:
+        if self._graphs is not None and not batch.prefills and self._graphs.covers(batch.decodes):
             with torch.inference_mode():
                 logits = self._graphs.run(batch.decodes)
-            if logits is not None:
-                self.prompt_rows = []
-                return logits, list(batch.decodes)
+            self.prompt_rows = []
+            return logits, list(batch.decodes)
+        assert self._decoder is not None  # a torch body
         decodes = batch.decodes
         num_decodes = len(decodes)
         decode_tables = decode_mask = decode_first = decode_lens = None
@@ -273,5 +243,6 @@ class ModelRunner:
             rows = torch.tensor(keep, device=dev, dtype=torch.long)
             if self._head is not None:
                 return self._head(self._decoder(ids, pos_ids)[0, rows]).float(), sampled
+            # the plan's head is the model's own forward (its logits are post-processed)
             out = self.model(input_ids=ids, position_ids=pos_ids, use_cache=False, logits_to_keep=rows)
         return out.logits[0].float(), sampled  # [K, V]

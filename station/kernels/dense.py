@@ -1,11 +1,10 @@
 """The fastest linear kernels the runner has on its device (CPU: oneDNN with packed weights).
 
 On CPU, torch's ``F.linear`` is MKL's sgemm, which repacks the weight on every call. At
-the few rows of a decode step that repacking costs as much as the product: on this
-2-core AVX2 host a decoder step of SmolLM2 at 8 rows took 126 ms, and 91-99 ms with every
-weight packed once for oneDNN (whose fp32 linear then runs at any row count; at 1 row and
-at 512-row prefill chunks it is as fast as MKL). The vocab head gains at any row count:
-9.3 -> 4.6 ms at 1 row, 22 -> 8 ms at 8 rows.
+the few rows of a decode step that repacking costs as much as the product, so every
+weight is packed once for oneDNN (whose fp32 linear then runs at any row count; at 1 row and
+at long prefill chunks it is as fast as MKL). The vocab head gains at any row count
+(docs/benchmarks.md, "Past measurements (engine notes)", has the figures).
 
 * ``pack_decoder_linears``: every ``nn.Linear`` of the decoder (not the vocab head, which
   may be tied to the input embeddings) becomes a ``PackedLinear``; the unpacked weight is
@@ -95,10 +94,8 @@ def pack_decoder_linears(model: nn.Module) -> int:
 
 
 # Up to this many rows the Q8_0 head kernel is the faster head: it reads a quarter of the
-# bytes. Past it the arithmetic is the bound and oneDNN's float32 head wins (SmolLM2's
-# head on 2 cores, alone: 1 row 1.4 vs 6.2 ms, 4 rows 2.6 vs 4.6, 8 rows 5.8 vs 6.6, 16 rows
-# 10.6 vs 8.0; inside 8-stream decode the kernel at 8 rows made the aggregate 163-190 tok/s
-# against 198-218 with the float head, three rounds interleaved).
+# bytes. Past it the arithmetic is the bound and oneDNN's float32 head wins, alone and
+# inside an 8-stream decode (measured on the default model: docs/benchmarks.md).
 KERNEL_MAX_ROWS = 4
 
 
@@ -107,13 +104,13 @@ class VocabHead:
 
     Packed for oneDNN where that applies (a copy). Otherwise one row is a plain
     ``F.linear`` and several rows use the tall-skinny ``W @ x.T``: MKL runs ``x @ W.T``
-    at 2-8 rows about as slowly as one call per row (8 rows: 22 -> 11-15 ms). A GGUF
+    at 2-8 rows about as slowly as one call per row. A GGUF
     file's Q8_0 head runs through ``cpu_kernels`` where that is faster (``weights``), for
     steps of up to ``KERNEL_MAX_ROWS`` rows: the same product, its sums in another order.
     """
 
     def __init__(self, weight: torch.Tensor | None, bias: torch.Tensor | None,
-                 packed: torch.Tensor | None, kernel: Callable | None = None):
+                 packed: torch.Tensor | None, kernel: Callable | None = None) -> None:
         self.weight, self.bias, self.packed, self.kernel = weight, bias, packed, kernel
 
     @classmethod
@@ -138,6 +135,7 @@ class VocabHead:
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.bias,
                                                       "none", [], "")
+        assert self.weight is not None  # a head without a packed copy keeps its weight
         if x.shape[0] == 1:
             return F.linear(x, self.weight, self.bias)
         out = torch.mm(self.weight, x.t()).t().contiguous()  # [K, V]

@@ -7,7 +7,7 @@
   ``d * sc * q - dmin * mn``: scale ``d * sc``, zero ``8 d sc - dmin mn``) map onto it
   group for group. ``Int4Linear`` runs it through ``_weight_int4pack_mm_for_cpu`` (CPU)
   or ``_weight_int4pack_mm`` (CUDA). Both take bfloat16 activations, scales and zeros only
-  (their float32 paths are ~25x slower on CPU), so a layer rounds its input and its group
+  (their float32 paths are far slower on CPU), so a layer rounds its input and its group
   scales to bfloat16, and returns float32 to a float32 model: the KV cache and everything
   around the layer keep the model's dtype.
 * ``Int8Rows``: ``w[n, k] = q[n, k] * scale[n]``, symmetric, one scale per output row, run
@@ -15,10 +15,11 @@
 
 Which kernel runs is measured, not assumed (``KernelChoices``): each quantized form is
 timed against the float layers it replaces (oneDNN, packed) over a pass through the
-model's layers at one row, a decode step's shape, and the faster wins. The answer is remembered per machine, model and torch version
-in a file, so a restart makes the same choice and the model's fingerprint (which names the
-choice) does not change under saved sessions. Every packed layer is checked against its
-own dequantized weights once, as ``linear_kernels`` does for oneDNN.
+model's layers at one row, a decode step's shape, and the faster wins. The answer is
+remembered per machine, model and torch version in a file, so a restart makes the same
+choice and the model's fingerprint (which names the choice) does not change under saved
+sessions. Every packed layer is checked against its
+own dequantized weights once, as ``station.kernels.dense`` does for oneDNN.
 """
 
 from __future__ import annotations
@@ -105,6 +106,10 @@ def int4_applies(groups: Int4Groups) -> bool:
 class Int4Linear(nn.Module):
     """A linear layer over ``Int4Groups`` in torch's packed int4 layout (inference only)."""
 
+    packed: torch.Tensor  # buffers (registered in __init__)
+    scales_and_zeros: torch.Tensor
+    bias: torch.Tensor | None
+
     def __init__(self, groups: Int4Groups, bias: torch.Tensor | None, device: torch.device) -> None:
         super().__init__()
         self.out_features, self.in_features = groups.q.shape
@@ -122,7 +127,7 @@ class Int4Linear(nn.Module):
         self.register_buffer("bias", None if bias is None else bias.detach().to(device))
         # The same values in the C decode step's form (``Int4Groups.step_layout``), where
         # ``weights`` keeps them for it; the step takes them or they are dropped.
-        self.step_form = None
+        self.step_form: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features).to(torch.bfloat16)
@@ -144,9 +149,13 @@ class Int8Linear(nn.Module):
     """A linear layer over ``Int8Rows`` through ``_weight_int8pack_mm`` (inference only).
 
     On a CPU it computes in bfloat16 (activations and row scales rounded to it, as the int4
-    layers do): the float32 path of that kernel is ~5x slower at one row (the vocabulary
-    head of SmolLM2: 15 ms against 2.9 ms, and 6.4 ms for the float32 head through oneDNN).
+    layers do): the float32 path of that kernel is several times slower at one row, slower
+    even than a float32 layer through oneDNN.
     """
+
+    weight_int8: torch.Tensor  # buffers (registered in __init__)
+    scales: torch.Tensor
+    bias: torch.Tensor | None
 
     def __init__(self, rows: Int8Rows, bias: torch.Tensor | None, device: torch.device,
                  dtype: torch.dtype) -> None:

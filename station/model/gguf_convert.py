@@ -17,7 +17,7 @@ from contextlib import contextmanager
 from typing import Any, Iterator
 
 # transformers' model_type -> the gguf-py architecture whose tensor names the file uses
-_NAME_TABLE_ARCH = {"mistral": "llama"}
+_NAME_TABLE_ARCH: dict[str | None, str | None] = {"mistral": "llama"}
 
 
 @contextmanager

@@ -13,6 +13,7 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -57,7 +58,7 @@ def read_tensor_table(path: Path) -> tuple[str, list[TensorEntry]]:
     if version not in (2, 3):
         raise GgufFormatError(f"GGUF version {version} is not supported")
     pos = 24
-    meta: dict[str, object] = {}
+    meta: dict[str, Any] = {}  # a value's type is its key's
     for _ in range(n_kv):
         key, pos = _string(data, pos)
         (kind,), pos = struct.unpack_from("<I", data, pos), pos + 4

@@ -1,6 +1,6 @@
 """Load the station's causal LM: an HF directory or a ``.gguf`` file, on CUDA or CPU.
 
-A GGUF file is converted by transformers on first load (about 12 s for SmolLM2-135M) and the
+A GGUF file is converted by transformers on first load (seconds, for a small model) and the
 dense checkpoint is cached under ``model_cache_dir`` (default ``~/.cache/gnosis-daemon``)
 keyed by the file's name, size and mtime, so later starts load the cache in seconds.
 
@@ -29,11 +29,11 @@ import torch
 
 from gnosis_daemon.logs import get_logger
 from gnosis_daemon.settings import Settings
-from station.forward.attention_kinds import read_attention_kinds
+from station.forward.attention_kinds import AttentionKinds, read_attention_kinds
 from station.forward.kv_cache import KVCacheShape
 from station.model.errors import REFUSED_EXIT, ModelLoadError, ModelRefused  # noqa: F401 (re-exported)
 from station.model.tokenizing import Codec
-from station.model.weights import apply_weights
+from station.model.weights import WeightsReport, apply_weights
 
 log = get_logger(__name__)
 
@@ -64,8 +64,8 @@ class LoadedModel:
     max_token_chars: int | None = None
     codec: Any = None  # station.model.tokenizing.Codec over ``tokenizer``
     grammars: Any = None  # station.sampling.grammar.Grammars, made at first use
-    weights: Any = None  # station.model.weights.WeightsReport: which linears stay quantized
-    attention: Any = None  # station.forward.attention_kinds.AttentionKinds: each layer's kind
+    weights: WeightsReport | None = None  # which linears stay quantized (None: not applied)
+    attention: AttentionKinds | None = None  # each layer's attention kind (None: not read)
 
 
 def default_model_path() -> Path:
@@ -133,7 +133,7 @@ def load_model(settings: Settings) -> LoadedModel:
         tokenizer = AutoTokenizer.from_pretrained(source)
     except (OSError, ValueError, KeyError) as exc:
         raise ModelLoadError(f"cannot load model from {str(source)!r}: {exc}") from exc
-    model.to(device)
+    model.to(device)  # type: ignore[arg-type]  # transformers' wrapper of `to` types it wrong
     model.eval()
     model.requires_grad_(False)
     shape = KVCacheShape.from_config(model.config, settings.kv_block_size, dtype)
@@ -141,12 +141,13 @@ def load_model(settings: Settings) -> LoadedModel:
     attention = read_attention_kinds(model, shape.num_kv_heads, shape.head_dim)
     weights = apply_weights(model, settings.weights, device, dtype,
                             gguf=path if path.suffix == ".gguf" else None, choices_dir=cache_base(settings),
-                            decode_step=settings.cpu_decode_step if attention.all_full else "off")
+                            decode_step=settings.cpu_decode_step, full_attention=attention.all_full)
     config = model.config
     max_len = getattr(config, "max_position_embeddings", None) or settings.max_model_len
     return LoadedModel(
         model=model, tokenizer=tokenizer, device=device, dtype=dtype,
-        fingerprint=fingerprint(model, dtype, weights.tag, attention.tag), served_id=settings.served_model_name or served_name(path),
+        fingerprint=fingerprint(model, dtype, weights.tag, attention.tag),
+        served_id=settings.served_model_name or served_name(path),
         eos_token_ids=eos_token_ids(model, tokenizer),
         max_model_len=min(settings.max_model_len, int(max_len)),
         path=str(path), loaded_from=str(source), model_type=str(config.model_type),
@@ -192,9 +193,9 @@ def _convert_gguf(gguf: Path, target: Path) -> None:
 def _gguf_parsed_once() -> Iterator[None]:
     """Within a conversion, each GGUF file is parsed once and gguf's tensor-name table built once.
 
-    transformers parses the file three times (the config, the weights, the tokenizer: ~4 s
-    each for SmolLM2's 49k-token vocabulary in metadata) and rebuilds the name table for
-    every module it maps (~400 times): 18 of the 27 s a conversion took. It imports both
+    transformers parses the file three times (the config, the weights, the tokenizer; each
+    parse reads the whole vocabulary in the metadata) and rebuilds the name table for every
+    module it maps: most of a conversion's time. It imports both
     from the ``gguf`` module at call time, so memoizing them there for the conversion's
     duration is enough. The reader is read-only (a memory map), so sharing it is safe.
     """
@@ -218,11 +219,12 @@ def _gguf_parsed_once() -> Iterator[None]:
             maps[args] = name_map(*args)
         return maps[args]
 
-    gguf.GGUFReader, gguf.get_tensor_name_map = reader, tensor_name_map
+    # A patch of the module for the conversion's duration (mypy: a class replaced by a function).
+    gguf.GGUFReader, gguf.get_tensor_name_map = reader, tensor_name_map  # type: ignore[misc, assignment]
     try:
         yield
     finally:
-        gguf.GGUFReader, gguf.get_tensor_name_map = make_reader, name_map
+        gguf.GGUFReader, gguf.get_tensor_name_map = make_reader, name_map  # type: ignore[misc]
 
 
 def clear_quantized_marker(model: Any) -> None:
@@ -302,8 +304,8 @@ def eos_token_ids(model: Any, tokenizer: Any) -> tuple[int, ...]:
 # character and its combining marks into one, and no canonical decomposition in Unicode is
 # longer than 4 code points, so it shortens text at most 4x. Any other normalizer (Strip,
 # StripAccents, BertNormalizer, sentencepiece's Precompiled, ...) may delete characters.
-_NORMALIZER_FACTORS = {"NFD": 1, "NFKD": 1, "Lowercase": 1, "Prepend": 1, "ByteLevel": 1,
-                       "NFC": 4, "NFKC": 4}
+_NORMALIZER_FACTORS: dict[object, int] = {"NFD": 1, "NFKD": 1, "Lowercase": 1, "Prepend": 1,
+                                          "ByteLevel": 1, "NFC": 4, "NFKC": 4}
 # Pre-tokenizers that keep every character (Split and Punctuation unless their behaviour is
 # "Removed"); Whitespace, WhitespaceSplit, BertPreTokenizer and CharDelimiterSplit drop
 # the characters they split on.

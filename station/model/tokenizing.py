@@ -4,11 +4,9 @@ All of it takes time in proportion to its input, so the server runs it on a work
 (``trio.to_thread``), never on the socket's trio thread. With a ``tokenizers`` backend (every
 "fast" tokenizer) the calls go through the Rust batch entry points, ``encode_batch`` and
 ``decode_batch``, which release the GIL while they work: the trio thread keeps serving
-meanwhile. The single-input ``Tokenizer.encode``/``decode`` hold the GIL throughout. Measured
-with SmolLM2's tokenizer on a text at its size bound (663,552 characters, 0.35-0.4 s of
-work) while another thread slept 1 ms in a loop: under ``encode`` that thread got the GIL
-twice, its longest wait 381 ms; under ``encode_batch`` its longest wait was 11 ms (the ids
-becoming Python ints), 8 ms under ``decode_batch``. The ids are the ones
+meanwhile. The single-input ``Tokenizer.encode``/``decode`` hold the GIL throughout: on a
+text at the size bound another thread waits for the whole encode, where under
+``encode_batch`` it waits only while the ids become Python ints. The ids are the ones
 ``tokenizer.encode``/``decode`` give: transformers' fast tokenizer calls the same backend,
 with truncation and padding off.
 

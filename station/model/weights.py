@@ -14,6 +14,10 @@ For a GGUF file the report also accounts for every quantized tensor of the file:
 dequantized and why (``gguf_dequantized``: Q5_0/Q5_K/Q6_K have no kept form, embeddings
 are looked up as float, ...), logged at start as ``gguf_tensors_dequantized``.
 
+Each load-time candidate of the decode plan (``station.plan``: the int4 and int8 forms, the
+Q8_0 head, the C step of ``station.model.load_kernels``) records why it runs or not in
+``WeightsReport.why``, and what was measured for it in ``WeightsReport.measured``.
+
 Only the decoder's ``nn.Linear`` layers change. Embeddings, norms, the vocabulary head (tied
 to the embeddings in small models), the KV cache and everything the engine keeps are as
 before. The summary (``WeightsReport.tag``) joins the model's fingerprint, so KV computed
@@ -27,13 +31,13 @@ from collections import Counter
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from gnosis_daemon.logs import get_logger
+from station.model.load_kernels import HEAD_SLOWER, Verdict, cpu_step, q8_head, verdict
 from station.kernels.quantized import (
     Int4Groups,
     Int4Linear,
@@ -44,6 +48,10 @@ from station.kernels.quantized import (
     int4_applies,
     machine_tag,
 )
+
+if TYPE_CHECKING:
+    from station.kernels.cpu_kernels import Q8Linear
+    from station.kernels.cpu_step import StepWeights
 
 log = get_logger(__name__)
 
@@ -59,12 +67,16 @@ class WeightsReport:
     slower: list[str] = field(default_factory=list)  # quantized kernel measured slower: kept float
     linear_bytes_before: int = 0
     linear_bytes_after: int = 0
-    # The vocabulary head over the file's Q8_0 blocks (cpu_kernels.Q8Linear), which the
-    # engine calls instead of the float32 head; None: the float32 head.
-    head: Any = None
-    # The whole decode step in C over the 4-bit layers (cpu_step.StepWeights), which the
-    # engine binds to its KV pool; None: the step runs through torch.
-    step: Any = None
+    # The vocabulary head over the file's Q8_0 blocks, which the decode plan runs instead of
+    # the float32 head for steps of few rows; None: the float32 head.
+    head: Q8Linear | None = None
+    # The whole step in C over the 4-bit layers, which the decode plan's ``c-step`` body
+    # binds to the KV pool; None: the step runs through torch.
+    step: StepWeights | None = None
+    # The decode plan's load-time candidates (int4, int8, q8-head, c-step) -> why each was
+    # taken or refused, and what was measured for it (name, milliseconds) where it was.
+    why: dict[str, str] = field(default_factory=dict)
+    measured: dict[str, tuple[tuple[str, float], ...]] = field(default_factory=dict)
     # A GGUF file's quantized tensors (F32/F16/BF16 ones are not counted), by GGUF name:
     # those whose blocks run as they are stored or in a form of their own type -> (type,
     # form: int4 | int8 | q8-head), and those dequantized to float -> (type, why).
@@ -112,19 +124,27 @@ def decoder_linears(model: nn.Module) -> list[tuple[str, nn.Module, str, nn.Line
 
 def apply_weights(model: nn.Module, mode: str, device: torch.device, dtype: torch.dtype, *,
                   gguf: Path | None = None, choices_dir: Path | None = None,
-                  decode_step: str = "auto") -> WeightsReport:
-    """Swap the decoder's linears for quantized ones as ``mode`` says; -> what was done."""
+                  decode_step: str = "auto", full_attention: bool = True) -> WeightsReport:
+    """Swap the decoder's linears for quantized ones as ``mode`` says; -> what was done, and
+    why each load-time candidate of the decode plan was taken or refused (``report.why``).
+    ``full_attention``: every layer attends causally to its whole context (the C step's)."""
     if mode not in MODES:
         raise ValueError(f"weights must be one of {', '.join(MODES)}, not {mode!r}")
     if decode_step not in STEP_MODES:
         raise ValueError(f"cpu_decode_step must be one of {', '.join(STEP_MODES)}, not {decode_step!r}")
     report = WeightsReport(mode)
+    report.why["q8-head"] = "not a GGUF file" if gguf is None else f"setting weights={mode}"
+    report.why["c-step"] = _step_refusal(decode_step, full_attention, device, dtype)
     layers = decoder_linears(model)
     for name, _, _, layer in layers:
         report.forms[name] = "float"
         report.linear_bytes_before += _bytes(layer)
     report.linear_bytes_after = report.linear_bytes_before
     if mode == "float" or not layers or (mode == "auto" and gguf is None):
+        reason = ("the model has no decoder linears" if not layers else f"setting weights={mode}"
+                  if mode == "float" else "weights=auto keeps a float checkpoint's floats")
+        report.why.update({"int4": reason, "int8": reason})
+        report.why["c-step"] = report.why["c-step"] or "no 4-bit decoder layers"
         if gguf is not None:
             _account_gguf(report, model, gguf, None, {}, "the model has no decoder linears")
         return report
@@ -135,14 +155,16 @@ def apply_weights(model: nn.Module, mode: str, device: torch.device, dtype: torc
         from_file = read_gguf_weights(gguf, model)
     choices = KernelChoices(_choices_path(choices_dir, model, gguf) if mode == "auto" else None)
     # the C decode step (cpu_step) may take the 4-bit layers' values: keep its form of them
-    step_wanted = decode_step != "off" and device.type == "cpu" and dtype == torch.float32
+    step_wanted = not report.why["c-step"]
     built: dict[str, list] = {"int4": [], "int8": []}  # form -> [(name, parent, attr, layer, new, values, source)]
     why: dict[str, str] = {}  # weight name -> why its layer stayed float (for the file's account)
+    tried: set[str] = set()  # the forms some layer would take
     for name, parent, attr, layer in layers:
         weight_name = f"{name}.weight"
         form = _form(mode, from_file.types.get(weight_name) if from_file else None)
         if form is None:
             continue
+        tried.add(form)
         if mode == "auto" and form == "int4" and weight_name not in from_file.int4:
             # auto: a block that did not check out stays float, never re-rounded
             why[weight_name] = f"its blocks were not used: {from_file.rejected.get(weight_name, 'unread')}"
@@ -160,7 +182,9 @@ def apply_weights(model: nn.Module, mode: str, device: torch.device, dtype: torc
             continue
         built[form].append((name, parent, attr, layer, quantized, values, source))
     for form, entries in built.items():
-        if mode == "auto" and not choices.choose(form, [(e[4], e[5]) for e in entries], device, dtype):
+        faster = mode != "auto" or choices.choose(form, [(e[4], e[5]) for e in entries], device, dtype)
+        _record(report, form, verdict(choices, form, f"{form}:{device.type}", "float layers measured faster than"))
+        if not faster:
             report.slower.extend(e[0] for e in entries)  # the same values run faster dense here
             why.update((f"{e[0]}.weight", f"float layers measured faster than {form} here") for e in entries)
             continue
@@ -168,59 +192,62 @@ def apply_weights(model: nn.Module, mode: str, device: torch.device, dtype: torc
             setattr(parent, attr, quantized)
             report.forms[name], report.source[name] = form, source
             report.linear_bytes_after += _bytes(quantized) - _bytes(layer)
+        if mode != "auto":
+            report.why[form] = f"setting weights={mode}"
+    for form in ("int4", "int8"):
+        if not report.count(form) and (form not in report.why or mode != "auto" or not built[form]):
+            report.why[form] = _no_form(mode, form, form in tried)
     del built
-    head_why = "the Q8_0 head kernel runs on a CPU in float32 only"
-    if gguf is not None and device.type == "cpu" and dtype == torch.float32:
-        report.head, head_why = _q8_head(model, gguf, choices, choices_dir, device, dtype)
     if gguf is not None:
+        head_why = "not a float32 model on a CPU"
+        if device.type == "cpu" and dtype == torch.float32:
+            report.head, head_why = q8_head(model, gguf, choices, choices_dir, device, dtype)
+        report.why["q8-head"] = head_why
+        if report.head is not None or head_why == HEAD_SLOWER:
+            _record(report, "q8-head", verdict(choices, "q8-head", "q8-head:cpu",
+                                               "the float32 head measured faster than"))
         _account_gguf(report, model, gguf, from_file, why, head_why)
     if any(form != "float" for form in report.forms.values()):
         _own_memory(model)
-    if step_wanted and report.count("int4"):
+    if step_wanted and not report.count("int4"):
+        report.why["c-step"] = "no 4-bit decoder layers"
+    elif step_wanted:
         from station.kernels.cpu_step import release_step_forms
 
-        report.step = _cpu_step(model, choices, choices_dir, decode_step)
+        report.step, step_verdict = cpu_step(model, choices, choices_dir, decode_step)
+        _record(report, "c-step", step_verdict)
         release_step_forms(model)  # the step holds its own stacked copy, or there is no step
     choices.save()
     log.info("weights_applied", **report.summary())
     return report
 
 
-def _q8_head(model: nn.Module, gguf: Path, choices: KernelChoices, cache_dir: Path | None,
-             device: torch.device, dtype: torch.dtype) -> tuple[Any, str]:
-    """The head over the file's own Q8_0 blocks (``cpu_kernels``), where they give the float32
-    head's weight bit for bit, the kernel builds, computes the same product, and is faster;
-    -> (the kernel or None, why not)."""
-    head = model.get_output_embeddings()
-    if type(head) is not nn.Linear or head.bias is not None or head.weight.shape[1] % 32:
-        return None, "the head is not a plain linear layer over 32-wide blocks"
-    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    if any(getattr(config, name, None) for name in ("final_logit_softcapping", "logit_scale")):
-        # the engine runs the model's own head then (linear_kernels.VocabHead): no kernel to build
-        return None, "the model post-processes its logits (soft-capping or a scale)"
-    from station.kernels.cpu_kernels import Q8Linear, load_library
-    from station.model.gguf_groups import read_q8_rows
+def _step_refusal(mode: str, full_attention: bool, device: torch.device, dtype: torch.dtype) -> str:
+    """Why the C step cannot run here whatever the weights ("": it may)."""
+    if mode == "off":
+        return "setting cpu_decode_step=off"
+    if not full_attention:
+        return "not every layer attends causally to its whole context (windows, soft-capping or sinks)"
+    if device.type != "cpu" or dtype != torch.float32:
+        return "not a float32 model on a CPU"
+    return ""
 
-    blocks = read_q8_rows(gguf, model, head.weight)
-    if blocks is None:
-        return None, "the head's tensor is not Q8_0 blocks that give its weight bit for bit"
-    lib = load_library(cache_dir)
-    if lib is None:
-        return None, "the Q8_0 head kernel could not be built here"
-    kernel = Q8Linear(lib, *blocks)
-    x = torch.randn(5, kernel.in_features, generator=torch.Generator().manual_seed(0))
-    with torch.inference_mode():
-        got, want = kernel(x), F.linear(x, head.weight.detach())
-        # the same product in another order (float32 sums), and a row alone as in a batch
-        if not (float((got - want).abs().max()) <= 1e-4 * float(want.abs().max())
-                and torch.equal(kernel(x[2:3]), got[2:3])):
-            log.warning("q8_head_disagrees", simd=lib.gnosis_simd().decode())
-            return None, "the Q8_0 head kernel disagreed with F.linear"
-    if not choices.choose("q8-head", [(kernel, head.weight.detach())], device, dtype):
-        return None, "the float32 head measured faster here"
-    log.info("q8_head_used", bytes=kernel.q.numel() + kernel.d.numel() * 4,
-             float_bytes=head.weight.numel() * 4, simd=lib.gnosis_simd().decode())
-    return kernel, ""
+
+def _record(report: WeightsReport, name: str, decided: Verdict | None) -> None:
+    if decided is not None:
+        report.why[name] = decided[0]
+        if decided[1]:
+            report.measured[name] = decided[1]
+
+
+def _no_form(mode: str, form: str, tried: bool) -> str:
+    """Why no decoder layer took ``form`` (no measurement refused it)."""
+    if mode in ("int4", "int8") and mode != form:
+        return f"setting weights={mode}"
+    if tried or mode == form:
+        return f"no decoder layer's {form} form checked out"
+    return "no Q8_0 tensor among the file's decoder linears" if form == "int8" else (
+        "no 4-bit tensor among the file's decoder linears")
 
 
 def _account_gguf(report: WeightsReport, model: nn.Module, gguf: Path, from_file: Any,
@@ -279,33 +306,6 @@ def _account_gguf(report: WeightsReport, model: nn.Module, gguf: Path, from_file
     log.debug("gguf_tensors_dequantized_names",
               tensors={name: f"{kind}: {why}" if not why.startswith(kind) else why
                        for name, (kind, why) in report.gguf_dequantized.items()})
-
-
-def _cpu_step(model: nn.Module, choices: KernelChoices, cache_dir: Path | None, mode: str) -> Any:
-    """The C decode step (``cpu_step``) where the model has its shape, the library builds
-    and the step agrees with the model's forward; ``auto``: and it measures no slower than
-    torch's products alone for the same token (by ``KernelChoices.FLOAT_MARGIN``)."""
-    from station.kernels.cpu_kernels import load_library
-    from station.kernels.cpu_step import StepWeights, checked_and_timed
-
-    lib = load_library(cache_dir)
-    weights = StepWeights.for_model(model, lib) if lib is not None else None
-    if weights is None:
-        return None
-    key = "cpu-step:cpu"
-    measure = mode == "auto" and key not in choices.answers  # else known, or not asked
-    agrees, step_s, torch_s = checked_and_timed(weights, model, timed=measure)
-    if not agrees:
-        return None
-    if measure:
-        choices.measured[key] = (step_s, torch_s)
-        choices.answers[key] = step_s < torch_s * choices.FLOAT_MARGIN
-        log.info("cpu_step_measured", step_ms=round(step_s * 1e3, 3),
-                 torch_linears_ms=round(torch_s * 1e3, 3))
-    used = mode == "on" or choices.answers[key]
-    log.info("cpu_step_used" if used else "cpu_step_not_used", mode=mode, bytes=weights.nbytes,
-             **({} if used else {"reason": "measured slower than torch's layers"}))
-    return weights if used else None
 
 
 def _own_memory(model: nn.Module) -> None:

@@ -4,7 +4,8 @@ own forward, on a probe longer than the model's longest attention window.
 ``attention_kinds`` reads what each layer computes and refuses what the paged attention does
 not implement; this check proves that what it does implement gives the model's answer, on
 the paths a request takes. Through the engine itself (scheduler, KV pool, runner, the same
-decode plan that will serve), on the torch thread before the socket is up:
+decode plan that will serve: ``station.plan.choose``; the record names the plan's path), on
+the torch thread before the socket is up:
 
 1. a probe prompt longer than the longest window (a few blocks when every layer is full),
    prefilled in the engine's chunks, then ``DECODE_TOKENS`` greedy tokens decoded alone;
@@ -46,7 +47,7 @@ from typing import Any
 import torch
 
 from gnosis_daemon.logs import get_logger
-from station.core.requests import Failed, Finished, GenerationRequest, SamplingParams, Token
+from station.core.requests import Choices, Failed, Finished, GenerationRequest, SamplingParams, Token
 from gnosis_daemon.atomic_files import write_json
 from station.model.errors import ModelRefused
 from station.model.loader import cache_base
@@ -73,9 +74,11 @@ class StartCheck:
     noise: float  # the model's own forward against itself, computed in two chunks
     tolerance: float
     seconds: float
+    plan: dict[str, Any]  # the decode plan's path the probe ran through (``DecodePlan.path``)
 
     def as_dict(self) -> dict[str, Any]:
-        return {"passed": True, "probe_tokens": self.probe_tokens, "longest_window": self.longest_window,
+        return {"passed": True, "plan": self.plan, "probe_tokens": self.probe_tokens,
+                "longest_window": self.longest_window,
                 "logprobs_compared": self.compared, "max_abs_logprob_diff": round(self.max_abs_diff, 6),
                 "reference_noise": round(self.noise, 6), "tolerance": round(self.tolerance, 6),
                 "seconds": round(self.seconds, 3)}
@@ -120,7 +123,7 @@ def record_key(engine: Any) -> str:
     loaded, settings = engine.loaded, engine.settings
     ident = {"fingerprint": loaded.fingerprint, "station": source_digest(), "machine": machine_tag(),
              "transformers": transformers.__version__, "device": str(loaded.device),
-             "dtype": str(loaded.dtype), "plan": engine.runner.plan(),
+             "dtype": str(loaded.dtype), "plan": engine.runner.plan.path(),
              "engine": [engine.block_size, engine.max_model_len, engine.kv.pool.num_blocks,
                         settings.prefill_chunk_tokens, settings.max_batch_size,
                         settings.max_waiting_requests >= 2]}
@@ -195,9 +198,10 @@ def check_engine(engine: Any) -> StartCheck:
             compared += got.numel()
     finally:
         _forget_probe(engine)
-    tolerance = max(STEP_TOLERANCE if runner.stepped else TOLERANCE, NOISE_FACTOR * noise)
+    least = STEP_TOLERANCE if runner.plan.forward.chosen == "c-step" else TOLERANCE
+    tolerance = max(least, NOISE_FACTOR * noise)
     check = StartCheck(length, kinds.longest_window, compared, worst, noise, tolerance,
-                       time.perf_counter() - started)
+                       time.perf_counter() - started, runner.plan.path())
     if not worst <= tolerance:  # NaN too
         raise ModelRefused(loaded.model_type, "start check",
                            f"the paged engine's logprobs differ from the model's own forward by "
@@ -218,7 +222,8 @@ class _Probe:
         self.error: Any = None
         self.done = threading.Event()
         params = SamplingParams(max_tokens=DECODE_TOKENS, temperature=0.0, ignore_eos=True)
-        engine.add_request(GenerationRequest(f"{PROBE_ID}-{name}", list(prompt), params, logprobs=TOP), self)
+        engine.add_request(GenerationRequest(f"{PROBE_ID}-{name}", list(prompt), params,
+                                             choices=Choices(logprobs=TOP)), self)
 
     def __call__(self, event: Any) -> None:
         if isinstance(event, Token):
@@ -233,7 +238,8 @@ class _Probe:
     def compared(self) -> tuple[list[list[int]], torch.Tensor]:
         """Per decoded position the token ids compared (the engine's top ones and its
         choice), and the engine's logprobs of them."""
-        ids, values = [], []
+        ids: list[list[int]] = []
+        values: list[float] = []
         for entry in self.logprobs:
             pairs = dict(entry.top)
             pairs[entry.token_id] = entry.logprob

@@ -95,7 +95,7 @@ class Grammars:
             return found
         try:
             compiled = compile_spec(self._compiler, spec)
-        except Exception as exc:  # xgrammar raises RuntimeError with its C++ message
+        except Exception as exc:  # noqa: BLE001 - xgrammar raises RuntimeError with its C++ message
             raise OpError(ErrorCode.BAD_REQUEST,
                           f"argument 'grammar' cannot be compiled: {message(exc)}") from None
         if not _startable(compiled):

@@ -9,7 +9,7 @@ with the xgrammar ``CompiledGrammar`` of a checked spec:
    killed and the request is refused (``bad_request`` naming the setting); when the
    request is cancelled meanwhile (its client left, the station stops) the worker is killed
    too, so no compile outlives its request. Up to ``WORKERS`` compile at once; a killed one
-   is replaced at the next compile. A worker starts in about 3 s (``import xgrammar``
+   is replaced at the next compile. A worker takes seconds to start (``import xgrammar``
    imports torch), at the first grammar that is not cached; the bound counts from its
    start's end;
 3. a spec that compiled in time is compiled in the station on the grammar thread
@@ -82,7 +82,7 @@ class GrammarCompiles:
 
     async def _grammars(self) -> Grammars:
         """The model's ``Grammars``: made once on a thread (building xgrammar's view of the
-        vocabulary takes about 0.7 s for 49k tokens), never waiting behind a compile."""
+        vocabulary takes a while for a large one), never waiting behind a compile."""
         from station.sampling.grammar import grammars_for
 
         made = getattr(self.loaded, "grammars", None)

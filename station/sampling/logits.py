@@ -16,13 +16,16 @@ exactly the argmax of its raw logits).
 
 from __future__ import annotations
 
-from typing import Iterable, Sequence
+from typing import TYPE_CHECKING, Iterable, Sequence
 
 import torch
 
 from station.core.requests import SamplingParams
 from station.sampling.grammar import SequenceGrammar, apply_masks
 from station.sampling.sample import make_generator, sample
+
+if TYPE_CHECKING:
+    import xgrammar  # imported where a grammar is compiled, not at start
 
 
 class SequenceSampling:
@@ -32,14 +35,16 @@ class SequenceSampling:
     (``station.sampling.grammar``), which then decides where the output ends (``min_tokens``
     does not hold its stop tokens back, and stop ids that are not the grammar's own are
     always masked: they would end the output before it is complete; so are the grammar's
-    ``forbidden_ids``, the control-character tokens of a JSON grammar). Made on the server's thread, so it makes no tensor
-    there: each is built on the engine thread at the sequence's first step."""
+    ``forbidden_ids``, the control-character tokens of a JSON grammar). Made on the server's
+    thread, so it makes no tensor there: each is built on the engine thread at the
+    sequence's first step."""
 
     __slots__ = ("params", "generator", "num_generated", "counts", "_device", "_prompt",
                  "_prompt_seen", "_stops", "_stop_tensor", "_bias", "grammar")
 
     def __init__(self, params: SamplingParams, prompt_ids: Sequence[int], stop_ids: Iterable[int],
-                 device: torch.device | str = "cpu", grammar: object = None) -> None:
+                 device: torch.device | str = "cpu",
+                 grammar: xgrammar.CompiledGrammar | None = None) -> None:
         self.params = params
         self.grammar = SequenceGrammar(grammar) if grammar is not None else None
         self._device = torch.device(device)
@@ -154,7 +159,8 @@ def sample_sequences(logits: torch.Tensor, states: Sequence[SequenceSampling]) -
             sub = sub.index_copy(0, at, penalized)
         grammar_rows = [j for j, i in enumerate(touched) if states[i].grammar is not None]
         if grammar_rows:  # last, so nothing above can bring back a forbidden token
-            apply_masks(sub, grammar_rows, [states[touched[j]].grammar for j in grammar_rows])
+            grammars = [g for j in grammar_rows if (g := states[touched[j]].grammar) is not None]
+            apply_masks(sub, grammar_rows, grammars)
         logits = logits.float().index_copy(0, index, sub)
     tokens = sample(logits, [s.params for s in states], [s.generator for s in states])
     if counts is not None:  # count the new tokens: one batched add, rows stay views

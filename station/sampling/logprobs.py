@@ -19,8 +19,6 @@ from typing import Any, Sequence as Seq
 
 import torch
 
-MAX_LOGPROBS = 20  # top alternatives per token, at most (OpenAI's top_logprobs bound)
-
 
 @dataclass(frozen=True, slots=True)
 class TokenLogprobs:

@@ -1,11 +1,9 @@
 """Chat arguments of ``generate`` and ``tokenize``: messages (tool calls and tool results
 included), tools, and the chat template that renders them.
 
-A message is ``{role, content}`` plus, optionally, ``tool_calls`` (an assistant's calls:
-``[{"id", "type": "function", "function": {"name", "arguments"}}]``, ``arguments`` a map or
-a string), ``tool_call_id`` and ``name`` (a tool result's). ``tools`` is the list of
-OpenAI tool definitions (``{"type": "function", "function": {"name", "description",
-"parameters"}}``), given to the template as transformers' ``apply_chat_template(tools=...)``
+Their shapes are the wire's (``gnosis_daemon.wire.chat``: a message is ``{role, content}``
+plus, optionally, ``tool_calls``, ``tool_call_id`` and ``name``; ``tools`` the OpenAI tool
+definitions), given to the template as transformers' ``apply_chat_template(tools=...)``
 does. Neither the tools nor a message's tool fields may hold special-token text (a
 content's is kept as text, ``station.model.tokenizing``; these are refused instead).
 
@@ -20,12 +18,15 @@ import json
 from typing import Any
 
 from gnosis_daemon.protocol import ErrorCode, OpError
+from gnosis_daemon.wire.chat import (MESSAGE_KEYS, check_messages, check_tools, json_chars,
+                                     messages_chars)
 from station.model.loader import LoadedModel
 from station.model.tokenizing import Codec
 
-MAX_TOOLS = 128
+__all__ = ["check_messages", "check_tools", "codec", "json_chars", "messages_chars",
+           "render_chat", "template_text", "tool_format"]
+
 TOOL_PARSERS = ("hermes", "mistral", "llama3", "generic")
-MESSAGE_KEYS = ("tool_calls", "tool_call_id", "name")
 
 
 def bad(message: str) -> OpError:
@@ -36,76 +37,6 @@ def codec(loaded: LoadedModel) -> Codec:
     if loaded.codec is None:
         loaded.codec = Codec(loaded.tokenizer)
     return loaded.codec
-
-
-def check_messages(value: Any) -> list[dict[str, Any]]:
-    if not isinstance(value, list) or not value:
-        raise bad("argument 'messages' must be a non-empty list of {role, content} maps")
-    out = []
-    for i, message in enumerate(value):
-        if not (isinstance(message, dict) and isinstance(message.get("role"), str)
-                and isinstance(message.get("content"), str)):
-            raise bad(f"messages[{i}] must be a map with string 'role' and 'content'")
-        checked: dict[str, Any] = {"role": message["role"], "content": message["content"]}
-        for key in ("tool_call_id", "name"):
-            if message.get(key) is not None:
-                if not isinstance(message[key], str):
-                    raise bad(f"messages[{i}].{key} must be a string")
-                checked[key] = message[key]
-        if message.get("tool_calls"):
-            checked["tool_calls"] = _tool_calls(message["tool_calls"], f"messages[{i}]")
-        out.append(checked)
-    return out
-
-
-def _tool_calls(calls: Any, where: str) -> list[dict[str, Any]]:
-    if not isinstance(calls, list):
-        raise bad(f"{where}.tool_calls must be a list")
-    out = []
-    for j, call in enumerate(calls):
-        function = call.get("function") if isinstance(call, dict) else None
-        if not (isinstance(function, dict) and isinstance(function.get("name"), str)
-                and isinstance(function.get("arguments"), (dict, str))):
-            raise bad(f"{where}.tool_calls[{j}] must be a map with 'function': "
-                      f"{{'name': string, 'arguments': map or string}}")
-        if not isinstance(call.get("id", ""), str):
-            raise bad(f"{where}.tool_calls[{j}].id must be a string")
-        out.append({"id": call.get("id", ""), "type": "function",
-                    "function": {"name": function["name"], "arguments": function["arguments"]}})
-    return _json_only(out, f"{where}.tool_calls")
-
-
-def check_tools(value: Any) -> list[dict[str, Any]] | None:
-    """``tools``: None or a non-empty list of ``{"type": "function", "function": {"name",
-    ...}}`` maps (passed to the template as they are)."""
-    if value is None:
-        return None
-    if not isinstance(value, list) or not 1 <= len(value) <= MAX_TOOLS:
-        raise bad(f"argument 'tools' must be a list of 1 to {MAX_TOOLS} tool maps")
-    for i, tool in enumerate(value):
-        function = tool.get("function") if isinstance(tool, dict) else None
-        if not (isinstance(function, dict) and isinstance(function.get("name"), str)
-                and function["name"]):
-            raise bad(f"tools[{i}] must be a map with 'function': {{'name': string, ...}}")
-    return list(_json_only(value, "argument 'tools'"))
-
-
-def json_chars(value: Any) -> int:
-    return len(json.dumps(value, ensure_ascii=False)) if value else 0
-
-
-def _json_only(value: Any, what: str) -> Any:
-    """``value`` when JSON can hold it (a raw frame may carry bytes, NaN, odd keys)."""
-    try:
-        json.dumps(value, allow_nan=False)
-    except (TypeError, ValueError, RecursionError):
-        raise bad(f"{what} must hold only JSON values") from None
-    return value
-
-
-def messages_chars(messages: list[dict[str, Any]]) -> int:
-    return sum(len(m["role"]) + len(m["content"])
-               + sum(json_chars(m.get(k)) for k in MESSAGE_KEYS) for m in messages)
 
 
 def template_text(loaded: LoadedModel) -> str:
@@ -164,7 +95,7 @@ def render_chat(loaded: LoadedModel, messages: list[dict[str, Any]],
         try:
             return tokenizer.apply_chat_template(msgs, tools=tools or None, tokenize=False,
                                                  add_generation_prompt=add_generation_prompt)
-        except Exception as exc:  # jinja raises its own error types for bad roles/orders
+        except Exception as exc:  # noqa: BLE001 - jinja raises its own types for bad roles/orders
             raise bad(f"chat template rejected the messages: {exc}") from None
 
     return text_codec.encode_chat(messages, render)

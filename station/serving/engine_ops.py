@@ -22,15 +22,15 @@ from typing import TYPE_CHECKING, Any
 import trio
 
 from gnosis_daemon.protocol import ErrorCode, OpError
-from station.core.requests import SamplingParams
+from gnosis_daemon.wire import Sampling
 from station.model.loader import LoadedModel
-from station.serving.ops import (OpContext, Tokenizing, arg, bad, check_text_size, codec,
-                         number, seed_arg, token_list)
+from station.serving.ops import OpContext, Tokenizing, arg, bad, check_text_size, codec, token_list
 
 if TYPE_CHECKING:
     from station.engine.loop import PagedEngine
 
 MAX_EMBED_INPUTS = 256
+DECODE_NEXT_SAMPLING = ("temperature", "top_p", "top_k", "seed")
 
 
 def _session_id(args: dict[str, Any]) -> str:
@@ -77,16 +77,10 @@ def parse_forward(ctx: OpContext, args: dict[str, Any]) -> dict[str, Any]:
 
 
 def parse_decode_next(ctx: OpContext, args: dict[str, Any]) -> dict[str, Any]:
-    kwargs = {"seq_id": arg(args, "seq_id", str),
-              "temperature": number(args, "temperature", 1.0),
-              "top_p": number(args, "top_p", 1.0),
-              "top_k": arg(args, "top_k", int, 0),
-              "seed": seed_arg(args)}
-    try:
-        SamplingParams(max_tokens=1, **{k: v for k, v in kwargs.items() if k != "seq_id"})
-    except ValueError as exc:
-        raise bad(str(exc)) from None
-    return kwargs
+    """The sampling controls decode_next takes, read and checked as generate's are."""
+    sampling = Sampling.from_wire({k: args[k] for k in DECODE_NEXT_SAMPLING if k in args})
+    return {"seq_id": arg(args, "seq_id", str),
+            **{k: getattr(sampling, k) for k in DECODE_NEXT_SAMPLING}}
 
 
 def parse_embed(ctx: OpContext, args: dict[str, Any]) -> dict[str, Any] | Tokenizing:
@@ -104,7 +98,7 @@ def parse_embed(ctx: OpContext, args: dict[str, Any]) -> dict[str, Any] | Tokeni
             check_text_size(loaded, len(text), f"input {i}")
         return Tokenizing(functools.partial(encode_embed_texts, loaded, list(inputs)))
     token_lists = []
-    for i, item in enumerate(inputs):
+    for item in inputs:
         if not isinstance(item, list):
             raise bad("argument 'tokens' must be a list of lists of ints")
         token_lists.append(token_list(loaded, {"tokens": item}, "tokens"))
@@ -132,7 +126,7 @@ class EngineCall:
     ``done`` is the callback the engine was given, and the key ``cancel_call`` knows it by.
     """
 
-    def __init__(self, token: trio.lowlevel.TrioToken, engine: "PagedEngine") -> None:
+    def __init__(self, token: trio.lowlevel.TrioToken, engine: PagedEngine) -> None:
         self._token = token
         self._engine = engine
         self._event = trio.Event()

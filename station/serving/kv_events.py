@@ -136,7 +136,7 @@ class Listener:
     the station blocks behind each external hash (GPU) and the disk sessions naming it
     (DISK), and queues an event when one appears or disappears."""
 
-    def __init__(self, publisher: "KVEventPublisher") -> None:
+    def __init__(self, publisher: KVEventPublisher) -> None:
         self._pub = publisher
         self.counts: Counter[int] = Counter()
         self.disk_counts: Counter[int] = Counter()
@@ -242,8 +242,9 @@ class KVEventPublisher:
         self._pub = self._ctx.socket(zmq.PUB)
         self._pub.set_hwm(100_000)
         self._replay = self._ctx.socket(zmq.ROUTER) if replay_endpoint else None
-        for sock in filter(None, (self._pub, self._replay) if curve else ()):
-            kv_events_auth.secure(sock, curve)
+        if curve:
+            for sock in filter(None, (self._pub, self._replay)):
+                kv_events_auth.secure(sock, curve)
         self._pub.bind(endpoint)
         if self._replay is not None:
             self._replay.bind(replay_endpoint)

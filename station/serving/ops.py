@@ -6,7 +6,7 @@ argument into one error frame and the connection keeps working.
 Threads: the checks that cost no more than the frame's own decoding run on the trio thread
 (types, ranges, lengths, the size bound below): the ``parse_*`` functions, which the op
 registry (``station.serving.op_registry``) names as parsers. Everything that runs the tokenizer or
-the chat template (``tokenize``, ``detokenize``, ``GeneratePlan.encode``) takes time in
+the chat template (``tokenize``, ``detokenize``, ``encode_prompt``) takes time in
 proportion to its input, so the server runs it on a worker thread: a parser that needs it
 returns a ``Tokenizing``.
 
@@ -19,25 +19,18 @@ writes both).
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, Callable, Protocol
 
-from gnosis_daemon.protocol import MAX_STOP_CHARS, MAX_STOP_STRINGS, Capability, ErrorCode, OpError
+from gnosis_daemon.protocol import Capability, ErrorCode, OpError
 from gnosis_daemon.settings import Settings
-from gnosis_daemon.grammar_spec import GrammarSpecError, check_grammar
-from station.core.requests import MAX_LOGIT_BIAS, SamplingParams
-
-MAX_CHOICES = 16  # generate's n (station.engine.forks)
-MAX_LOGPROBS = 20  # top alternatives per token (station.sampling.logprobs)
+from gnosis_daemon.wire import GenerateArgs
+from gnosis_daemon.wire.chat import json_chars, messages_chars
+from station.core.requests import GenerationRequest, SamplingParams
 from station.model.loader import LoadedModel
-from station.serving.chat import (check_messages, check_tools, codec, json_chars, messages_chars,
-                                  render_chat)
+from station.serving.chat import check_messages, check_tools, codec, render_chat
 
 _MISSING = object()
-# The range of a seed: an int64 or a uint64 (what msgpack carries); the generator takes
-# its 64 bits, so a negative seed is the same as that seed plus 2**64.
-SEED_MIN, SEED_END = -(2**63), 2**64
 
 
 class OpContext(Protocol):
@@ -87,21 +80,6 @@ def _kind_names(kinds: tuple[type, ...]) -> str:
     return " or ".join(k.__name__ for k in kinds)
 
 
-def number(args: dict[str, Any], name: str, default: float) -> float:
-    """A finite int or float argument, as a float (NaN or infinity would poison sampling)."""
-    value = float(arg(args, name, (int, float), default))
-    if not math.isfinite(value):
-        raise bad(f"argument {name!r} must be a finite number")
-    return value
-
-
-def seed_arg(args: dict[str, Any], name: str = "seed") -> int | None:
-    seed = arg(args, name, int, None, nullable=True)
-    if seed is not None and not SEED_MIN <= seed < SEED_END:
-        raise bad(f"argument {name!r} must be in [-2**63, 2**64)")
-    return seed
-
-
 def int_list(args: dict[str, Any], name: str, default: Any = _MISSING) -> list[int]:
     value = arg(args, name, list, default)
     if any(isinstance(v, bool) or not isinstance(v, int) for v in value):
@@ -115,38 +93,28 @@ def token_list(loaded: LoadedModel, args: dict[str, Any], name: str,
     long list costs nothing), each in ``[0, vocab_size)``."""
     value = arg(args, name, list, default)
     if len(value) > loaded.max_model_len:
-        raise OpError(ErrorCode.CONTEXT_OVERFLOW, f"argument {name!r} has {len(value)} tokens, "
-                      f"more than max_model_len {loaded.max_model_len}")
+        raise _too_many(loaded, name, len(value))
     tokens = int_list({name: value}, name)
     check_token_range(loaded, tokens, name)
     return tokens
 
 
-def check_token_range(loaded: LoadedModel, tokens: list[int], name: str) -> None:
+def check_prompt_ids(loaded: LoadedModel, tokens: tuple[int, ...], name: str) -> None:
+    """Already ints: at most ``max_model_len`` of them, each in ``[0, vocab_size)``."""
+    if len(tokens) > loaded.max_model_len:
+        raise _too_many(loaded, name, len(tokens))
+    check_token_range(loaded, tokens, name)
+
+
+def _too_many(loaded: LoadedModel, name: str, n: int) -> OpError:
+    return OpError(ErrorCode.CONTEXT_OVERFLOW, f"argument {name!r} has {n} tokens, more than "
+                   f"max_model_len {loaded.max_model_len}")
+
+
+def check_token_range(loaded: LoadedModel, tokens: list[int] | tuple[int, ...], name: str) -> None:
     vocab = loaded.vocab_size
     if any(not 0 <= t < vocab for t in tokens):
         raise bad(f"argument {name!r} has token ids outside [0, {vocab})")
-
-
-def logit_bias_arg(loaded: LoadedModel, args: dict[str, Any]) -> tuple[tuple[int, float], ...]:
-    """``logit_bias``: a map of token id (an int, or its decimal string as JSON writes it)
-    to a finite bias in [-100, 100], at most ``MAX_LOGIT_BIAS`` entries."""
-    value = arg(args, "logit_bias", dict, {})
-    if len(value) > MAX_LOGIT_BIAS:
-        raise bad(f"argument 'logit_bias' has {len(value)} entries, more than {MAX_LOGIT_BIAS}")
-    pairs = []
-    for key, bias in value.items():
-        token = key if isinstance(key, int) and not isinstance(key, bool) else None
-        if isinstance(key, str) and key.isascii() and key.lstrip("-").isdigit() and len(key) < 20:
-            token = int(key)
-        if token is None or bias is None:
-            raise bad("argument 'logit_bias' must map token ids (ints or decimal strings) "
-                      "to numbers")
-        pairs.append((token, number({"logit_bias": bias}, "logit_bias", 0.0)))
-    check_token_range(loaded, [t for t, _ in pairs], "logit_bias")
-    if len({t for t, _ in pairs}) != len(pairs):
-        raise bad("argument 'logit_bias' names a token twice")
-    return tuple(pairs)
 
 
 # -- the size bound (trio thread: lengths only)
@@ -200,181 +168,77 @@ def detokenize(loaded: LoadedModel, args: dict[str, Any]) -> dict[str, Any]:
 
 # -- generate
 @dataclass(frozen=True, slots=True)
-class GenerateArgs:
+class CheckedGenerate:
+    """A ``generate`` the station can serve: its wire arguments, every check passed, the
+    prompt's token ids, its budget capped by the room the prompt leaves, and its compiled
+    grammar (an xgrammar CompiledGrammar, ``station.sampling.grammar``; None without one)."""
+
+    args: GenerateArgs
     prompt_ids: list[int]
-    params: SamplingParams
-    stop: tuple[str, ...]
-    tenant: str
-    load_session: str | None
-    match_session: bool
-    save_session: str | None
-    save_final_session: str | None = None
-    grammar: Any = None  # an xgrammar CompiledGrammar (station.sampling.grammar)
-    choices: dict[str, Any] | None = None  # n, logprobs, prompt_logprobs (choices_args)
-
-
-@dataclass(frozen=True, slots=True)
-class GeneratePlan:
-    """A checked ``generate`` whose prompt may still be text to encode (``encode``, on a
-    worker thread); ``finish`` turns it into ``GenerateArgs`` once the ids are known."""
-
-    prompt_ids: list[int] | None  # given as tokens
-    prompt: str | None
-    add_special_tokens: bool
-    messages: list[dict[str, str]] | None
     max_tokens: int
-    params: SamplingParams  # max_tokens=1 until ``finish`` caps it by the prompt's room
-    stop: tuple[str, ...]
-    tenant: str
-    load_session: str | None
-    match_session: bool
-    save_session: str | None
-    save_final_session: str | None
-    tools: list[dict[str, Any]] | None = None
-    grammar: dict[str, Any] | None = None  # checked (gnosis_daemon.grammar_spec), not compiled
-    choices: dict[str, Any] | None = None  # n, logprobs, prompt_logprobs (choices_args)
+    grammar: Any = None
 
-    @property
-    def needs_encoding(self) -> bool:
-        """Work for a worker thread: a prompt to encode, or a grammar to compile."""
-        return self.prompt_ids is None or self.grammar is not None
-
-    def encode(self, loaded: LoadedModel) -> list[int]:
-        if self.prompt_ids is not None:
-            return self.prompt_ids
-        if self.messages is not None:
-            return render_chat(loaded, self.messages, True, self.tools)
-        assert self.prompt is not None
-        return codec(loaded).encode(self.prompt, self.add_special_tokens)
-
-    def finish(self, loaded: LoadedModel, prompt_ids: list[int], grammar: Any = None) -> GenerateArgs:
-        """``grammar``: the compiled ``self.grammar`` (None without one)."""
-        # max_tokens is capped by the context left; whether the prompt fits at all is the
-        # engine's one check (SequenceLimits), with the same codes for every op.
-        room = max(1, loaded.max_model_len - len(prompt_ids))
-        return GenerateArgs(
-            prompt_ids=prompt_ids, params=replace(self.params, max_tokens=min(self.max_tokens, room)),
-            stop=self.stop, tenant=self.tenant, load_session=self.load_session,
-            match_session=self.match_session,
-            save_session=self.save_session, save_final_session=self.save_final_session,
-            grammar=grammar, choices=self.choices)
+    def request(self, request_id: str) -> GenerationRequest:
+        """What the engine schedules (``add_request``)."""
+        return GenerationRequest(request_id, self.prompt_ids,
+                                 SamplingParams.of(self.args.sampling, self.max_tokens),
+                                 self.args.sessions, self.args.choices, self.grammar)
 
 
-def plan_generate(loaded: LoadedModel, settings: Settings, args: dict[str, Any]) -> GeneratePlan:
-    """Every check of ``generate`` that needs no tokenizer (trio thread)."""
-    sources = [k for k in ("tokens", "prompt", "messages") if k in args]
-    if len(sources) != 1:
-        raise bad("generate takes exactly one of 'tokens', 'prompt' or 'messages'")
-    prompt_ids = prompt = messages = tools = None
-    add_special = True
-    if sources[0] == "tokens":
-        prompt_ids = token_list(loaded, args, "tokens")
-    elif sources[0] == "prompt":
-        add_special = arg(args, "add_special_tokens", bool, True)
-        prompt = arg(args, "prompt", str)
-        check_text_size(loaded, len(prompt), "prompt")
-    else:
-        messages = check_messages(args["messages"])
-        tools = check_tools(args.get("tools"))
-        check_text_size(loaded, messages_chars(messages) + json_chars(tools), "messages")
-    if args.get("tools") is not None and messages is None:
-        raise bad("argument 'tools' needs 'messages' (the chat template renders them)")
-    max_tokens = arg(args, "max_tokens", int, settings.max_tokens_default)
-    if max_tokens < 1:
-        raise bad("argument 'max_tokens' must be at least 1")
-    stop = arg(args, "stop", (list, str), [])
-    stop = [stop] if isinstance(stop, str) else stop
-    if any(not isinstance(s, str) for s in stop):
-        raise bad("argument 'stop' must be a string or a list of strings")
-    if len(stop) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_CHARS for s in stop):
-        raise bad(f"argument 'stop' takes at most {MAX_STOP_STRINGS} strings of at most "
-                  f"{MAX_STOP_CHARS} characters")
-    stop_ids = arg(args, "stop_token_ids", list, [])
+def check_generate(ctx: OpContext, args: GenerateArgs) -> None:
+    """What the wire arguments cannot say alone: token ids against the vocabulary, the
+    prompt against the context (tokens) or the size bound (text), and the capabilities
+    the arguments need (trio thread: no tokenizer)."""
+    loaded = ctx.loaded
+    if args.tokens is not None:
+        check_prompt_ids(loaded, args.tokens, "tokens")
+    elif args.prompt is not None:
+        check_text_size(loaded, len(args.prompt), "prompt")
+    elif args.messages is not None:
+        check_text_size(loaded, messages_chars(args.messages) + json_chars(args.tools), "messages")
+    stop_ids = args.sampling.stop_token_ids
     if len(stop_ids) > loaded.vocab_size:
         raise bad(f"argument 'stop_token_ids' has more ids than the vocabulary's {loaded.vocab_size}")
-    stop_ids = int_list({"stop_token_ids": stop_ids}, "stop_token_ids")
     check_token_range(loaded, stop_ids, "stop_token_ids")
-    try:
-        params = SamplingParams(
-            max_tokens=1,
-            temperature=number(args, "temperature", 1.0),
-            top_p=number(args, "top_p", 1.0),
-            top_k=arg(args, "top_k", int, 0),
-            seed=seed_arg(args),
-            stop_token_ids=tuple(stop_ids),
-            ignore_eos=arg(args, "ignore_eos", bool, False),
-            min_p=number(args, "min_p", 0.0),
-            presence_penalty=number(args, "presence_penalty", 0.0),
-            frequency_penalty=number(args, "frequency_penalty", 0.0),
-            repetition_penalty=number(args, "repetition_penalty", 1.0),
-            logit_bias=logit_bias_arg(loaded, args),
-            min_tokens=arg(args, "min_tokens", int, 0),
-        )
-    except ValueError as exc:
-        raise bad(f"argument {exc}") from None
-    if params.min_tokens > max_tokens:
-        raise bad(f"argument 'min_tokens' ({params.min_tokens}) must be at most max_tokens "
-                  f"({max_tokens})")
-    return GeneratePlan(
-        prompt_ids=prompt_ids, prompt=prompt, add_special_tokens=add_special, messages=messages,
-        max_tokens=max_tokens, params=params, stop=tuple(s for s in stop if s),
-        tenant=arg(args, "tenant", str, ""),
-        load_session=arg(args, "load_session", str, None, nullable=True),
-        match_session=arg(args, "match_session", bool, False),
-        save_session=arg(args, "save_session", str, None, nullable=True),
-        save_final_session=arg(args, "save_final_session", str, None, nullable=True),
-        tools=tools, grammar=grammar_arg(args, settings.grammar_max_nodes, stop),
-        choices=choices_args(args),
-    )
-
-
-def choices_args(args: dict[str, Any]) -> dict[str, Any] | None:
-    """``n`` (1 to 16 choices), ``logprobs`` / ``prompt_logprobs`` (0 to 20 top
-    alternatives, null: none); None when all are defaults."""
-    n = arg(args, "n", int, 1)
-    if not 1 <= n <= MAX_CHOICES:
-        raise bad(f"argument 'n' must be in [1, {MAX_CHOICES}], got {n}")
-    out = {"n": n}
-    for name in ("logprobs", "prompt_logprobs"):
-        value = arg(args, name, int, None, nullable=True)
-        if value is not None and not 0 <= value <= MAX_LOGPROBS:
-            raise bad(f"argument {name!r} must be in [0, {MAX_LOGPROBS}] or null, got {value}")
-        out[name] = value
-    return out if n > 1 or out["logprobs"] is not None or out["prompt_logprobs"] is not None else None
-
-
-def grammar_arg(args: dict[str, Any], max_nodes: int | None = None,
-                stop: list[str] | tuple[str, ...] = ()) -> dict[str, Any] | None:
-    """``grammar``: None, or a spec ``gnosis_daemon.grammar_spec.check_grammar`` accepts
-    holding at most ``max_nodes`` JSON values. A grammar with stop strings is refused: a
-    stop string would end the output before the grammar is complete."""
-    if args.get("grammar") is None:
-        return None
-    try:
-        spec = check_grammar(args["grammar"], max_nodes)
-    except GrammarSpecError as exc:
-        raise bad(f"argument 'grammar' {exc}") from None
-    if any(stop):
-        raise bad("argument 'stop' cannot be used with 'grammar': a stop string would end "
-                  "the output before the grammar is complete")
-    return spec
-
-
-def parse_generate(ctx: OpContext, args: dict[str, Any]) -> GenerateArgs | Tokenizing:
-    """``plan_generate``; a prompt given as text is encoded, a grammar compiled, on a
-    worker thread."""
-    loaded = ctx.loaded
-    plan = plan_generate(loaded, ctx.settings, args)
-    if ((plan.load_session or plan.match_session or plan.save_session or plan.save_final_session)
-            and Capability.KV_SESSION not in ctx.capabilities):
+    check_token_range(loaded, [t for t, _ in args.sampling.logit_bias], "logit_bias")
+    if args.sessions.asked and Capability.KV_SESSION not in ctx.capabilities:
         raise bad("KV session arguments need capability kv_session, which this station does "
                   "not have")
-    if plan.grammar is not None and Capability.STRUCTURED_OUTPUT not in ctx.capabilities:
+    if args.grammar is not None and Capability.STRUCTURED_OUTPUT not in ctx.capabilities:
         raise bad("argument 'grammar' needs capability structured_output, which this station "
                   "does not have")
-    if not plan.needs_encoding:
-        assert plan.prompt_ids is not None
-        return plan.finish(loaded, plan.prompt_ids)
+
+
+def encode_prompt(loaded: LoadedModel, args: GenerateArgs) -> list[int]:
+    """The prompt's token ids (worker thread: the tokenizer or the chat template)."""
+    if args.tokens is not None:
+        return list(args.tokens)
+    if args.messages is not None:
+        return render_chat(loaded, list(args.messages), True,
+                           None if args.tools is None else list(args.tools))
+    assert args.prompt is not None
+    return codec(loaded).encode(args.prompt, args.add_special_tokens)
+
+
+def ready_generate(loaded: LoadedModel, args: GenerateArgs, budget: int, prompt_ids: list[int],
+                   grammar: Any = None) -> CheckedGenerate:
+    """``args`` with its prompt's ids and compiled grammar. Its ``budget`` (``max_tokens``)
+    is capped by the context left; whether the prompt fits at all is the engine's one check
+    (``SequenceLimits``), with the same codes for every op."""
+    room = max(1, loaded.max_model_len - len(prompt_ids))
+    return CheckedGenerate(args, prompt_ids, min(budget, room), grammar)
+
+
+def parse_generate(ctx: OpContext, raw: dict[str, Any]) -> CheckedGenerate | Tokenizing:
+    """The wire arguments, checked once (``GenerateArgs.from_wire``) and against this
+    station (``check_generate``); a prompt given as text is encoded, a grammar compiled, on
+    a worker thread."""
+    loaded, settings = ctx.loaded, ctx.settings
+    args = GenerateArgs.from_wire(raw, grammar_max_nodes=settings.grammar_max_nodes)
+    budget = args.token_budget(settings.max_tokens_default)
+    check_generate(ctx, args)
+    if args.tokens is not None and args.grammar is None:
+        return ready_generate(loaded, args, budget, list(args.tokens))
     # The prompt is encoded on a worker thread; the grammar is compiled after, off it.
-    return Tokenizing(lambda: plan.encode(loaded), plan.grammar,
-                      lambda ids, compiled: plan.finish(loaded, ids, compiled))
+    return Tokenizing(lambda: encode_prompt(loaded, args), args.grammar,
+                      lambda ids, compiled: ready_generate(loaded, args, budget, ids, compiled))

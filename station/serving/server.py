@@ -69,7 +69,7 @@ TEXT_THREADS = 2
 class StationServer:
     """Serves the ops of ``registry`` (the station's own unless a test passes another)."""
 
-    def __init__(self, settings: Settings, loaded: LoadedModel, engine: "PagedEngine",
+    def __init__(self, settings: Settings, loaded: LoadedModel, engine: PagedEngine,
                  registry: OpRegistry = STATION_OPS) -> None:
         self.settings = settings
         self.loaded = loaded
@@ -88,7 +88,7 @@ class StationServer:
         # ``serving`` figures: every worker on an old job is a stuck station).
         self.text_jobs: dict[object, float] = {}
 
-    # What the start found in the KV disk tier (``kv_tier_start.open_tier``), set by
+    # What the start found in the KV disk tier (``station.tier.start.open_tier``), set by
     # ``serve``; hello and health publish it so a rejected or foreign tier is never silent.
     kv_tier: dict[str, Any] | None = None
     # The start check's figures (``station.plan.start_check``), set by ``serve``; None when

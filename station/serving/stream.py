@@ -22,8 +22,9 @@ import trio
 from gnosis_daemon.logs import get_logger
 from gnosis_daemon.protocol import ErrorCode, error_frame, event_frame, result_frame
 from station.serving.detok import IncrementalDetokenizer
+from gnosis_daemon.wire import ChoiceResult, GenerateResult, LogprobEntry, PrefillEvent, TokensEvent
 from station.core.requests import EngineEvent, Failed, Finished, GenerationRequest, Prefill, Token
-from station.serving.ops import GenerateArgs
+from station.serving.ops import CheckedGenerate
 from station.serving.token_text import token_texts
 from station.engine.forks import choice_id
 
@@ -45,10 +46,10 @@ def _deliver(channel: trio.MemorySendChannel, event: EngineEvent) -> None:
 class _Choice:
     """One choice of a generate (``n`` > 1: several): its detokenizer and tokens."""
 
-    def __init__(self, index: int, engine_id: str, gen: GenerateArgs, tokenizer: Any) -> None:
+    def __init__(self, index: int, engine_id: str, gen: CheckedGenerate, tokenizer: Any) -> None:
         self.index = index
         self.engine_id = engine_id
-        self.detok = IncrementalDetokenizer(tokenizer, gen.prompt_ids, gen.stop)
+        self.detok = IncrementalDetokenizer(tokenizer, gen.prompt_ids, gen.args.stop)
         self.token_ids: list[int] = []
         self.done = False
         self.reason: str | None = None
@@ -60,21 +61,21 @@ class _Choice:
 class GenerateStream:
     """State of one in-flight generate: its channel, its choices' detokenizers, timings."""
 
-    def __init__(self, frame_id: Any, engine_id: str, gen: GenerateArgs, tokenizer: Any,
+    def __init__(self, frame_id: Any, engine_id: str, gen: CheckedGenerate, tokenizer: Any,
                  eos_ids: tuple[int, ...], token: trio.lowlevel.TrioToken) -> None:
         self.frame_id = frame_id
         self.engine_id = engine_id
         self.gen = gen
         self._token = token
         self._send, self._receive = trio.open_memory_channel[EngineEvent](math.inf)
-        self.choices_args = gen.choices or {}
-        self.n = self.choices_args.get("n", 1)
-        self.texts = token_texts(tokenizer) if gen.choices else None
+        self.asked = gen.args.choices
+        self.n = self.asked.n
+        self.texts = token_texts(tokenizer) if self.asked.asked else None
         self.choices = [_Choice(i, choice_id(engine_id, i), gen, tokenizer) for i in range(self.n)]
         self._by_id = {c.engine_id: c for c in self.choices}
-        params = gen.params
+        sampling = gen.args.sampling
         # The token that ends generation is not text (vLLM's default): eos / stop_token_ids.
-        self._final_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_ids))
+        self._final_ids = set(sampling.stop_token_ids) | (set() if sampling.ignore_eos else set(eos_ids))
         self.done = False
         self.started = time.perf_counter()
         self.first_token_at: float | None = None
@@ -86,13 +87,7 @@ class GenerateStream:
 
     def engine_request(self) -> GenerationRequest:
         """What the engine schedules for this stream (``add_request`` with ``on_event``)."""
-        gen, extra = self.gen, self.choices_args
-        return GenerationRequest(self.engine_id, gen.prompt_ids, gen.params, tenant=gen.tenant,
-                                 load_session=gen.load_session, match_session=gen.match_session,
-                                 save_session=gen.save_session,
-                                 save_final_session=gen.save_final_session, grammar=gen.grammar,
-                                 n=self.n, logprobs=extra.get("logprobs"),
-                                 prompt_logprobs=extra.get("prompt_logprobs"))
+        return self.gen.request(self.engine_id)
 
     def on_event(self, event: EngineEvent) -> None:
         """Engine thread: hand the event to trio (never blocks)."""
@@ -108,7 +103,7 @@ class GenerateStream:
     def close(self) -> None:
         self._send.close()
 
-    async def pump(self, send: Send, engine: "PagedEngine") -> None:
+    async def pump(self, send: Send, engine: PagedEngine) -> None:
         """Send this request's frames until its final frame; log one canonical line."""
         # Until the engine says otherwise, an end without a final frame is the connection's
         # doing: it closed (the host went away) and the request was aborted with it.
@@ -133,27 +128,21 @@ class GenerateStream:
                     engine.abort(choice.engine_id)
             self._log(outcome)
 
-    def _frame(self, choice: _Choice, data: dict[str, Any]) -> bytes:
-        if self.n > 1:
-            data["index"] = choice.index
-        return event_frame(self.frame_id, data)
+    def _tokens(self, choice: _Choice, token_ids: list[int], text: str,
+                logprobs: tuple[LogprobEntry, ...] | None) -> bytes:
+        event = TokensEvent(token_ids=tuple(token_ids), text=text, logprobs=logprobs,
+                            index=choice.index if self.n > 1 else None)
+        return event_frame(self.frame_id, event.to_wire())
 
-    async def _handle(self, event: EngineEvent, send: Send, engine: "PagedEngine") -> str | None:
+    async def _handle(self, event: EngineEvent, send: Send, engine: PagedEngine) -> str | None:
         choice = self._by_id.get(event.request_id, self.choices[0])
         match event:
             case Prefill():
                 self.cached_tokens = event.cached_tokens
-                data = {"type": "prefill", "prompt_tokens": event.prompt_tokens,
-                        "cached_tokens": event.cached_tokens,
-                        "session_loaded": event.session_loaded,
-                        "session_id": event.session_id,
-                        "session_tokens": event.session_tokens,
-                        "session_tier": event.session_tier,
-                        "session_error": event.session_error,
-                        "saved": event.saved, "save_error": event.save_error}
+                entries = None
                 if event.prompt_logprobs is not None and self.texts is not None:
-                    data["prompt_logprobs"] = [self.texts.entry(lp) for lp in event.prompt_logprobs]
-                await send(event_frame(self.frame_id, data))
+                    entries = tuple(self.texts.entry(lp) for lp in event.prompt_logprobs)
+                await send(event_frame(self.frame_id, PrefillEvent.of(event, entries).to_wire()))
                 return None
             case Token():
                 if choice.stopped or choice.done:
@@ -171,10 +160,8 @@ class GenerateStream:
                     return "cancelled"
                 tail = choice.detok.finish()
                 if tail:
-                    data = {"type": "tokens", "token_ids": [], "text": tail}
-                    if self.choices_args.get("logprobs") is not None:
-                        data["logprobs"] = []
-                    await send(self._frame(choice, data))
+                    await send(self._tokens(choice, [], tail,
+                                            () if self.asked.logprobs is not None else None))
                 return await self._finish(choice, reason, send)
             case Failed():
                 self.done = True
@@ -183,19 +170,19 @@ class GenerateStream:
         raise AssertionError(f"unknown engine event {event!r}")
 
     async def _on_tokens(self, choice: _Choice, event: Token, send: Send,
-                         engine: "PagedEngine") -> str | None:
+                         engine: PagedEngine) -> str | None:
         if self.first_token_at is None:
             self.first_token_at = time.perf_counter()
         ids = [event.token_id]
         choice.token_ids.extend(ids)
         text_ids = [t for t in ids if t not in self._final_ids]
         out = choice.detok.feed(text_ids)
-        data: dict[str, Any] = {"type": "tokens", "token_ids": ids, "text": out.text}
+        entries = None
         if event.logprobs is not None and self.texts is not None:
-            data["logprobs"] = [self.texts.entry(event.logprobs)]
-        await send(self._frame(choice, data))
+            entries = (self.texts.entry(event.logprobs),)
+        await send(self._tokens(choice, ids, out.text, entries))
         if out.stopped:
-            if self.gen.save_final_session and choice.index == 0:
+            if self.gen.args.sessions.save_final_session and choice.index == 0:
                 choice.stopped = True  # the result follows the engine's finished event
                 engine.finish_early(choice.engine_id)
                 return None
@@ -208,32 +195,27 @@ class GenerateStream:
         if not all(c.done for c in self.choices):
             return None
         self.done = True
-        await send(result_frame(self.frame_id, self.result()))
+        await send(result_frame(self.frame_id, self.result().to_wire()))
         return self.choices[0].reason
 
-    def _choice_result(self, choice: _Choice) -> dict[str, Any]:
-        return {"finish_reason": choice.reason, "completion_tokens": len(choice.token_ids),
-                "token_ids": list(choice.token_ids), "text": choice.detok.text,
-                "final_saved": choice.final_saved, "final_save_error": choice.final_save_error}
+    def _choice_result(self, choice: _Choice) -> ChoiceResult:
+        return ChoiceResult(index=choice.index, finish_reason=choice.reason or "",
+                            completion_tokens=len(choice.token_ids),
+                            token_ids=tuple(choice.token_ids), text=choice.detok.text,
+                            final_saved=choice.final_saved,
+                            final_save_error=choice.final_save_error)
 
-    def result(self, reason: str | None = None) -> dict[str, Any]:
+    def result(self) -> GenerateResult:
         now = time.perf_counter()
         first = self.first_token_at or now
         decode_s = now - first
         n = len(self.token_ids)
-        out = {
-            **self._choice_result(self.choices[0]),
-            "prompt_tokens": len(self.gen.prompt_ids),
-            "completion_tokens": n,
-            "cached_tokens": self.cached_tokens,
-            "ttft_ms": round((first - self.started) * 1000, 3),
-            "decode_tokens_per_s": round((n - 1) / decode_s, 3) if n > 1 and decode_s > 0 else 0.0,
-        }
-        if reason is not None:
-            out["finish_reason"] = reason
-        if self.n > 1:
-            out["choices"] = [{"index": c.index, **self._choice_result(c)} for c in self.choices]
-        return out
+        each = tuple(self._choice_result(c) for c in self.choices)
+        return GenerateResult(
+            first=each[0], prompt_tokens=len(self.gen.prompt_ids), completion_tokens=n,
+            cached_tokens=self.cached_tokens, ttft_ms=round((first - self.started) * 1000, 3),
+            decode_tokens_per_s=round((n - 1) / decode_s, 3) if n > 1 and decode_s > 0 else 0.0,
+            choices=each if self.n > 1 else None)
 
     def _log(self, outcome: str) -> None:
         now = time.perf_counter()

@@ -9,6 +9,8 @@ from __future__ import annotations
 import functools
 from typing import Any
 
+from gnosis_daemon.wire import LogprobEntry, TopLogprob
+
 
 @functools.lru_cache(maxsize=1)
 def _byte_decoder() -> dict[str, int]:
@@ -64,13 +66,13 @@ class TokenTexts:
             return piece.replace("▁", " ").encode("utf-8")
         return self._tokenizer.decode([token_id]).encode("utf-8")
 
-    def entry(self, lp: Any) -> dict[str, Any]:
+    def entry(self, lp: Any) -> LogprobEntry:
         """A ``station.sampling.logprobs.TokenLogprobs`` as the wire carries it."""
         text, raw = self.of(lp.token_id)
         return {"token_id": lp.token_id, "token": text, "bytes": raw, "logprob": lp.logprob,
                 "top_logprobs": [self._top(t, v) for t, v in lp.top]}
 
-    def _top(self, token_id: int, logprob: float) -> dict[str, Any]:
+    def _top(self, token_id: int, logprob: float) -> TopLogprob:
         text, raw = self.of(token_id)
         return {"token_id": token_id, "token": text, "bytes": raw, "logprob": logprob}
 

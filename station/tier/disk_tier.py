@@ -2,7 +2,7 @@
 
 The engine thread never touches a file: the tier's I/O process
 (``station.tier.io.worker``) does, on KV blocks in shared memory (the CPU pool
-itself, or a staging area that is also the host tier: ``kv_tier_slots``). The engine hands
+itself, or a staging area that is also the host tier: ``station.tier.slots``). The engine hands
 jobs over and applies the answers at its next step boundary (``before_step``), so decode
 never waits on a disk (docs/engine.md, "The disk tier"):
 
@@ -34,7 +34,8 @@ import time
 from typing import Any, Callable
 
 from gnosis_daemon.logs import get_logger
-from station.core.kv_manager import KVCacheManager, LoadPlan, SessionOutcome
+from station.core.kv_manager import KVCacheManager
+from station.core.kv_results import LoadPlan, SessionOutcome
 from station.core.sessions import KVSession
 from station.tier.io.process import CLOSE_TIMEOUT_S, IOProcessGone, KVIOProcess
 from station.tier.figures import TierFigures
@@ -74,7 +75,7 @@ class DiskTier:
     # -- engine thread
     def before_step(self, stepping: bool = False) -> None:
         """Apply the process's answers, queue what was saved and used since, hand jobs over."""
-        if stepping:  # a step follows: a writer that yields to decode waits (kv_io_worker)
+        if stepping:  # a step follows: a writer that yields to decode waits (station.tier.io.worker)
             self.io.stamp()
         while True:
             with self._lock:
@@ -166,11 +167,10 @@ class DiskTier:
     def _queue_write(self, session: KVSession) -> None:
         if not session.blocks or self.down:  # nothing to keep, or nowhere to keep it
             return
-        blocks = list(session.blocks)
-        self.kv.pool.touch(blocks)  # the job's references: these blocks stay as they are
+        block_ids = self.kv.hold_blocks(session.blocks)  # the job's: they stay as they are
         self._jobs.pop(("touch", session.session_id), None)
         self._queue(WriteJob("write", session.session_id, time.perf_counter(), session=session,
-                         block_ids=[b.block_id for b in blocks]))
+                         block_ids=block_ids))
         self._drop_if_stalled()
 
     def _held_blocks(self) -> int:
@@ -179,7 +179,7 @@ class DiskTier:
 
     def _pressed(self) -> bool:
         """Write jobs, queued and in flight, hold more than half the pool."""
-        return self._held_blocks() > self.kv.pool.num_blocks // 2
+        return self._held_blocks() > self.kv.num_blocks // 2
 
     def _drop_if_stalled(self) -> None:
         """A stalled disk must not pin the pool for ever: with half of it queued and no write
@@ -212,7 +212,7 @@ class DiskTier:
 
     def _release(self, job: WriteJob) -> None:  # drop the references a write job held
         if job.block_ids:
-            self.kv.pool.free([self.kv.pool.blocks[i] for i in job.block_ids])
+            self.kv.release_blocks(job.block_ids)
             job.block_ids = []
 
     def _pump(self) -> None:
@@ -220,7 +220,7 @@ class DiskTier:
         if self.down or self._closed:
             return
         while self._jobs and len(self._inflight) < self._max_inflight and not self.down and \
-                jobs.may_send(list(self._inflight.values()), next(iter(self._jobs.values())), self.kv.pool.num_blocks):
+                jobs.may_send(list(self._inflight.values()), next(iter(self._jobs.values())), self.kv.num_blocks):
             self._send_part(self._jobs.popitem(last=False)[1])
         if self._load is None and self._loads:
             with self._lock:
@@ -246,6 +246,7 @@ class DiskTier:
             message["last_used"] = job.last_used
         elif job.op == "write":
             session, bs = job.session, self.kv.block_size
+            assert session is not None  # a write carries its session
             n = min(len(job.block_ids) - job.sent, self.slots.part_blocks, self.slots.room())
             job.hashes = list(session.file_hashes[job.sent:job.sent + n])
             job.slots = self.slots.stage_out(job.block_ids[job.sent:job.sent + n], job.hashes)
@@ -287,9 +288,10 @@ class DiskTier:
         elif answer["kind"] == "loaded" and self._load is not None:
             self._load_part_done(self._load, answer)
         elif answer["kind"] == "discovered":
-            apply_discovered(self, answer)
+            apply_discovered(self.kv, self.figures, self.writing, answer)
         if answer is not None and answer.get("lost"):  # the tier's directory was deleted
-            apply_lost(self, answer["lost"])
+            for resident in apply_lost(self.kv, self.writing, answer["lost"]):
+                self._queue_write(resident)
         self._pump()
 
     def _load_part_done(self, load: LoadJob, answer: dict[str, Any]) -> None:
@@ -330,6 +332,7 @@ class DiskTier:
                         lag_s=round(lag_s, 3), bound_s=self.write_behind_s)
         if job.session_id in evicted:
             return
+        assert job.session is not None  # a write carries its session
         if self.kv.sessions.get(job.session_id) is job.session:
             job.session.durable = True
         else:  # evicted from the pool while its write was on the way: on disk now

@@ -1,5 +1,5 @@
 """A KV block's dtype by name: what the disk tier's files and its I/O process need of a
-torch dtype (its ``str`` and size), without importing torch (``kv_store_format``)."""
+torch dtype (its ``str`` and size), without importing torch (``station.tier.format``)."""
 
 from __future__ import annotations
 

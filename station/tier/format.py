@@ -22,7 +22,7 @@ file can never run code, whoever wrote it. The payload goes through uint8 views 
 so bfloat16 (which numpy lacks) round-trips bit for bit like float16 and float32.
 
 torch is imported only where a payload becomes a tensor or a tensor a payload: the tier's
-I/O process (``kv_io_worker``) moves raw bytes between the files and the pool's shared
+I/O process (``station.tier.io.worker``) moves raw bytes between the files and the pool's shared
 blocks and never imports it (two seconds of a station's start, and its memory, saved).
 
 A reader raises ``Quarantined(reason)`` for any file it cannot trust, ``Missing`` when
@@ -39,6 +39,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import hashlib
+import io
 import json
 import math
 import os
@@ -48,7 +49,7 @@ import struct
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, BinaryIO, Sequence
+from typing import TYPE_CHECKING, Any, Sequence, TypeGuard
 
 import numpy
 import xxhash
@@ -146,15 +147,15 @@ def session_name(session_id: str) -> str:
     return hashlib.sha256(raw).hexdigest()[:32] + ".kvs"
 
 
-def _is_int(value: Any) -> bool:
+def _is_int(value: Any) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _is_number(value: Any) -> bool:
+def _is_number(value: Any) -> TypeGuard[int | float]:
     return (_is_int(value) or isinstance(value, float)) and math.isfinite(value)
 
 
-def _is_tokens(value: Any) -> bool:
+def _is_tokens(value: Any) -> TypeGuard[list[int]]:
     return isinstance(value, list) and all(_is_int(t) and t >= 0 for t in value)
 
 
@@ -244,7 +245,7 @@ def fsync_dir(path: Path) -> None:
 
 
 # -- reading
-def _read_exact(fh: BinaryIO, buf: memoryview) -> None:
+def _read_exact(fh: io.RawIOBase, buf: memoryview) -> None:
     pos = 0
     while pos < buf.nbytes:
         n = fh.readinto(buf[pos:])
@@ -265,7 +266,7 @@ def _parse_header(raw: bytes) -> dict[str, Any] | None:
     return header if isinstance(header, dict) else None
 
 
-def _read_checked(fh: BinaryIO, magic: bytes) -> tuple[dict[str, Any], numpy.ndarray, int]:
+def _read_checked(fh: io.RawIOBase, magic: bytes) -> tuple[dict[str, Any], numpy.ndarray, int]:
     info = os.fstat(fh.fileno())
     if not stat.S_ISREG(info.st_mode):
         raise Quarantined("name", "not a regular file")
@@ -291,11 +292,11 @@ def _read_checked(fh: BinaryIO, magic: bytes) -> tuple[dict[str, Any], numpy.nda
         raise Quarantined("truncated", f"{payload_len} payload bytes of {declared}")
     # Read in place: numpy's allocation is aligned for any dtype, and a tensor is a view of it.
     payload = numpy.empty(payload_len, dtype=numpy.uint8)
-    _read_exact(fh, memoryview(payload))
+    _read_exact(fh, payload.data)
     stored = bytearray(CHECKSUM_BYTES)
     _read_exact(fh, memoryview(stored))
     digest = xxhash.xxh3_128()
-    for piece in (prefix, raw, payload):
+    for piece in (prefix, raw, payload.data):
         digest.update(piece)
     if digest.digest() != stored:
         raise Quarantined("checksum")

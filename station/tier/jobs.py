@@ -1,11 +1,11 @@
-"""The disk tier's jobs as the engine side tracks them (``kv_tier.DiskTier``): a write,
+"""The disk tier's jobs as the engine side tracks them (``station.tier.disk_tier.DiskTier``): a write,
 delete or touch of a session, handed over in parts; a load of a session's blocks."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from station.core.kv_manager import LoadPlan
+from station.core.kv_results import LoadPlan
 from station.core.sessions import KVSession
 
 # The disk counts as stalled when the write part in flight has taken this many bounds (and

@@ -22,7 +22,7 @@ log = get_logger(__name__)
 def tier_root(state_dir: Path, fingerprint: str, shared_dir: str = "") -> Path:
     """``<state_dir>/kv-tier/<first 16 hex of the model fingerprint>``, or
     ``<shared_dir>/<first 16 hex>`` for a tier a fleet shares: the model's directory, in
-    which the store finds its KV layout's (``kv_store_layouts``; the report's ``path``)."""
+    which the store finds its KV layout's (``station.tier.store.layouts``; the report's ``path``)."""
     if shared_dir:
         return Path(shared_dir) / fingerprint[:16]
     return state_dir / "kv-tier" / fingerprint[:16]
@@ -84,8 +84,8 @@ def open_tier(engine: Any, settings: Any, io: KVIOProcess | None = None) -> dict
 def rise_s(settings: Any) -> float:
     """How long after a save its blocks are written at ``kv_io_nice``; later ones are written
     at the station's priority. A quarter of the write-behind bound: the rest is left for the
-    write itself, whose fsyncs alone took about 0.45 s for a 512-token save beside a
-    saturating decode here (docs/engine.md, "The writer's priority rises")."""
+    write itself, whose fsyncs alone take a good part of the bound beside a saturating decode
+    (docs/engine.md, "The writer's priority rises")."""
     return settings.kv_write_behind_s * RISE_SHARE
 
 

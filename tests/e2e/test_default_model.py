@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from openai import OpenAI
 
-from tests.support.procs import child_env, free_port, run_daemon
+from tests.host.conftest import log_lines
+from tests.support.procs import child_env, free_port, http_json, run_daemon
 
 
 def test_default_model_knows_the_capital_of_france(tmp_path, default_model_cache):
@@ -26,3 +27,11 @@ def test_default_model_knows_the_capital_of_france(tmp_path, default_model_cache
             messages=[{"role": "user", "content": "What is the capital of France?"}])
         assert "Paris" in resp.choices[0].message.content
         assert resp.choices[0].finish_reason == "stop"
+        # The decode plan, in /health and in the start log: a Llama-family 4-bit GGUF runs its
+        # 4-bit layers through the C step or the lean decoder; every candidate says why.
+        status, health = http_json(f"http://127.0.0.1:{port}/health")
+        plan = health["station_decode_plan"]
+        assert status == 200 and "int4" in plan["linears"] and plan["forward"] in ("c-step", "lean")
+        assert all(c["why"] for choice in plan["candidates"].values() for c in choice)
+        logged = [line for line in log_lines(tmp_path / "daemon.log") if line.get("event") == "decode_plan"]
+        assert [line["forward"] for line in logged] == [plan["forward"]]

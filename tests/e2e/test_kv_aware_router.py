@@ -1,4 +1,4 @@
-"""Issue 14's must-show: vllm-router's ``kv_aware`` policy sends a request that names no
+"""Token-aware routing end to end: vllm-router's ``kv_aware`` policy sends a request that names no
 session to the replica holding its prefix, learned only from the daemons' KV events.
 
 Two whole daemons (each its own port, runtime dir, state dir and ZMQ endpoint on loopback)

@@ -161,13 +161,13 @@ class TierEngine:
         self.engine.start()
 
     def generate(self, prompt: list[int], n: int = NEW_TOKENS, **kwargs) -> Collector:
-        from station.core.requests import GenerationRequest, SamplingParams
+        from station.core.requests import GenerationRequest, SamplingParams, Sessions
 
         self.n += 1
         collector = Collector()
         self.engine.add_request(GenerationRequest(
             f"r{self.n}", list(prompt), SamplingParams(max_tokens=n, temperature=0.0),
-            tenant="alice", **kwargs), collector)
+            Sessions(tenant="alice", **kwargs)), collector)
         return collector.wait(f"request r{self.n}")
 
     def settle(self) -> None:

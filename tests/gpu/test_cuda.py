@@ -147,7 +147,7 @@ def test_grammar_rows_masked_on_cuda_match_the_cpu():
 
 
 def test_int4_weights_and_the_lean_decoder_on_cuda_equal_that_models_generate(tiny_dir, tmp_path):
-    """Issue 12 on the GPU: the decoder's linears as 4-bit groups through
+    """Quantized weights on the GPU: the decoder's linears as 4-bit groups through
     ``_weight_int4pack_mm`` (bfloat16 model), the lean one-loop forward, and the engine's
     greedy output equal to the same quantized model's ``model.generate``."""
     from station.kernels.quantized import Int4Linear
@@ -165,7 +165,7 @@ def test_int4_weights_and_the_lean_decoder_on_cuda_equal_that_models_generate(ti
             expected.append(loaded.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12,
                                                   do_sample=False)[0, len(prompt):].tolist())
     engine = PagedEngine(loaded, settings)
-    assert engine.runner._lean is not None
+    assert engine.runner.plan.forward.chosen == "lean"
     engine.start()
     results = [([], threading.Event()) for _ in prompts]
 
@@ -192,7 +192,7 @@ def test_int4_weights_and_the_lean_decoder_on_cuda_equal_that_models_generate(ti
 
 
 def test_a_decode_graph_is_captured_once_and_replays_the_eager_step(tiny_dir, tmp_path):
-    """Issue 12: a pure-decode step of 3 rows is captured as the 4-row bucket's CUDA graph
+    """Decode graphs on the GPU: a pure-decode step of 3 rows is captured as the 4-row bucket's CUDA graph
     on its first use and replayed after; its logits equal the eager step's, and its padded
     row writes only the pool's scratch block."""
     from station.core.scheduler import SchedulerOutput

@@ -1,4 +1,4 @@
-"""Issue 13 over real HTTP with the official openai client (host + station children, tiny
+"""Logprobs and ``n`` choices over real HTTP with the official openai client (host + station children, tiny
 model): logprobs equal a plain transformers forward's log-softmax, ``n`` choices fork from
 one prefill, several prompts per completion, and bad values get OpenAI's 400 bodies."""
 

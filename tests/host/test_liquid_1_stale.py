@@ -5,7 +5,8 @@ have. Here the host must learn by probing that kv_session is missing, say so in 
 in every response, serve on the native path at full function, and then, when the station is
 replaced by one that has kv_session (same runtime dir, SAME host process), turn liquid
 memory on by itself. The stack (tests/host/conftest.py ``liquid_stack``) is shared with
-test_liquid_2_paths, which goes on with the replaced station. A second host with THOTH_LIQUID_MEMORY=0 stays off, and says why.
+test_liquid_2_paths, which goes on with the replaced station. A second host with
+THOTH_LIQUID_MEMORY=0 stays off, and says why.
 """
 
 from __future__ import annotations

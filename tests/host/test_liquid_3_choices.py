@@ -1,4 +1,4 @@
-"""``n`` choices with liquid memory on (issue 13), with the official openai client: the
+"""``n`` choices with liquid memory on, with the official openai client: the
 choices fork from one prefill, only the first choice saves the request's sessions (as many as
 a one-choice request saves), and the next turn of the chat hits them."""
 

@@ -10,6 +10,7 @@ from host.capabilities import Negotiated
 from host.errors import ApiError
 from gnosis_daemon.tokens import common_prefix_len as common_prefix
 from gnosis_daemon.api_keys import tenant_key
+from gnosis_daemon.wire import PrefillEvent
 from host.session_names import save_ids
 
 KV = "station lacks the kv_session capability"
@@ -66,7 +67,8 @@ def test_effective_only_when_env_and_kv_session_and_decode_path(env, neg, effect
     (None, True, ("capture_failed", False, "the station did not confirm the save")),
 ])
 def test_outcome_from_the_prefill_event(event, match, expected):
-    outcome = liquid.from_prefill(event, save_asked=True, match_asked=match)
+    prefill = None if event is None else PrefillEvent.from_wire(event)
+    outcome = liquid.from_prefill(prefill, save_asked=True, match_asked=match)
     assert (outcome.liquid_memory, outcome.liquid_kv_saved, outcome.miss_reason) == expected
     assert outcome.path == "liquid"
 

@@ -119,8 +119,13 @@ def test_a_completion_answers_503_naming_the_reason(daemon):
     assert (error["type"], error["code"]) == ("service_unavailable", "station_refused")
     assert reason in error["message"]
     assert "retry-after" not in response.headers
-    # The official client (2 retries by default) asks once: x-should-retry: false.
+    # The official client (2 retries by default) asks once: x-should-retry: false. The host
+    # logs a request after its response is sent: count from the first request's line.
+    deadline = time.monotonic() + 5
+    while not log_events(daemon, "request", path="/v1/completions") and time.monotonic() < deadline:
+        time.sleep(0.1)
     before = len(log_events(daemon, "request", path="/v1/completions"))
+    assert before == 1
     client = openai.OpenAI(base_url=f"{daemon.base_url}/v1", api_key="unused", timeout=10)
     with pytest.raises(openai.InternalServerError) as caught:
         client.completions.create(model="tiny", prompt="hi", max_tokens=4)

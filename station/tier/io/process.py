@@ -8,7 +8,7 @@ The writer writes a young save's blocks at ``kv_io_nice`` and, from ``rise_s`` a
 save on (half ``kv_write_behind_s``), at the station's own priority, so saves reach disk
 while decode keeps every core busy. On a CPU host at ``kv_io_nice = 19`` it also yields to
 decode until then: the engine thread stamps a word of shared memory (``DecodeBeat``) at
-each step, and the process writes no block while the stamp is fresh (``kv_io_worker``).
+each step, and the process writes no block while the stamp is fresh (``station.tier.io.worker``).
 
 Why a process and not a thread: a writer thread in the station competes with decode for
 the GIL (the engine thread waits for it between torch ops) as well as for the cores; in its
@@ -100,9 +100,9 @@ class KVIOProcess:
         the station's priority; ``yields``: until then the writer also yields to the
         engine's steps (``stamp``). ``quarantine_budget``: the bytes damaged files may keep in
         quarantine/; ``tenant_share``: the share of ``budget`` a tenant holds before its own
-        sessions are evicted first (``kv_store_pressure``).
+        sessions are evicted first (``station.tier.store.pressure``).
         -> (its sessions, least recently used first; its stats). Raises ``TierOpenFailed``."""
-        fds = (area.fd,)
+        fds: tuple[int, ...] = (area.fd,)
         if yields:
             self.beat = DecodeBeat()
             fds += (self.beat.fd,)

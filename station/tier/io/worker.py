@@ -352,6 +352,7 @@ class Worker:
 
     def _block(self, slot: int) -> numpy.ndarray:
         """The block's bytes as the pool holds them (per layer, its K then its V), flat."""
+        assert self.area is not None  # mapped at open, before any job
         return numpy.ascontiguousarray(self.area[:, :, slot]).reshape(-1)
 
     # -- loads (loader thread)
@@ -363,7 +364,7 @@ class Worker:
                 job = self._loads.popleft()
             reply: dict[str, Any] = {"kind": "loaded", "load": job["load"], "ok": False}
             try:
-                if self.store is None:
+                if self.store is None or self.area is None:
                     raise RuntimeError("the store is not open")
                 bs = self.store.layout.block_size
                 tokens = job["tokens"]
@@ -372,7 +373,7 @@ class Worker:
                                                  raw=True)
                     self.area[:, :, slot] = data.reshape(self.area.shape[0], 2, -1)
                 reply["ok"] = True
-            except Exception as exc:  # a bad file is quarantined by the store, which says why
+            except Exception as exc:  # noqa: BLE001 - a bad file is quarantined by the store, which says why
                 log.warning("kv_tier_load_failed", error=str(exc))
                 reply["error"] = f"{type(exc).__name__}: {exc}"
                 reply["quarantined"] = isinstance(exc, Quarantined)

@@ -1,1 +1,1 @@
-"""The disk tier's store: one directory of session files, its index, layouts, listing and disk-space pressure."""
+"""The disk tier's store: its files and directory, index, listing, quarantine, layouts, pressure."""

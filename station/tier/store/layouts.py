@@ -1,4 +1,4 @@
-"""Which directory of a model's disk tier holds one KV layout (``kv_store.KVStore``).
+"""Which directory of a model's disk tier holds one KV layout (``station.tier.store.store.KVStore``).
 
 A model's tier (``<state_dir>/kv-tier/<first 16 hex of its fingerprint>``) is written in
 one layout: block size, block shape and dtype. A station started with another

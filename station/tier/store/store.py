@@ -1,32 +1,24 @@
 """The KV store: liquid memory's disk tier, whose sessions survive SIGKILL and outgrow the
-KV pool.
+KV pool. One class, ``KVStore``, with three parts that own their own state: where its files
+are and its lock (``directory``), the listing that builds and rescans its index from the
+directory's names (``listing``), and the quarantine (``quarantine``).
 
 Layout under ``root`` (directories 0700, files 0600: they hold every tenant's tokens)::
 
     blocks/<2 hex>/<block hash hex>.kvb   one KV block, named by its chained block hash
     sessions/<sha256(session id)[:32]>.kvs  one session manifest
-    quarantine/<original name>.<UTC time>   files that failed a check, moved intact
-    quarantine.json                          why each file in quarantine/ is there
+    quarantine/, quarantine.json             files that failed a check (``quarantine``)
     lock                                     flock'd while a store has the root open
 
-``root`` is the store's KV layout's directory in the model's (``kv_store_layouts``): the
-model directory itself for the layout that claimed it (``layout.json``), else
-``layouts/<tag>`` in it; another layout's files are never opened. Quarantine keeps damaged
-files byte for byte under ``quarantine_budget_bytes`` (oldest deleted first, counted), and a
-block this store never wrote nor read is checked before it is deleted (a damaged one is
-quarantined instead). Eviction, a full filesystem and a deleted directory:
-``kv_store_pressure``.
-
-A fleet's **shared** tier (``shared=True``: a read-write-many volume every replica's store
-opens) differs in four ways: the lock is shared, not exclusive (a private store still
-cannot open a shared root, nor the reverse); a temp file or a block no manifest names is
-another replica's write in progress unless it is older than ``STALE_S``, so only then is it
-removed; blocks a manifest names that the start's listing missed are looked for on disk
-before the manifest is judged incomplete; and ``rescan`` reads the manifests the other
-replicas wrote, replaced or removed since the last look. Eviction judges by what this
-store's index knows: a block it removes may be named by a manifest another replica writes
-at that moment, and that session is then dropped as incomplete at the next look (a miss,
-never a wrong answer: every read is checked).
+``root`` is the store's KV layout's directory in the model's (``layouts``); another
+layout's files are never opened. A block this store never wrote nor read is checked before
+it is deleted (a damaged one is quarantined instead). Eviction, a full filesystem and a
+deleted directory: ``pressure``. A fleet's **shared** tier (``shared=True``: a
+read-write-many volume every replica's store opens) shares the lock, spares the other
+replicas' fresh files and rescans their manifests (``listing``). Eviction judges by what
+this store's index knows: a block it removes may be named by a manifest another replica
+writes at that moment, and that session is then dropped as incomplete at the next look (a
+miss, never a wrong answer: every read is checked).
 
 A block's name is its ``block_pool.hash_block`` chain hash, which covers every token
 before it, the model fingerprint and the tenant (through the extra keys): sessions that
@@ -36,53 +28,50 @@ xxh3-128 checksum (``station.tier.format``); no pickle anywhere.
 Crash safety. Every file is written to a temp name in its own directory, fsynced, then
 ``os.replace``d over its final name. ``os.replace`` is atomic, so at every instant a final
 name holds a complete, fsynced file or nothing: a SIGKILL at any point leaves the old
-state or the new, plus perhaps a ``*.tmp`` that the next open deletes unread (a temp name
-is never trusted). Files never change after the rename. Blocks go before the manifest that
-names them, and ``write_session`` fsyncs the block directories first, so even after a power
-loss a durable manifest names durable blocks. Should a manifest name a block that is gone
-anyway (a power loss that undid an eviction's unlink of the manifest but not of its
-blocks, a file removed by hand, a block quarantined at read), the open drops that session as *incomplete*: it deletes the manifest (its bytes are sound,
-its KV is not all there, so quarantining it would prove nothing) and counts it. Eviction
-deletes the manifest before the blocks, so a crash midway leaves orphan blocks, which the
-next ``evict_to_budget`` collects. And whatever the disk holds, every read checks every
-field (a flipped bit, a cut file, another model's file): a torn or foreign file is never
-trusted, only quarantined and counted.
-
-Opening lists the directories and stats block files, never reads one: start time grows
-with the number of files, not their bytes. Session manifests are small and read whole.
-A block is first verified when ``read_block`` loads it.
+state or the new, plus perhaps a ``*.tmp`` that the next open deletes unread. Files never
+change after the rename. Blocks go before the manifest that names them, and
+``write_session`` fsyncs the block directories first, so even after a power loss a durable
+manifest names durable blocks. Should a manifest name a block that is gone anyway (a power
+loss that undid an eviction's unlink of the manifest but not of its blocks, a file removed
+by hand, a block quarantined at read), the open drops that session as *incomplete*.
+Eviction deletes the manifest before the blocks, so a crash midway leaves orphan blocks,
+which the next ``evict_to_budget`` collects. And whatever the disk holds, every read checks
+every field (a flipped bit, a cut file, another model's file): a torn or foreign file is
+never trusted, only quarantined and counted.
 
 Threads: one writer thread (``write_*``, ``delete_session``, ``touch_session``,
 ``evict_to_budget``, ``sync_dirs``), one loader thread (``read_block``) and the engine
 thread (``has_block``, ``count_present``, ``stats``...). The in-memory index
-(``kv_store_index.StoreIndex``) locks only around dict work, never across I/O, so the
-engine's queries never wait on the disk. ``_mutate`` serialises every change on disk
-(writes, deletes, eviction, the loader's quarantines), so index and files change
-together. Blocks written since the last ``write_session`` are *pending*: eviction spares
-them although no manifest names them yet.
+(``index.StoreIndex``) locks only around dict work, never across I/O, so the engine's
+queries never wait on the disk. ``_mutate`` serialises every change on disk (writes,
+deletes, eviction, the loader's quarantines), so index and files change together. Blocks
+written since the last ``write_session`` are *pending*: eviction spares them although no
+manifest names them yet.
 """
 
 from __future__ import annotations
 
 import contextlib
-import fcntl
+import errno
 import os
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from gnosis_daemon.logs import get_logger
 from station.core.block_pool import BlockHash
 from station.tier.format import (
     KVLayout, KVStoreError, Missing, Quarantined, SessionRecord, Unreadable, block_relpath,
-    check_hash, decode_block, encode_block, encode_session, fsync_dir, session_name,
+    check_hash, decode_block, encode_block, encode_session, fsync_dir, write_atomic,
 )
+from station.tier.store.directory import StoreBusy, StoreDirectory, unlink_if_present
 from station.tier.store.index import StoreIndex
-from station.tier.store.layouts import layout_root, tag_of
-from station.tier.store.listing import STALE_S, StoreListing, _unlink
-from station.tier.store.pressure import DiskFull, StorePressure
+from station.tier.store.layouts import LAYOUT_FILE, tag_of
+from station.tier.store.listing import STALE_S, StoreListing
+from station.tier.store.pressure import FULL_ERRNOS, DiskFull, choose_victim
+from station.tier.store.quarantine import Quarantine
 
 if TYPE_CHECKING:
     import numpy
@@ -96,10 +85,6 @@ __all__ = ["DiskFull", "Evicted", "KVStore", "KVStoreError", "Missing", "Quarant
 log = get_logger()
 
 
-class StoreBusy(KVStoreError):
-    """Another store (another station process) has this root open."""
-
-
 @dataclass(frozen=True, slots=True)
 class Evicted:
     sessions: tuple[str, ...]  # least recently used first
@@ -107,7 +92,9 @@ class Evicted:
     bytes: int
 
 
-class KVStore(StoreListing, StorePressure):
+class KVStore:
+    """One KV layout's tier on disk (the module docstring says how it is kept)."""
+
     def __init__(self, root: str | os.PathLike[str], fingerprint: str, block_size: int,
                  block_shape: tuple[int, ...], dtype: torch.dtype | DTypeName, disk_budget_bytes: int,
                  clock: Callable[[], float] = time.time, shared: bool = False,
@@ -117,66 +104,49 @@ class KVStore(StoreListing, StorePressure):
                 or quarantine_budget_bytes < 0 or not 0 < tenant_share <= 1:
             raise ValueError("block_size and every block dimension must be positive, the "
                              "budgets not negative, and the tenant share in (0, 1]")
-        self.model_dir = Path(root)  # the model's tier; ``root``: this layout's, in it
         self.layout = KVLayout(fingerprint, block_size, shape, dtype)
         self.disk_budget_bytes = disk_budget_bytes
-        self.quarantine_budget_bytes = quarantine_budget_bytes
         self.tenant_share = tenant_share
         self.clock = clock
         self.index = StoreIndex()
-        self.shared = shared
-        self._lock_fd: int | None = None
-        self.root, self.other_layouts = layout_root(self.model_dir, self.layout)
-        self._kept: dict[Path, tuple[int, str]] = {}  # quarantine/: path -> (bytes, reason)
+        self._mutate = threading.RLock()  # held by every change on disk (see module doc)
+        # the model's tier is ``root``; the store's own root is its layout's, in it
+        self.directory = StoreDirectory(Path(root), self.layout, shared)
+        self.quarantine = Quarantine(self.directory, self.index, quarantine_budget_bytes,
+                                     self._mutate)
+        self.listing = StoreListing(self.directory, self.layout, self.index, self.quarantine,
+                                    self._mutate)
         self._verified: set[BlockHash] = set()  # blocks written or read whole by this store
         self._evicted_now: list[str] = []  # see take_evicted
         self._lost_now: list[str] = []  # see take_lost
         self.last_error: str | None = None  # the last write error (a full disk, a lost root)
         self.last_error_at: float | None = None
-        # Manifest file name -> ((inode, mtime_ns), session id) as last read or written
-        # here: what ``rescan`` compares the directory with. Every write is a rename, so a
-        # replaced manifest has a new inode even where mtimes are coarse (NFS).
-        self._seen: dict[str, tuple[tuple[int, int], str]] = {}
-        self._mutate = threading.RLock()  # held by every change on disk (see module doc)
-        self._lock_fd = self._take_lock()
+        self.directory.lock()
         try:
-            self._open()
+            self.listing.open()
         except BaseException:
             self.close()
             raise
 
     @property
+    def root(self) -> Path:
+        return self.directory.root
+
+    @property
+    def other_layouts(self) -> list[str]:
+        return self.directory.other_layouts
+
+    @property
     def blocks_dir(self) -> Path:
-        return self.root / "blocks"
+        return self.directory.blocks
 
     @property
     def sessions_dir(self) -> Path:
-        return self.root / "sessions"
-
-    @property
-    def quarantine_dir(self) -> Path:
-        return self.root / "quarantine"
-
-    # -- opening
-    def _take_lock(self) -> int:
-        self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
-        os.chmod(self.root, 0o700)
-        fd = os.open(self.root / "lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        try:
-            # Two private stores on one root would delete each other's temp files at open;
-            # shared stores spare the fresh ones, and share the lock.
-            fcntl.flock(fd, (fcntl.LOCK_SH if self.shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            raise StoreBusy(f"{self.root} is open in another store"
-                            + (" (a private one)" if self.shared else "")) from None
-        return fd
+        return self.directory.sessions
 
     def close(self) -> None:
         """Release the root (the kernel does it too when the process dies)."""
-        if self._lock_fd is not None:
-            os.close(self._lock_fd)
-            self._lock_fd = None
+        self.directory.close()
 
     def __enter__(self) -> KVStore:
         return self
@@ -200,10 +170,14 @@ class KVStore(StoreListing, StorePressure):
         return self.index.sessions_lru()
 
     def stats(self) -> dict[str, object]:
-        return {**self.index.stats(), **self.quarantine_stats(), "budget_bytes": self.disk_budget_bytes,
+        return {**self.index.stats(), **self.quarantine.stats(), "budget_bytes": self.disk_budget_bytes,
                 "root": str(self.root), "layout": tag_of(self.layout),
                 "other_layouts": self.other_layouts, "last_error": self.last_error,
                 "last_error_at": self.last_error_at}
+
+    def rescan(self) -> tuple[list[SessionRecord], list[str]]:
+        """A shared tier's look at the other replicas' manifests (``StoreListing.rescan``)."""
+        return self.listing.rescan()
 
     # -- reading (the loader thread)
     def read_block(self, block_hash: BlockHash, expected_token_ids: Sequence[int],
@@ -213,7 +187,7 @@ class KVStore(StoreListing, StorePressure):
 
         Raises ``Quarantined`` (the file is moved aside and counted), ``Missing`` or
         ``Unreadable``, all ``KVStoreError``s."""
-        path = self.blocks_dir / block_relpath(block_hash)  # checks the hash
+        path = self.directory.block_path(block_hash)
         try:
             tokens, tensor, size = decode_block(path, self.layout, block_hash, raw)
             if tokens != tuple(expected_token_ids):
@@ -221,7 +195,7 @@ class KVStore(StoreListing, StorePressure):
                 raise Quarantined("tokens", "the block holds other tokens than its hash's")
         except Quarantined as exc:
             with self._mutate:
-                self._quarantine(path, exc)
+                self.quarantine.keep(path, exc)
                 self.index.forget_block(block_hash)
             raise
         except Missing:
@@ -242,8 +216,8 @@ class KVStore(StoreListing, StorePressure):
 
         Either way the block is pending (spared by eviction) until the next
         ``write_session``. ``tenant``/``session_id``: whose save it is, should a full
-        filesystem make room (``kv_store_pressure``)."""
-        path = self.blocks_dir / block_relpath(block_hash)  # checks the hash
+        filesystem make room (``pressure``)."""
+        path = self.directory.block_path(block_hash)
         tokens = [int(t) for t in token_ids]
         if len(tokens) != self.layout.block_size:
             raise ValueError(f"a block holds {self.layout.block_size} tokens, not {len(tokens)}")
@@ -284,13 +258,11 @@ class KVStore(StoreListing, StorePressure):
             self.index.clear_pending()  # the writer's batch is named: eviction may judge it
 
     def _put_session(self, record: SessionRecord) -> None:
-        path = self.sessions_dir / session_name(record.session_id)
+        path = self.directory.session_path(record.session_id)
         size = self._write_file(path, encode_session(self.layout, record), record.tenant,
                                 record.session_id)
-        path = self.sessions_dir / path.name  # the directory may have been recreated
-        with contextlib.suppress(FileNotFoundError):  # our own write: no news for rescan
-            st = path.stat()
-            self._seen[path.name] = ((st.st_ino, st.st_mtime_ns), record.session_id)
+        # our own write, no news for rescan (its path now: the root may have been recreated)
+        self.listing.saw(self.directory.session_path(record.session_id), record.session_id)
         self.index.put_session(record, size)
         self.index.mark_dirty(self.sessions_dir)
         self.index.count(writes=1, bytes_written=size)
@@ -316,8 +288,8 @@ class KVStore(StoreListing, StorePressure):
 
     def _drop_session(self, session_id: str) -> list[BlockHash]:
         # The manifest goes first: a crash after it leaves orphans, never a dangling name.
-        _unlink(self.sessions_dir / session_name(session_id))
-        self._seen.pop(session_name(session_id), None)
+        unlink_if_present(self.directory.session_path(session_id))
+        self.listing.forget(session_id)
         self.index.mark_dirty(self.sessions_dir)
         return self._remove_blocks(self.index.remove_session(session_id))
 
@@ -326,10 +298,10 @@ class KVStore(StoreListing, StorePressure):
         for h in hashes:
             if not self.index.removable(h):  # named again, or pending
                 continue
-            path = self.blocks_dir / block_relpath(h)
+            path = self.directory.block_path(h)
             if h not in self._verified and self._damaged(path, h):
                 continue  # quarantined, intact: a damaged file is kept, never deleted
-            _unlink(path)
+            unlink_if_present(path)
             self.index.forget_block(h)
             self._verified.discard(h)
             self.index.mark_dirty(path.parent)
@@ -342,7 +314,7 @@ class KVStore(StoreListing, StorePressure):
         try:
             decode_block(path, self.layout, block_hash, raw=True)
         except Quarantined as exc:
-            self._quarantine(path, exc)
+            self.quarantine.keep(path, exc)
             self.index.forget_block(block_hash)
             return True
         except KVStoreError:  # gone, or unreadable: nothing to keep from here
@@ -352,14 +324,14 @@ class KVStore(StoreListing, StorePressure):
     def evict_to_budget(self, tenant: str | None = None) -> Evicted:
         """Delete orphan blocks, then sessions (and the blocks only they named) until the
         store fits ``disk_budget_bytes``: least recently used first, the over-share tenant's
-        first (``tenant``: the writer's; ``kv_store_pressure``). A block a remaining session
+        first (``tenant``: the writer's; ``pressure``). A block a remaining session
         names, or a pending one, is never removed. ``sessions``: every session evicted since
         the last call, a full disk's too."""
         with self._mutate:
             before = self.index.bytes
             orphans = self.index.orphans()
-            if self.shared:  # a fresh one is another replica's, its manifest on the way
-                orphans = [h for h in orphans if self._stale(self.blocks_dir / block_relpath(h))]
+            if self.directory.shared:  # a fresh one is another replica's, its manifest on the way
+                orphans = [h for h in orphans if self.listing.stale(self.directory.block_path(h))]
             blocks = self._remove_blocks(orphans)
             n = 0
             while self.index.bytes > self.disk_budget_bytes:
@@ -384,3 +356,79 @@ class KVStore(StoreListing, StorePressure):
         except BaseException:
             self.index.mark_dirty(*dirty)
             raise
+
+    # -- pressure (``pressure``): the budget's victims, a full filesystem, a deleted root
+    def _evict_one(self, tenant: str | None, keep: str | None = None,
+                   budget: int | None = None) -> tuple[str, list[BlockHash]] | None:
+        victim = choose_victim(self.index, tenant, self.tenant_share,
+                               self.disk_budget_bytes if budget is None else budget, keep)
+        if victim is None:
+            return None
+        blocks = self._drop_session(victim.session_id)
+        self.index.count(evicted_over_share=int(victim.over_share))
+        self._evicted_now.append(victim.session_id)
+        return victim.session_id, blocks
+
+    def take_evicted(self) -> list[str]:
+        """Sessions evicted since the last call (the budget, a full disk), oldest first."""
+        with self._mutate:
+            evicted, self._evicted_now = self._evicted_now, []
+            return evicted
+
+    def _write_file(self, path: Path, pieces: Sequence[Any], tenant: str | None = None,
+                    keep: str | None = None) -> int:
+        """``write_atomic`` (its directory made if missing), with room made on ENOSPC."""
+        recreated = False
+        while True:
+            try:
+                if path.parent.parent == self.blocks_dir and not path.parent.is_dir():
+                    with contextlib.suppress(FileExistsError):  # a block's fan-out directory
+                        path.parent.mkdir(mode=0o700)
+                        self.index.mark_dirty(self.blocks_dir)
+                return write_atomic(path, pieces)
+            except FileNotFoundError:
+                old_root = self.root
+                if recreated or not self.check_root():
+                    raise
+                recreated = True
+                path = self.root / path.relative_to(old_root)
+            except OSError as exc:
+                if exc.errno not in FULL_ERRNOS:
+                    raise
+                self.index.count(disk_full=1)
+                self.last_error = f"{errno.errorcode.get(exc.errno, exc.errno)}: {exc.strerror} " \
+                                  f"(writing {path.name}, {self.index.bytes} bytes in the tier)"
+                self.last_error_at = time.time()
+                # The filesystem holds no more than the tier has now: shares are of that.
+                evicted = self._evict_one(tenant, keep, min(self.disk_budget_bytes, self.index.bytes))
+                log.warning("kv_store_disk_full", file=path.name, tier_bytes=self.index.bytes,
+                            evicted=evicted[0] if evicted else None)
+                if evicted is None:
+                    raise DiskFull(f"the filesystem is full and the tier has no session left "
+                                   f"to evict: {exc.strerror}") from None
+                self.index.count(disk_full_evicted=1)
+
+    def check_root(self) -> bool:
+        """Recreate the tier's directories if they are gone; True if they were. The sessions
+        whose manifests went with them leave the index (``take_lost``)."""
+        with self._mutate:
+            if not self.directory.gone():
+                return False
+            self.directory.recreate()
+            lost = self.listing.forget_missing()
+            self.quarantine.forget_gone()
+            self.index.count(lost=1, lost_sessions=len(lost))
+            self._lost_now.extend(lost)
+            self.index.take_dirty()
+            self.index.mark_dirty(self.root, self.root.parent)
+            self.last_error = f"the tier's directory was gone: recreated, {len(lost)} session(s) lost"
+            self.last_error_at = time.time()
+            log.error("kv_store_root_recreated", root=str(self.root), lost_sessions=len(lost),
+                      marker=(self.directory.model_dir / LAYOUT_FILE).exists())
+            return True
+
+    def take_lost(self) -> list[str]:
+        """Sessions whose files were found gone since the last call."""
+        with self._mutate:
+            lost, self._lost_now = self._lost_now, []
+            return lost

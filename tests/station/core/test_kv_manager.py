@@ -3,7 +3,8 @@ block ids, exact ref counts, exact eviction order."""
 
 from __future__ import annotations
 
-from station.core.kv_manager import ComputedBlocks, KVCacheManager, SessionOutcome
+from station.core.kv_manager import KVCacheManager
+from station.core.kv_results import ComputedBlocks, SessionOutcome
 from station.core.sequence import Sequence
 from station.core.requests import SamplingParams
 

@@ -10,7 +10,7 @@ import pytest
 
 from gnosis_daemon.settings import Settings
 from station.core.block_pool import BlockPool
-from station.core.requests import Finished, Prefill, GenerationRequest, SamplingParams
+from station.core.requests import Finished, Prefill, GenerationRequest, SamplingParams, Sessions
 from station.engine.calls import EngineCalls
 from station.model.loader import load_model
 from station.engine.loop import PagedEngine
@@ -123,7 +123,8 @@ class Engine:
         self.n += 1
         collector = Collector()
         self.engine.add_request(GenerationRequest(
-            f"r{self.n}", list(prompt), SamplingParams(max_tokens=n, temperature=0.0), **session),
+            f"r{self.n}", list(prompt), SamplingParams(max_tokens=n, temperature=0.0),
+            Sessions(**session)),
             collector)
         return collector.wait()
 

@@ -1,4 +1,4 @@
-"""Issue 13 in the engine (no socket): logprobs equal a plain forward's log-softmax, prompt
+"""Logprobs and ``n`` choices in the engine (no socket): logprobs equal a plain forward's log-softmax, prompt
 logprobs take no prefix hit, ``n`` choices fork from one prefill and share its blocks."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from station.core.requests import Finished, GenerationRequest, Prefill, SamplingParams, Token
+from station.core.requests import Choices, Finished, GenerationRequest, Prefill, SamplingParams, Token
 from tests.station.engine import test_paged_engine as _engine_tests
 from tests.station.engine.test_paged_engine import Collector, engine_for, reference
 
@@ -27,8 +27,9 @@ def run(engine, request_id, prompt, *, n=1, logprobs=None, prompt_logprobs=None,
     collector = Collector()
     params.setdefault("max_tokens", 6)
     params.setdefault("ignore_eos", True)
-    engine.add_request(GenerationRequest(request_id, list(prompt), SamplingParams(**params), n=n,
-                                         logprobs=logprobs, prompt_logprobs=prompt_logprobs),
+    engine.add_request(GenerationRequest(request_id, list(prompt), SamplingParams(**params),
+                                         choices=Choices(n=n, logprobs=logprobs,
+                                                         prompt_logprobs=prompt_logprobs)),
                        collector)
     return collector
 

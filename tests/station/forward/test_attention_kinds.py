@@ -244,5 +244,5 @@ def test_the_check_is_keyed_by_the_decode_plan(tiny):
 
     loaded = tiny("mistral_sw")
     lean, stock = engine_of(loaded), engine_of(loaded, lean_decoder=False)
-    assert lean.runner.plan()["forward"] == "lean" and stock.runner.plan()["forward"] == "transformers"
+    assert lean.runner.plan.forward.chosen == "lean" and stock.runner.plan.forward.chosen == "transformers"
     assert record_key(lean) != record_key(stock)

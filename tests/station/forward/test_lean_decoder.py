@@ -52,9 +52,12 @@ def test_the_engine_setting_chooses_the_forward(tmp_path):
     path = build_tiny_model(tmp_path / "m", "llama")
     loaded = load_model(Settings(model=str(path)))
     on = PagedEngine(loaded, Settings(runtime_dir=str(tmp_path)), num_blocks=8)
-    assert on.runner._lean is not None
+    assert on.runner.plan.forward.chosen == "lean"
+    assert isinstance(on.runner._decoder, LeanDecoder)
     off = PagedEngine(loaded, Settings(runtime_dir=str(tmp_path), lean_decoder=False), num_blocks=8)
-    assert off.runner._lean is None
+    assert off.runner.plan.forward.chosen == "transformers"
+    assert off.runner.plan.forward.refused()["lean"] == "setting lean_decoder=off"
+    assert not isinstance(off.runner._decoder, LeanDecoder)
 
 
 def test_int4_layers_on_one_input_run_as_one_call_with_the_same_results():

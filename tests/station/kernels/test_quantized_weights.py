@@ -1,4 +1,4 @@
-"""Weights that stay quantized (station.model.weights, quantized_linears, gguf_groups).
+"""Weights that stay quantized (station.model.weights, station.kernels.quantized, gguf_groups).
 
 The block formats are checked against gguf-py's own quantizer and dequantizer; the kernels
 against ``F.linear`` over their own dequantized values; the engine's greedy output on a

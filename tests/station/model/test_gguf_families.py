@@ -30,7 +30,6 @@ import torch.nn.functional as F
 
 from gnosis_daemon.settings import Settings
 from station.model import weights as weights_module
-from station.model.gguf_convert import conversion_fixes
 from station.model.gguf_groups import FLOAT_TYPES, read_gguf_weights
 from station.model.loader import load_model
 from station.kernels.quantized import Int4Linear, Int8Linear, KernelChoices

@@ -1,4 +1,4 @@
-"""The station's tokenizer work (``station.model.tokenizing``, ``model_loader.max_token_chars``)
+"""The station's tokenizer work (``station.model.tokenizing``, ``station.model.loader.max_token_chars``)
 on real tokenizers built in-process: the tiny models' byte-level BPE (with and without
 merges) and a sentencepiece-style Metaspace tokenizer."""
 

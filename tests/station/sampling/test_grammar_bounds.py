@@ -19,7 +19,7 @@ from gnosis_daemon.client import StationError, open_station_client
 from gnosis_daemon.grammar_spec import check_grammar
 from gnosis_daemon.protocol import OpError
 from gnosis_daemon.settings import Settings
-from station.core.requests import Failed, Finished, GenerationRequest, SamplingParams, Token
+from station.core.requests import Choices, Failed, Finished, GenerationRequest, SamplingParams, Token
 from station.sampling.grammar import grammars_for
 from station.sampling.grammar_compile import GrammarCompiles
 from station.model.loader import load_model
@@ -64,7 +64,8 @@ def run_all(engine, requests) -> dict[str, list]:
             ends["count"] += 1
 
     for rid, prompt, params, grammar, n in requests:
-        engine.add_request(GenerationRequest(rid, prompt, params, grammar=grammar, n=n), collect)
+        engine.add_request(GenerationRequest(rid, prompt, params, grammar=grammar,
+                                             choices=Choices(n=n)), collect)
     deadline = time.monotonic() + 120
     while ends["count"] < want and time.monotonic() < deadline:
         time.sleep(0.02)

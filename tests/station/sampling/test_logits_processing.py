@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from gnosis_daemon.protocol import ErrorCode, OpError
 from station.core.requests import SamplingParams
 from station.sampling.logits import SequenceSampling, apply_penalties, sample_sequences
 from station.sampling.sample import filter_logits, make_generator, sample
@@ -143,5 +144,6 @@ def test_seeded_rows_are_reproducible_whatever_shares_the_batch():
                                  dict(logit_bias=tuple((i, 1.0) for i in range(301))),
                                  dict(presence_penalty=float("nan"))])
 def test_out_of_range_controls_are_refused(bad):
-    with pytest.raises(ValueError):
+    with pytest.raises(OpError) as err:
         SamplingParams(max_tokens=1, **bad)
+    assert err.value.code is ErrorCode.BAD_REQUEST and repr(next(iter(bad))) in err.value.message

@@ -13,7 +13,7 @@ import pytest
 
 from gnosis_daemon.grammar_spec import check_grammar
 from gnosis_daemon.settings import Settings
-from station.core.requests import Failed, Finished, GenerationRequest, SamplingParams, Token
+from station.core.requests import Choices, Failed, Finished, GenerationRequest, SamplingParams, Token
 from station.sampling.grammar import grammars_for
 from station.model.loader import load_model
 from station.serving.chat import render_chat
@@ -44,14 +44,15 @@ def test_40_samples_at_temperature_1_all_parse_and_validate(default_model_cache)
     with engine_for(loaded, num_blocks=2048) as engine:
         for i in range(4):  # 4 requests of n=10: each choice samples with its own seed
             engine.add_request(GenerationRequest(f"p{i}", prompt, SamplingParams(
-                max_tokens=120, temperature=1.0, seed=40 + i), grammar=compiled, n=10), collect)
+                max_tokens=120, temperature=1.0, seed=40 + i), grammar=compiled,
+                choices=Choices(n=10)), collect)
         deadline = time.monotonic() + 240
         while time.monotonic() < deadline and sum(
                 isinstance(e[-1], (Finished, Failed)) for e in events.values()) < 40:
             time.sleep(0.05)
     assert len(events) == 40
     eos = set(loaded.eos_token_ids)
-    for rid, choice in events.items():
+    for choice in events.values():
         assert isinstance(choice[-1], Finished) and choice[-1].finish_reason == "stop", choice[-1]
         tokens = [e.token_id for e in choice if isinstance(e, Token)]
         assert tokens[-1] in eos and not set(tokens[:-1]) & set(range(17)), tokens  # no specials

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from gnosis_daemon.settings import Settings
-from station.core.requests import Finished, GenerationRequest, Prefill, SamplingParams
+from station.core.requests import Finished, GenerationRequest, Prefill, SamplingParams, Sessions
 from station.engine.loop import PagedEngine
 from station.tier.start import open_tier, tier_report
 from station.model.loader import load_model
@@ -30,7 +30,7 @@ def generate(engine: PagedEngine, request_id: str, prompt, n: int, tenant: str =
     collector = Collector()
     engine.add_request(GenerationRequest(
         request_id, list(prompt), SamplingParams(max_tokens=n, temperature=0.0),
-        tenant=tenant, **kwargs), collector)
+        Sessions(tenant=tenant, **kwargs)), collector)
     return collector.wait()
 
 

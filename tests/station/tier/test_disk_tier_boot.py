@@ -1,7 +1,7 @@
 """The disk tier at the station's start, through its real boot in this process
 (``station.main._TorchThread``: load the model, build the engine, open the tier, run the
 engine loop), and the ``kv_tier`` report hello, health and stats build from it
-(``kv_tier_start.tier_report``).
+(``station.tier.start.tier_report``).
 
 A tier that cannot be opened (its path is a file; another station holds it) leaves a
 station that serves from the pool alone and says why; ``kv_persistence = false`` opens
@@ -22,7 +22,7 @@ import torch
 from gnosis_daemon.settings import Settings
 from station.core.requests import Finished, Prefill
 from station.main import _TorchThread
-from station.tier.store import listing as kv_store_listing
+from station.tier.store import quarantine as kv_store_quarantine
 from station.tier import start as kv_tier_start
 from station.tier.store.store import KVStore
 from station.tier.start import tier_report
@@ -200,7 +200,7 @@ def test_tier_files_are_private_under_any_umask(tiny_dir, layout, tmp_path):
 
 def test_a_later_formats_manifest_is_quarantined_under_a_free_name(tiny_dir, layout, tmp_path,
                                                                    monkeypatch):
-    monkeypatch.setattr(kv_store_listing, "_utc_stamp", lambda: "20261130T121314Z")
+    monkeypatch.setattr(kv_store_quarantine, "_utc_stamp", lambda: "20261130T121314Z")
     state = tmp_path / "state"
     root = tier_dir(state, layout.fingerprint)
     files = write_session_files(root, layout, "alice.v2", PROMPT,

@@ -1,7 +1,7 @@
 """The KV store's own rules under pressure, as pure file I/O on small random tensors
-(``kv_store_pressure``, ``kv_store_layouts``, quarantine's budget in ``kv_store_listing``):
-which session the disk budget evicts between tenants, the directory each layout gets, and
-quarantine's oldest-first deletion."""
+(``station.tier.store.pressure``, ``station.tier.store.layouts``, quarantine's budget in
+``station.tier.store.quarantine``): which session the disk budget evicts between tenants,
+the directory each layout gets, and quarantine's oldest-first deletion."""
 
 from __future__ import annotations
 

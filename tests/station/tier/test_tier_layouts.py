@@ -1,5 +1,5 @@
 """Layout changes never delete: a station restarted with another ``kv_block_size`` over a
-model's disk tier sets that tier aside, by name (``kv_store_layouts``), and writes its own
+model's disk tier sets that tier aside, by name (``station.tier.store.layouts``), and writes its own
 beside it; configured back, it finds every earlier session again, with the same greedy
 output, and not one byte of the other layout's files changed on the way (real engine,
 real I/O process, real files; sha256 of every file before and after)."""

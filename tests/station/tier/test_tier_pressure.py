@@ -1,4 +1,4 @@
-"""The disk tier under pressure (``kv_store_pressure``), on the tiny model with the real
+"""The disk tier under pressure (``station.tier.store.pressure``), on the tiny model with the real
 engine, the real I/O process and real files:
 
 * the tenant share holds on disk: one tenant's flood of 600 new sessions evicts its own,
@@ -81,7 +81,7 @@ def mount_tmpfs_launcher(mount_point: Path, size: str) -> list[str]:
     of ``size`` on ``mount_point`` (unprivileged: a user namespace maps the caller to
     root there). The test skips where user namespaces are not allowed."""
     mount_point.mkdir(parents=True, exist_ok=True)
-    script = 'mount -t tmpfs -o size={},mode=0700 tmpfs "$0" && exec "$@"'.format(size)
+    script = f'mount -t tmpfs -o size={size},mode=0700 tmpfs "$0" && exec "$@"'
     launcher = ["unshare", "-rm", "sh", "-c", script, str(mount_point)]
     if shutil.which("unshare") is None or subprocess.run(
             [*launcher, "true"], capture_output=True).returncode != 0:

@@ -1,0 +1,1 @@
+"""Tests of station.plan: the decode plan chosen at start, where it is shown, and the start check."""
