@@ -118,7 +118,7 @@ async def complete(settings: Settings, link: StationLink, memory: LiquidMemory,
         for i, one in enumerate(reqs):
             prepared = memory.prepare(one.station_args, tenant=tenant, name=name)
             stream = await stack.enter_async_context(
-                conn.open_stream("generate", prepared.args, rid=record.request_id))
+                conn.open_stream("generate", prepared.frame(), rid=record.request_id))
             first = await _next(stream)
             outcome = _outcome(memory, prepared, first, record)
             prompt = PromptChoices(i, n, await _echo_text(conn, one) if req.echo else None)
@@ -270,7 +270,7 @@ async def _run(conn: StationConnection, memory: LiquidMemory,
     choices with their logprobs)."""
     prepared = memory.prepare(req.station_args, tenant=tenant, name=name)
     prompt = PromptChoices(prompt_index, n)
-    async with conn.open_stream("generate", prepared.args, rid=record.request_id) as stream:
+    async with conn.open_stream("generate", prepared.frame(), rid=record.request_id) as stream:
         first = await _next(stream)
         outcome = _outcome(memory, prepared, first, record)
         event = first

@@ -21,10 +21,10 @@ from typing import Any
 
 import trio
 
-from gnosis_daemon.client import StationConnection
+from gnosis_daemon.client import StationConnection, StationError
 from gnosis_daemon.logs import get_logger
-from gnosis_daemon.protocol import Capability
-from gnosis_daemon.wire import GenerateResult, PrefillEvent
+from gnosis_daemon.protocol import Capability, OpError
+from gnosis_daemon.wire import GenerateArgs, GenerateResult, PrefillEvent
 from host import liquid
 from host.capabilities import Negotiated, negotiate
 from host.liquid import LiquidOutcome, LiquidState
@@ -48,6 +48,15 @@ class Prepared:
     @property
     def liquid(self) -> bool:
         return self.ids is not None
+
+    def frame(self) -> dict[str, object]:
+        """The ``generate`` args as sent: read and written by their one definition
+        (``gnosis_daemon.wire.GenerateArgs``), so the station gets exactly the fields it reads,
+        held to the bounds it holds them to. A breach is the station's ``bad_request``."""
+        try:
+            return GenerateArgs.from_wire(self.args).to_wire()
+        except OpError as exc:
+            raise StationError(exc.code.value, exc.message) from None
 
 
 class LiquidMemory:

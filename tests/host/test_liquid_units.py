@@ -228,3 +228,22 @@ def test_the_liquid_call_is_the_native_call_plus_session_arguments(flags, match)
     off = memory.prepare(native, tenant="t1", name=None)
     assert off.args == {**native, "tenant": "t1"} and not off.liquid
     assert off.fixed.liquid_memory == "disabled"
+
+
+def test_the_generate_frame_is_written_by_the_wire_definition():
+    """What the host sends is ``GenerateArgs``' own form of its args: the same fields the
+    station reads (defaults left out), and a breach is the station's ``bad_request``."""
+    from gnosis_daemon.client import StationError
+    from host.liquid_memory import Prepared
+
+    args = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, "temperature": 0.0,
+            "top_p": 1.0, "stop": ["\n\n", ""], "logit_bias": {"5": 1.5}, "n": 2, "logprobs": 3,
+            "tenant": "t", "save_session": "s1", "save_final_session": "s2", "match_session": True}
+    assert Prepared(args, None).frame() == {
+        "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, "stop": ["\n\n"],
+        "temperature": 0.0, "logit_bias": {5: 1.5}, "n": 2, "logprobs": 3, "tenant": "t",
+        "save_session": "s1", "save_final_session": "s2", "match_session": True}
+    with pytest.raises(StationError) as caught:
+        Prepared({"prompt": "hi", "presence_penalty": 3.0}, None).frame()
+    assert (caught.value.code, caught.value.message) == (
+        "bad_request", "argument 'presence_penalty' must be in [-2, 2]")
