@@ -51,46 +51,14 @@ class GenerationRequest:
     request_id: str
     prompt_ids: list[int]
     params: SamplingParams
+    # Liquid memory: the KV session to start from or match, the ones to save, the tenant.
     sessions: Sessions = field(default_factory=Sessions)
+    # ``n`` choices share the prompt's prefill (``station.engine.forks``); ``logprobs``: top
+    # alternatives per sampled token; ``prompt_logprobs``: per prompt token (no prefix hit).
     choices: Choices = field(default_factory=Choices)
     # Structured output: an xgrammar CompiledGrammar (opaque here, see
     # station.sampling.grammar); None: unconstrained.
     grammar: Any = None
-
-    # The engine's reads (``station.engine.forks``): ``n`` choices share the prompt's
-    # prefill; ``logprobs``: top alternatives per sampled token (None: no logprobs);
-    # ``prompt_logprobs``: the same for every prompt token (no prefix-cache reuse then).
-    @property
-    def n(self) -> int:
-        return self.choices.n
-
-    @property
-    def logprobs(self) -> int | None:
-        return self.choices.logprobs
-
-    @property
-    def prompt_logprobs(self) -> int | None:
-        return self.choices.prompt_logprobs
-
-    @property
-    def tenant(self) -> str:
-        return self.sessions.tenant
-
-    @property
-    def load_session(self) -> str | None:
-        return self.sessions.load_session
-
-    @property
-    def match_session(self) -> bool:  # no load_session: load the tenant's longest saved prefix
-        return self.sessions.match_session
-
-    @property
-    def save_session(self) -> str | None:
-        return self.sessions.save_session
-
-    @property
-    def save_final_session(self) -> str | None:  # pin prompt+completion KV when it ends
-        return self.sessions.save_final_session
 
 
 @dataclass(frozen=True, slots=True)

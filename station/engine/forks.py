@@ -56,20 +56,21 @@ def make_sequences(request: GenerationRequest, on_event: EventCallback, *, extra
     if not params.ignore_eos:
         stop_ids.update(eos_token_ids)
     seqs = []
-    for i in range(request.n):
+    sessions, choices = request.sessions, request.choices
+    for i in range(choices.n):
         p = params if i == 0 or params.seed is None else replace(params, seed=params.seed + i)
         parent = i == 0
         seqs.append(Sequence(
             choice_id(request.request_id, i), list(prompt), p,
-            extra_keys=extra_keys, tenant=request.tenant,
-            load_session=request.load_session if parent else None,
-            match_session=request.match_session and parent,
+            extra_keys=extra_keys, tenant=sessions.tenant,
+            load_session=sessions.load_session if parent else None,
+            match_session=sessions.match_session and parent,
             sampling=SequenceSampling(p, prompt, stop_ids, device, request.grammar),
             user=RequestState(on_event, frozenset(stop_ids),
-                              save_session=request.save_session if parent else None,
-                              save_final_session=request.save_final_session if parent else None),
-            logprobs=request.logprobs,
-            prompt_logprobs=request.prompt_logprobs if parent else None))
+                              save_session=sessions.save_session if parent else None,
+                              save_final_session=sessions.save_final_session if parent else None),
+            logprobs=choices.logprobs,
+            prompt_logprobs=choices.prompt_logprobs if parent else None))
     seqs[0].forks = seqs[1:]
     return seqs
 

@@ -163,7 +163,7 @@ class PagedEngine:
     def add_request(self, request: GenerationRequest, on_event: EventCallback) -> None:
         self.limits.check(list(request.prompt_ids), room=1)  # at least one token to generate
         seqs = forks.make_sequences(  # n > 1: the choices to fork
-            request, on_event, extra_keys=self.kv.extra_keys(request.tenant),
+            request, on_event, extra_keys=self.kv.extra_keys(request.sessions.tenant),
             eos_token_ids=self.loaded.eos_token_ids, device=self.device)
         seq = seqs[0]
         with self._cond:
