@@ -17,6 +17,16 @@ the model fingerprint and a salted tenant digest, so tenants and models never sh
 blocks. A lookup also compares the block's stored token ids, so a hash collision can never
 serve wrong KV.
 
+Tails (reuse inside a block): every cached block is also filed under its tail key
+(``tail_key``: the hash of its parent chain and extra keys, no tokens) and its first token.
+Besides the full blocks, a freed sequence's partial last block is filed there
+(``cache_partial_block``: no block hash, its few computed tokens kept), so a prompt that
+ends inside a block, or departs from an earlier one mid-block, finds the cached block whose
+tokens share the longest prefix with its own (``longest_tail``, tokens compared). That block
+is never handed out: the caller copies it into a fresh block of its own
+(``station.core.tails``). A partial block is evictable like a full one, and leaves the index
+when it is reallocated, so it is never served after its slots were written again.
+
 Pinning (KV sessions): a pinned block is never evicted; a pinned block whose ``ref_cnt``
 drops to 0 stays out of the free queue until its last unpin.
 """
@@ -55,6 +65,12 @@ def prefix_extra_keys(model_fingerprint: str, tenant_salt: str, tenant: str) -> 
         struct.pack("<I", len(tenant_salt)) + tenant_salt.encode() + tenant.encode()
     ).hexdigest()
     return (model_fingerprint, tenant_digest)
+
+
+def tail_key(parent_hash: BlockHash | None, extra_keys: ExtraKeys = ()) -> BlockHash:
+    """The key the blocks following ``parent_hash`` (None: a first block) are filed under in
+    the tail index: the chain and the extra keys, no tokens, so no full block's hash."""
+    return hash_block(parent_hash, (), extra_keys)
 
 
 def block_hashes_for(token_ids: Sequence[int], block_size: int, extra_keys: ExtraKeys,
@@ -99,7 +115,8 @@ class KVBlock:
     ref_cnt: int = 0
     pin_cnt: int = 0
     block_hash: BlockHash | None = None
-    token_ids: tuple[int, ...] = ()  # the full block's tokens, kept to verify a hash hit
+    token_ids: tuple[int, ...] = ()  # a cached block's tokens (fewer for a partial one), to verify a hit
+    tail_key: BlockHash | None = None  # filed in the tail index under this key (``tail_key``)
     # With KV events on (``BlockPool.events``): the block's external hash (tokens only,
     # chained: what routers are told) and its parent's; None otherwise.
     ext_hash: int | None = None
@@ -119,6 +136,10 @@ class BlockPool:
         # Order is the eviction order: head = next to allocate.
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.cached_block_hash_to_block: dict[BlockHash, KVBlock] = {}
+        # The tail index: (tail key, first token) -> the cached blocks (full and partial) that
+        # follow that chain and start with that token.
+        self.tails: dict[tuple[BlockHash, int], dict[int, KVBlock]] = {}
+        self.num_partial_blocks = 0  # cached partial blocks (in the tail index, no hash)
         self.num_pinned_blocks = 0  # distinct blocks with pin_cnt > 0 (an int: safe to read anywhere)
         self.num_allocated = 0  # blocks handed out by ``allocate`` since start (stats)
         # KV events (``station.serving.kv_events.Listener``): told when a block enters the
@@ -144,6 +165,7 @@ class BlockPool:
         return {"block_size": self.block_size, "blocks_total": self.num_blocks,
                 "blocks_free": self.num_free_blocks,  # allocatable, cached-but-unreferenced included
                 "blocks_cached": self.num_cached_blocks, "blocks_held": self.num_held_blocks,
+                "blocks_cached_partial": self.num_partial_blocks,
                 "blocks_allocated": self.num_allocated}
 
     def free_queue_ids(self) -> list[int]:
@@ -151,15 +173,15 @@ class BlockPool:
         return list(self._free)
 
     # -- prefix cache
-    def get_computed_blocks(self, token_ids: Sequence[int],
-                            block_hashes: Sequence[BlockHash]) -> list[KVBlock]:
+    def get_computed_blocks(self, token_ids: Sequence[int], block_hashes: Sequence[BlockHash],
+                            capped: bool = True) -> list[KVBlock]:
         """Cached blocks holding the longest verified prefix of ``token_ids``.
 
-        Capped so at least the last token is recomputed (its logits are needed): a hit
+        ``capped``: at least the last token is recomputed (its logits are needed), so a hit
         covers at most ``len(token_ids) - 1`` tokens. The blocks are not touched here.
         """
         bs = self.block_size
-        max_blocks = max(len(token_ids) - 1, 0) // bs
+        max_blocks = (max(len(token_ids) - 1, 0) if capped else len(token_ids)) // bs
         hits: list[KVBlock] = []
         for i in range(min(max_blocks, len(block_hashes))):
             block = self.cached_block_hash_to_block.get(block_hashes[i])
@@ -173,16 +195,18 @@ class BlockPool:
         return sum(1 for b in blocks if not b.held)
 
     def cache_full_block(self, block: KVBlock, block_hash: BlockHash, token_ids: Sequence[int],
-                         parent: KVBlock | None = None) -> bool:
+                         parent: KVBlock | None = None, tail: BlockHash | None = None) -> bool:
         """Register a full, computed block under ``block_hash``; False if that key is taken.
 
         A duplicate (another block already caches the same key) stays unhashed: it is
         freed to the head of the queue and reused first. ``parent``: the block before it in
         its sequence (None for a first block), whose external hash chains this one's.
+        ``tail``: its tail key, to file it in the tail index too.
         """
         assert len(token_ids) == self.block_size
         if block.block_hash is not None:
             return block.block_hash == block_hash
+        self._unfile_tail(block)  # never filed as partial while it is written, but be sure
         events = self.events
         if events is not None and block.ext_hash is None:
             if parent is None or parent.ext_hash is not None:
@@ -193,9 +217,48 @@ class BlockPool:
         block.block_hash = block_hash
         block.token_ids = tuple(token_ids)
         self.cached_block_hash_to_block[block_hash] = block
+        if tail is not None:
+            block.tail_key = tail
+            self.tails.setdefault((tail, block.token_ids[0]), {})[block.block_id] = block
         if events is not None and block.ext_hash is not None:
             events.stored(block.ext_hash, block.ext_parent, block.token_ids)
         return True
+
+    def cache_partial_block(self, block: KVBlock, tail: BlockHash, token_ids: Sequence[int]) -> bool:
+        """File a sequence's partial last block (``token_ids``: its computed tokens, fewer than
+        a block) under ``tail`` as it is freed; False when a cached block there already holds
+        these tokens (and maybe more). Partial blocks it extends leave the index."""
+        assert 0 < len(token_ids) < self.block_size and block.block_hash is None
+        tokens = tuple(token_ids)
+        for other in list(self.tails.get((tail, tokens[0]), {}).values()):
+            if other is block:
+                continue
+            if other.token_ids[:len(tokens)] == tokens:
+                return False
+            if other.block_hash is None and tokens[:len(other.token_ids)] == other.token_ids:
+                self._unfile_tail(other)  # this one holds all of it and more
+                if not other.held:  # worthless now: reused first
+                    self._free.move_to_end(other.block_id, last=False)
+        self._unfile_tail(block)
+        block.tail_key, block.token_ids = tail, tokens
+        self.tails.setdefault((tail, tokens[0]), {})[block.block_id] = block
+        self.num_partial_blocks += 1
+        return True
+
+    def longest_tail(self, tail: BlockHash, token_ids: Sequence[int]) -> tuple[KVBlock | None, int]:
+        """The cached block filed under ``tail`` whose tokens share the longest prefix with
+        ``token_ids`` (the tokens that follow the chain), and that prefix's length; (None, 0)
+        for none. Nothing is taken."""
+        best, best_n = None, 0
+        for block in self.tails.get((tail, token_ids[0]), {}).values() if token_ids else ():
+            n = 0
+            for mine, theirs in zip(token_ids, block.token_ids):
+                if mine != theirs:
+                    break
+                n += 1
+            if n > best_n:
+                best, best_n = block, n
+        return best, best_n
 
     def cached_ext_blocks(self) -> list[tuple[int, int | None, tuple[int, ...]]]:
         """Every cached block's ``(ext_hash, ext_parent, token_ids)``, parents before their
@@ -271,6 +334,7 @@ class BlockPool:
         """Forget every cached hash (e.g. after the model changed)."""
         for block in self.blocks:
             block.ext_hash = block.ext_parent = None
+            self._unfile_tail(block)
         for block in self.cached_block_hash_to_block.values():
             block.block_hash = None
             block.token_ids = ()
@@ -281,10 +345,25 @@ class BlockPool:
     # -- internals
     def _enqueue_free(self, block: KVBlock) -> None:
         self._free[block.block_id] = None
-        if block.block_hash is None:
+        if block.block_hash is None and block.tail_key is None:
             self._free.move_to_end(block.block_id, last=False)
 
+    def _unfile_tail(self, block: KVBlock) -> None:
+        """Take ``block`` out of the tail index (a partial block forgets its tokens too)."""
+        if block.tail_key is None:
+            return
+        key = (block.tail_key, block.token_ids[0])
+        siblings = self.tails[key]
+        del siblings[block.block_id]
+        if not siblings:
+            del self.tails[key]
+        block.tail_key = None
+        if block.block_hash is None:
+            block.token_ids = ()
+            self.num_partial_blocks -= 1
+
     def _evict(self, block: KVBlock) -> None:
+        self._unfile_tail(block)
         if block.block_hash is not None:
             if self.cached_block_hash_to_block.get(block.block_hash) is block:
                 del self.cached_block_hash_to_block[block.block_hash]

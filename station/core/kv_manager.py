@@ -8,7 +8,9 @@ Modelled on vLLM v1's ``KVCacheManager``: the scheduler decides *who* runs, this
   a sequence can start from: a loaded session's blocks for the prefix it shares with the
   prompt, then prefix-cache hits past them. Both compare tokens, not only hashes, so a hash
   collision or a session of other tokens can never serve wrong KV. Like a cache hit, a
-  session never covers the last prompt token: its logits are needed.
+  session never covers the last prompt token: its logits are needed. Past those full
+  blocks, a cached tail holding the prompt's next tokens (``station.core.tails``) gives
+  them too, copied into the sequence's own block.
 * ``allocate_slots(seq, num_new_tokens, computed)`` takes those blocks and fresh ones for
   the new tokens, expiring KV sessions (LRU, tenant-fair: ``SessionRegistry.reclaim``)
   before it gives up; False tells the scheduler to wait or preempt.
@@ -31,11 +33,12 @@ from typing import Any, Callable, Sequence as Seq
 from gnosis_daemon.logs import get_logger
 from gnosis_daemon.tokens import common_prefix_len
 from station.core.block_pool import (BlockHash, BlockPool, ExtraKeys, KVBlock, block_hashes_for,
-                                     prefix_extra_keys)
+                                     prefix_extra_keys, tail_key)
 from station.core.disk_sessions import DiskSession, DiskSessions
 from station.core.kv_results import ComputedBlocks, LoadPlan, SessionOutcome
 from station.core.sequence import Sequence
 from station.core.sessions import KVSession, SessionRegistry
+from station.core.tails import find_tail, leave_tail, tail_of
 
 log = get_logger(__name__)
 
@@ -46,24 +49,21 @@ class KVCacheManager:
                  clock: Callable[[], float] = time.time,
                  copy_block: Callable[[int, int], None] | None = None) -> None:
         self.pool = BlockPool(num_blocks, block_size)
-        self.copy_block = copy_block  # (src, dst) block ids: the KV tensors' copy, for fork
+        # (src, dst) block ids: the KV tensors' copy, for forks and tails (none: no tails)
+        self.copy_block = copy_block
         self.sessions = SessionRegistry(self.pool, session_budget, clock=clock,
                                         tenant_share=tenant_share)
-        self.block_size = block_size
-        self.model_fingerprint = model_fingerprint
-        self.tenant_salt = tenant_salt
-        # The disk tier behind the pool (``enable_disk_tier``): sessions whose KV only the
-        # disk holds, the sessions saved since the engine last took them (to write
-        # behind), and what became of evicted sessions.
+        self.block_size, self.model_fingerprint, self.tenant_salt = block_size, model_fingerprint, tenant_salt
+        # The disk tier behind the pool (``enable_disk_tier``): sessions whose KV only the disk
+        # holds, those saved since the engine last took them (to write behind), and what
+        # became of evicted sessions.
         self.disk = DiskSessions()
         self.disk_tier = False
         self.to_write: list[KVSession] = []
         self.to_touch: dict[str, float] = {}  # durable sessions used since: id -> last_used
         self.num_offloaded = 0  # evicted from the pool, kept on disk
         self.num_lost = 0  # evicted before the write-behind made them durable
-        self.num_disk_loads = 0
-        self.num_quarantined_loads = 0
-        self.num_unreadable_loads = 0
+        self.num_disk_loads = self.num_quarantined_loads = self.num_unreadable_loads = 0
 
     # -- figures
     @property
@@ -80,15 +80,11 @@ class KVCacheManager:
     def stats(self) -> dict[str, Any]:
         """The pool's, the sessions' and the disk index's figures for the ``stats`` op: plain
         counters, so another thread may read them (they may be one step stale)."""
-        return {
-            **self.pool.stats(), **self.sessions.stats(),
-            "kv_disk_sessions": len(self.disk),
-            "kv_sessions_offloaded": self.num_offloaded,
-            "kv_sessions_lost": self.num_lost,
-            "kv_disk_loads": self.num_disk_loads,
-            "kv_disk_quarantined_loads": self.num_quarantined_loads,
-            "kv_disk_unreadable_loads": self.num_unreadable_loads,
-        }
+        return {**self.pool.stats(), **self.sessions.stats(), "kv_disk_sessions": len(self.disk),
+                "kv_sessions_offloaded": self.num_offloaded, "kv_sessions_lost": self.num_lost,
+                "kv_disk_loads": self.num_disk_loads,
+                "kv_disk_quarantined_loads": self.num_quarantined_loads,
+                "kv_disk_unreadable_loads": self.num_unreadable_loads}
 
     def extra_keys(self, tenant: str) -> ExtraKeys:
         """The extra keys of every block hash of ``tenant`` (model and salted tenant)."""
@@ -96,7 +92,15 @@ class KVCacheManager:
 
     # -- admission (two-phase)
     def find_computed_blocks(self, seq: Sequence, load_session: str | None = None) -> ComputedBlocks:
-        """The blocks ``seq`` can start from; takes no reference and changes no LRU order."""
+        """The blocks ``seq`` can start from, then the tail that holds its next tokens (to
+        copy); takes no reference and changes no LRU order."""
+        computed = self._find_blocks(seq, load_session)
+        if self.copy_block is None or computed.session_outcome is SessionOutcome.ON_DISK:
+            return computed  # (a disk read comes first: the sequence asks again after it)
+        return find_tail(self.pool, seq, computed)
+
+    def _find_blocks(self, seq: Sequence, load_session: str | None) -> ComputedBlocks:
+        """The full blocks of ``find_computed_blocks``: a session's, then cache hits."""
         bs = self.block_size
         seq.block_hashes = block_hashes_for(seq.token_ids, bs, seq.extra_keys, seq.block_hashes)
         hits = self.pool.get_computed_blocks(seq.token_ids, seq.block_hashes)
@@ -155,6 +159,7 @@ class KVCacheManager:
         make room (``reclaim``), never the one ``seq`` loads; a decode's block is needed by
         no tenant in particular, so fairness then falls back to LRU over share.
         """
+        tail = None
         if computed is None:
             start, tenant, keep = seq.num_computed_tokens, None, None
             hits: Seq[KVBlock] = ()
@@ -162,7 +167,7 @@ class KVCacheManager:
         else:
             assert not seq.blocks, "admission of a sequence that holds blocks"
             start, tenant, keep = computed.num_cached_tokens, seq.tenant, seq.load_session
-            hits = computed.blocks
+            hits, tail = computed.blocks, computed.tail
             num_held = len(hits)
             if computed.session is not None:
                 self._use(computed.session)
@@ -174,21 +179,26 @@ class KVCacheManager:
         if num_new <= 0 and computed is None:
             return True
         num_new = max(num_new, 0)
-        # Cached hits that sit in the free queue count against it: touching removes them.
-        if not self.pool.can_allocate(num_new + self.pool.num_evictable_in(hits)) and reclaim:
-            needed = num_new + self.pool.num_evictable_in(hits)
+        # Cached hits (and the tail) in the free queue count against it: touching removes them.
+        taken = (*hits, tail) if tail is not None else hits
+        if not self.pool.can_allocate(num_new + self.pool.num_evictable_in(taken)) and reclaim:
+            needed = num_new + self.pool.num_evictable_in(taken)
             expired = self.sessions.reclaim(needed, keep, tenant)
             if expired:
                 log.info("kv_sessions_expired_for_room", expired=expired, blocks_needed=needed)
                 self._take_evictions()
         # Re-counted: a reclaim may have put some of the hits back in the free queue.
-        if not self.pool.can_allocate(num_new + self.pool.num_evictable_in(hits)):
+        if not self.pool.can_allocate(num_new + self.pool.num_evictable_in(taken)):
             return False
         if computed is not None:
-            self.pool.touch(hits)
+            self.pool.touch(taken)  # the tail too: allocating must not evict it before its copy
             seq.blocks = list(hits)
             seq.num_registered_blocks = len(hits)
         seq.blocks += self.pool.allocate(num_new)
+        if tail is not None:
+            assert self.copy_block is not None  # find_computed_blocks gives no tail without it
+            self.copy_block(tail.block_id, seq.blocks[len(hits)].block_id)
+            self.pool.free([tail])  # back in the queue as it was, its LRU place refreshed
         return True
 
     def cache_full_blocks(self, seq: Sequence) -> None:
@@ -203,12 +213,15 @@ class KVCacheManager:
         for i in range(seq.num_registered_blocks, num_full):
             self.pool.cache_full_block(seq.blocks[i], seq.block_hashes[i],
                                        seq.token_ids[i * bs:(i + 1) * bs],
-                                       seq.blocks[i - 1] if i else None)
+                                       seq.blocks[i - 1] if i else None, tail_of(seq, i))
         seq.num_registered_blocks = num_full
 
     def free(self, seq: Sequence) -> None:
-        """Release ``seq``'s blocks; its full ones stay in the prefix cache (evictable)."""
+        """Release ``seq``'s blocks; its full ones stay in the prefix cache, its partial last
+        one (its computed tokens past the full blocks) in the tail index, all evictable."""
         self.cache_full_blocks(seq)
+        if self.copy_block is not None:  # (without one, no tail is ever served)
+            leave_tail(self.pool, seq)
         self.pool.free(seq.blocks)
         seq.blocks = []
         seq.num_registered_blocks = 0
@@ -283,16 +296,8 @@ class KVCacheManager:
     def resident_blocks(self, token_ids: Seq[int], tenant: str) -> list[KVBlock]:
         """The cached blocks holding the longest resident prefix of ``token_ids``'s full
         blocks (tokens compared, not only hashes); nothing is taken."""
-        bs = self.block_size
-        blocks: list[KVBlock] = []
-        num_full = len(token_ids) // bs
-        for i, block_hash in enumerate(block_hashes_for(token_ids[:num_full * bs], bs,
-                                                        self.extra_keys(tenant))):
-            block = self.pool.cached_block_hash_to_block.get(block_hash)
-            if block is None or block.token_ids != tuple(token_ids[i * bs:(i + 1) * bs]):
-                break
-            blocks.append(block)
-        return blocks
+        hashes = block_hashes_for(token_ids, self.block_size, self.extra_keys(tenant))
+        return self.pool.get_computed_blocks(token_ids, hashes, capped=False)
 
     # -- the disk tier
     def hold_blocks(self, blocks: Seq[KVBlock]) -> list[int]:
@@ -378,10 +383,11 @@ class KVCacheManager:
                 else:
                     self.num_unreadable_loads += 1
             return None
-        bs = self.block_size
-        for i, (block, block_hash) in enumerate(zip(plan.blocks, on_disk.block_hashes)):
+        bs, keys, hashes = self.block_size, self.extra_keys(on_disk.tenant), on_disk.block_hashes
+        for i, (block, block_hash) in enumerate(zip(plan.blocks, hashes)):
             self.pool.cache_full_block(block, block_hash, on_disk.token_ids[i * bs:(i + 1) * bs],
-                                       plan.blocks[i - 1] if i else None)
+                                       plan.blocks[i - 1] if i else None,
+                                       tail_key(hashes[i - 1] if i else None, keys))
         self.disk.remove(on_disk.session_id)  # after: KV events say GPU, then drop DISK
         session = self.sessions.save(on_disk.session_id, on_disk.tenant, on_disk.token_ids,
                                      plan.blocks, on_disk.block_hashes)

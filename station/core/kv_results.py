@@ -29,7 +29,9 @@ class ComputedBlocks:
     """The blocks a sequence can start from, found by ``find_computed_blocks`` (nothing taken yet)."""
 
     blocks: tuple[KVBlock, ...]  # a loaded session's blocks, then prefix-cache hits
-    num_cached_tokens: int  # tokens whose KV those blocks hold (a multiple of block_size)
+    # Tokens whose KV is there: the blocks' and the tail's first tokens (any count past the
+    # blocks, less than a block; never the last prompt token)
+    num_cached_tokens: int
     session: KVSession | None = None  # the session loaded from, when one was
     session_outcome: SessionOutcome | None = None  # None: no session was asked for
     num_session_tokens: int = 0  # of num_cached_tokens: served by the session
@@ -37,6 +39,9 @@ class ComputedBlocks:
     # LOADED from a disk-tier session whose blocks the prefix cache still holds (freed, not
     # yet reused): served from the pool, nothing to read back
     cached_disk_session: DiskSession | None = None
+    # A cached block (full or partial) after ``blocks`` whose first tokens are the prompt's
+    # next ones: copied into the sequence's own fresh block, never shared
+    tail: KVBlock | None = None
 
     def __post_init__(self) -> None:
         loaded = self.session is not None or self.cached_disk_session is not None
