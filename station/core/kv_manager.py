@@ -8,19 +8,17 @@ Modelled on vLLM v1's ``KVCacheManager``: the scheduler decides *who* runs, this
   a sequence can start from: a loaded session's blocks for the prefix it shares with the
   prompt, then prefix-cache hits past them. Both compare tokens, not only hashes, so a hash
   collision or a session of other tokens can never serve wrong KV. Like a cache hit, a
-  session never covers the last prompt token: its logits are needed. Past those full
-  blocks, a cached tail holding the prompt's next tokens (``station.core.tails``) gives
-  them too, copied into the sequence's own block.
+  session never covers the last prompt token: its logits are needed. A cached tail past
+  those blocks (``station.core.tails``) gives the next tokens too, copied, never shared.
 * ``allocate_slots(seq, num_new_tokens, computed)`` takes those blocks and fresh ones for
   the new tokens, expiring KV sessions (LRU, tenant-fair: ``SessionRegistry.reclaim``)
   before it gives up; False tells the scheduler to wait or preempt.
 
-Sessions are pinned here too (``pin`` / ``unpin`` / ``load_into``), ``resident_blocks``
-answers "is the KV of these tokens still in the pool" for ``kv_session.save`` of a token
-list, and ``begin_load`` / ``finish_load`` bring a disk-tier session back into fresh
-blocks (``station.tier.disk_tier`` reads its files between the two). ``fork`` gives a
-choice of an ``n > 1`` generate its parent's prompt KV (its partial block copied by the KV
-tensors' ``copy_block`` hook); ``hold_blocks`` keeps blocks as they are for a disk write.
+Sessions are pinned here too (``pin`` / ``unpin`` / ``load_into``); ``resident_blocks`` says
+whether the KV of a token list is still in the pool (``kv_session.save``); ``begin_load`` /
+``finish_load`` bring a disk-tier session back (``station.tier.disk_tier`` reads its files
+between the two); ``fork`` gives an ``n > 1`` choice its parent's prompt KV (the partial block
+copied by ``copy_block``); ``hold_blocks`` keeps blocks as they are for a disk write.
 
 Thread-safety: none. Every call happens on the engine thread (``stats`` only reads ints).
 """
@@ -154,10 +152,11 @@ class KVCacheManager:
         """Give ``seq`` blocks for ``num_new_tokens`` more tokens; False when they do not fit.
 
         With ``computed`` (admission, ``seq`` holds nothing yet) the sequence takes those
-        blocks and fresh ones for the tokens past them; without it (a running sequence)
-        only fresh ones past its computed tokens. Before failing, sessions are expired to
-        make room (``reclaim``), never the one ``seq`` loads; a decode's block is needed by
-        no tenant in particular, so fairness then falls back to LRU over share.
+        blocks, a copy of the tail, and fresh ones past them, and its computed count is
+        theirs (the tail is dropped rather than counted against a full queue); without it
+        (a running sequence) only fresh ones past its computed tokens. Before failing,
+        sessions are expired to make room (``reclaim``), never the one ``seq`` loads; a
+        decode's block is needed by no tenant in particular, so fairness falls back to LRU.
         """
         tail = None
         if computed is None:
@@ -181,6 +180,8 @@ class KVCacheManager:
         num_new = max(num_new, 0)
         # Cached hits (and the tail) in the free queue count against it: touching removes them.
         taken = (*hits, tail) if tail is not None else hits
+        if tail is not None and not self.pool.can_allocate(num_new + self.pool.num_evictable_in(taken)):
+            tail, taken, start = None, hits, len(hits) * self.block_size  # not worth a block of room
         if not self.pool.can_allocate(num_new + self.pool.num_evictable_in(taken)) and reclaim:
             needed = num_new + self.pool.num_evictable_in(taken)
             expired = self.sessions.reclaim(needed, keep, tenant)
@@ -192,8 +193,7 @@ class KVCacheManager:
             return False
         if computed is not None:
             self.pool.touch(taken)  # the tail too: allocating must not evict it before its copy
-            seq.blocks = list(hits)
-            seq.num_registered_blocks = len(hits)
+            seq.blocks, seq.num_registered_blocks, seq.num_computed_tokens = list(hits), len(hits), start
         seq.blocks += self.pool.allocate(num_new)
         if tail is not None:
             assert self.copy_block is not None  # find_computed_blocks gives no tail without it

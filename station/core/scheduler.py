@@ -228,9 +228,9 @@ class Scheduler:
             seq.loaded_session = loaded.session_id if loaded is not None else None
             if loaded is not None:
                 seq.session_tier = seq.loaded_tier or "pool"
+        # It starts computing where the blocks it took end (allocate_slots sets the count).
         if not self.kv.allocate_slots(seq, seq.num_tokens - computed.num_cached_tokens, computed):
             return False
-        seq.num_computed_tokens = computed.num_cached_tokens
         seq.change_status(SequenceStatus.RUNNING)
         seq.num_admitted_cached_tokens = seq.num_computed_tokens
         if first_admission:
