@@ -26,12 +26,12 @@ from pathlib import Path
 
 import trio
 
+from bench import prefill
 from bench.common import (
     Pairs,
     Report,
     free_port,
     make_prompt_ids,
-    Plain,
     start_station,
     station_decode,
     station_ttft,
@@ -63,6 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--profile", action="store_true",
                         help="only print where a decode token's time goes (bench.profile)")
     add_peer_arguments(parser)
+    prefill.add_arguments(parser)
     second_model.add_arguments(parser)
     args = parser.parse_args(argv)
     if args.profile:  # its own options and defaults (a short prompt): hand it the arguments
@@ -88,9 +89,10 @@ def main(argv: list[str] | None = None) -> int:
         report.print()
         return 0 if report.all_met() else 1
 
-    # 1. the plain in-process baseline (same weights, contiguous DynamicCache), kept loaded
-    #    so that its measurements interleave with the station's (best of --rounds each)
-    plain = Plain(settings)
+    # 1. the plain in-process baselines (same weights: float32 and bfloat16 dense, the
+    #    quantized torch path), kept loaded so that their measurements interleave with the
+    #    station's
+    plain = prefill.PlainForwards(settings)
 
     # 2. the station, as a real child process, through the real socket
     with tempfile.TemporaryDirectory(prefix="gnosis-bench-") as tmp:
@@ -100,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
         start_s = time.perf_counter() - started
         hosts = []
         try:
-            hello = trio.run(_station_figures, runtime_dir / "station.sock", args, plain, report)
+            hello, sweep = trio.run(_station_figures, runtime_dir / "station.sock", args, plain, report)
             # the start check's share of this station's start (the default model's probe)
             default_cost = second_model.StartCost.from_hello(
                 second_model.default_name(settings), hello, start_s, Path(tmp) / "station.log")
@@ -127,59 +129,71 @@ def main(argv: list[str] | None = None) -> int:
         peer = peer_figures(settings, args, Path(tmp), Path(args.out))
         # 7. a second real model (Gemma 3 270M) beside llama.cpp (skipped with its reason)
         second = second_model.guarded_figures(settings, args, Path(tmp), default_cost)
+    # 8. the prefill plot: the station's and the plain forwards' points, llama.cpp's if measured
+    table, image = prefill.plot(sweep, args, Path(args.out).parent / "img", peer.prefill, peer.prefill_lengths)
 
     Report(report.rows + peer.report.rows + second.report.rows).print()
-    report.write(Path(args.out), settings, args, extra=peer.markdown() + "\n" + second.markdown())
+    report.write(Path(args.out), settings, args, extra=prefill.markdown(table, image) + "\n"
+                 + peer.markdown() + "\n" + second.markdown())
     return 0 if report.all_met() and peer.report.all_met() and second.report.all_met() else 1
 
 
-async def _station_figures(socket_path, args, plain: Plain, report: Report) -> dict:
+async def _station_figures(socket_path, args, plain: prefill.PlainForwards,
+                           report: Report) -> tuple[dict, prefill.Sweep]:
     async with open_station_client(socket_path) as conn:
         vocab = conn.hello["model"]["vocab_size"]
         # warm-up: first forward pays one-time allocator costs
         await station_ttft(conn, make_prompt_ids(vocab, 64, seed=99), tenant="warmup")
 
-        prefill, prefix = Pairs(), Pairs()  # (station miss, plain forward), (hit, miss)
+        # (station miss, float32 dense forward), (miss, quantized torch path), (hit, miss)
+        dense, quantized, prefix = Pairs(), Pairs(), Pairs()
         cached = set()
         for r in range(args.rounds):  # which side goes first alternates by round
             prompt = make_prompt_ids(vocab, args.prompt_tokens, seed=1 + r)
             if r % 2 == 0:
-                forward_s = plain.prefill_s(prompt)
+                forward_s = plain.fp32.prefill_s(prompt), plain.quantized.prefill_s(prompt)
             miss = await station_ttft(conn, prompt, tenant=f"bench-{r}")
             hit = await station_ttft(conn, prompt, tenant=f"bench-{r}")
             if r % 2 == 1:
-                forward_s = plain.prefill_s(prompt)
-            prefill.add(miss.ttft_s, forward_s)
+                forward_s = plain.fp32.prefill_s(prompt), plain.quantized.prefill_s(prompt)
+            dense.add(miss.ttft_s, forward_s[0])
+            quantized.add(miss.ttft_s, forward_s[1])
             prefix.add(hit.ttft_s, miss.ttft_s)
             cached.add(hit.cached_tokens)
         report.add(f"prefix-hit TTFT / miss TTFT ({args.prompt_tokens:,}-token shared prefix)",
                    prefix.ratio, "<=", 0.05,
                    f"hit {prefix.median(0) * 1000:.1f} ms (cached {'/'.join(map(str, sorted(cached)))}), "
                    f"miss {prefix.median(1) * 1000:.1f} ms; {prefix.spread()}")
-        report.add("miss TTFT (chunked prefill) / one plain forward", prefill.ratio, "<=", 1.1,
-                   f"station {prefill.median(0) * 1000:.0f} ms, plain {prefill.median(1) * 1000:.0f} ms; "
-                   f"{prefill.spread()}")
+        for pairs, name in ((dense, "float32 dense"), (quantized, "quantized torch path")):
+            report.add(f"miss TTFT / {name} forward ({args.prompt_tokens:,}-token prompt)", pairs.ratio,
+                       "info", None, f"station {pairs.median(0) * 1000:.0f} ms, {name} "
+                       f"{pairs.median(1) * 1000:.0f} ms; {pairs.spread()}")
+        sweep = await prefill.sweep(conn, vocab, plain, args)
+        sweep.quantized[args.prompt_tokens] = quantized.median(1)
+        prefill.add_rows(report, sweep, args)
 
         short = make_prompt_ids(vocab, 32, seed=2)
         prompts = [make_prompt_ids(vocab, 16 + 8 * i, seed=10 + i) for i in range(args.streams)]
         single, batched = Pairs(), Pairs()  # (station 1 stream, plain), (N streams, 1 stream)
         for r in range(args.rounds):
             if r % 2 == 0:
-                plain_tps = plain.decode_tps(short, args.decode_tokens)
+                plain_tps = plain.quantized.decode_tps(short, args.decode_tokens)
             one = await station_decode(conn, [short], args.decode_tokens)
             many = await station_decode(conn, prompts, args.decode_tokens)
             if r % 2 == 1:
-                plain_tps = plain.decode_tps(short, args.decode_tokens)
+                plain_tps = plain.quantized.decode_tps(short, args.decode_tokens)
             single.add(one, plain_tps)
             batched.add(many, one)
         report.add("station single-stream decode / plain contiguous-cache loop", single.ratio,
                    ">=", 0.9, f"station {single.median(0):.1f} tok/s, plain {single.median(1):.1f} "
                    f"tok/s; {single.spread()}")
-        report.add(f"aggregate decode at {args.streams} streams / 1 stream", batched.ratio, ">=", 4.0,
+        # reported only: against one stream it measures nothing a user feels once one stream
+        # is fast; the 8-stream goal is the one against llama.cpp's server (bench.peers)
+        report.add(f"aggregate decode at {args.streams} streams / 1 stream", batched.ratio, "info", None,
                    f"{args.streams} streams {batched.median(0):.1f} tok/s, 1 stream "
                    f"{batched.median(1):.1f} tok/s; {batched.spread()}")
         await decode_next_figures(conn, report, short, args.decode_tokens, args.rounds)
-        return conn.hello
+        return conn.hello, sweep
 
 
 if __name__ == "__main__":

@@ -63,23 +63,39 @@ def make_prompt_ids(vocab_size: int, n: int, seed: int) -> list[int]:
 
 
 class Plain:
-    """The plain in-process baseline: the same weights, one forward, a contiguous cache.
+    """A plain in-process baseline: the same weights, one forward, a contiguous cache.
 
     Kept loaded for the whole run so its measurements interleave with the station's:
-    on a shared, noisy machine both sides then see the same conditions.
+    on a shared, noisy machine both sides then see the same conditions. ``weights``: the
+    settings' ``weights`` for this load (None: as configured); ``Plain.cast`` makes another
+    from a loaded one in another dtype (bfloat16 dense from the float32 model).
     """
 
-    def __init__(self, settings) -> None:
-        import torch
+    def __init__(self, settings, weights: str | None = None) -> None:
+        from dataclasses import replace
 
         from station.model.loader import load_model
 
+        loaded = load_model(settings if weights is None else replace(settings, weights=weights))
+        self._use(loaded.model, loaded.device)
+
+    def _use(self, model, device) -> None:
+        import torch
+
         self.torch = torch
-        self.loaded = load_model(settings)
-        self.model = self.loaded.model
-        self.device = self.loaded.device
+        self.model = model
+        self.device = device
         with torch.inference_mode():
             self.model(torch.tensor([[1] * 64], device=self.device), logits_to_keep=1)  # warm-up
+
+    @classmethod
+    def cast(cls, other: Plain, dtype) -> Plain:
+        """A copy of ``other``'s model in ``dtype``, warmed up (raises where it cannot run)."""
+        import copy
+
+        plain = cls.__new__(cls)
+        plain._use(copy.deepcopy(other.model).to(dtype), other.device)
+        return plain
 
     def prefill_s(self, prompt_ids: list[int]) -> float:
         torch = self.torch
@@ -153,6 +169,7 @@ class Ttft:
     ttft_s: float
     cached_tokens: int
     prefill: dict = field(default_factory=dict)  # the prefill event as the station sent it
+    station_ms: float | None = None  # the result's ttft_ms: the station's own, arrival to token
 
 
 async def station_ttft(conn, prompt_ids: list[int], tenant: str, **extra) -> Ttft:
@@ -171,7 +188,9 @@ async def station_ttft(conn, prompt_ids: list[int], tenant: str, **extra) -> Ttf
             if event.get("type") == "tokens" and first is None:
                 first = time.perf_counter() - start
     assert first is not None
-    return Ttft(ttft_s=first, cached_tokens=cached, prefill=prefill)
+    station_ms = (stream.result or {}).get("ttft_ms")
+    return Ttft(ttft_s=first, cached_tokens=cached, prefill=prefill,
+                station_ms=None if station_ms is None else float(station_ms))
 
 
 async def station_decode(conn, prompts: list[list[int]], decode_tokens: int) -> float:
@@ -304,6 +323,16 @@ class Report:
             "only that section; `make bench PEER=0` skips them, writing why), and a second real",
             "model's (Gemma 3 270M beside llama.cpp) in the one after it (`python -m bench",
             "--second-model-only` reruns only that one).",
+            "",
+            "A miss (a prompt the station has not cached) is held to the fastest plain forward",
+            "of the same model in this run: one in-process forward (`logits_to_keep=1`) of the",
+            "model dequantized to float32 (`weights=float`), of that model cast to bfloat16",
+            "(where it runs), and of the quantized torch path (the model as the station loads",
+            "it); each round's fastest dense forward is the faster of float32 and bfloat16. The",
+            "conversation-turn row is the station's own `ttft_ms` (arrival to first token) for",
+            "the longest row's prompt and 20 new tokens, sent right after that prompt's miss.",
+            "The section after the table plots prefill tokens/s by prompt length (bench.prefill),",
+            "with llama.cpp's line when its section ran in the same run.",
             "",
             *table_lines(self.rows),
         ]

@@ -20,7 +20,7 @@ import trio
 from bench.common import Pairs, Report, free_port, start_station, stop_station
 from bench.liquid import start_host
 from bench.peers import plots
-from bench.peers.http_side import Completion, aggregate, daemon_endpoint, text_prompt
+from bench.peers.http_side import Completion, aggregate, daemon_endpoint, text_prompt, text_prompt_tokens
 from bench.peers.procs import InprocPeer, PeerProc, ServerPeer, measuring
 from bench.peers.section import llama_cpp_version, render, skip_reason
 from gnosis_daemon.client import open_station_client
@@ -42,8 +42,9 @@ def add_arguments(parser) -> None:
                        help="run only the peer rows and rewrite only their section of --out")
     group.add_argument("--peer-streams", default="1,2,4,8,16",
                        help="concurrency levels of the decode plot")
-    group.add_argument("--peer-prompts", default="250,500,1000,2000",
-                       help="prompt lengths (tokens, about) of the TTFT plot")
+    group.add_argument("--peer-prompts", default="250,500,1000,2000,4000,8000",
+                       help="prompt lengths (tokens, about) of the TTFT plot and of llama.cpp's "
+                            "line in the prefill plot")
     group.add_argument("--plot-rounds", type=int, default=2,
                        help="interleaved rounds per point of the plots (their median is plotted)")
 
@@ -66,6 +67,10 @@ class PeerResult:
     facts: list[str] = field(default_factory=list)
     images: list[tuple[str, str]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    # llama.cpp's prefill tokens/s on a miss (its prompt tokens over its TTFT) at each of
+    # ``prefill_lengths``, for the main section's prefill plot; empty when not measured
+    prefill: dict[str, list[float | None]] = field(default_factory=dict)
+    prefill_lengths: list[int] = field(default_factory=list)
 
     def markdown(self) -> str:
         return render(self.report, skipped=self.skipped, facts=self.facts, images=self.images,
@@ -197,6 +202,9 @@ class PeerBench:
         def bar(value: float) -> tuple[str, float | None]:
             return (">=", value) if goals else ("info", None)
 
+        def ceiling(value: float) -> tuple[str, float | None]:
+            return ("<=", value) if goals else ("info", None)
+
         d, s, i = self.daemon, self.server, self.inproc
         short = text_prompt(32, seed=7)
         # warm-up (first-call costs) and a first check that every side decodes exactly n
@@ -227,11 +235,11 @@ class PeerBench:
             seen = got
         daemon_hit = seen[d.name][1]
         report.add(f"long-prompt TTFT (miss), daemon / llama.cpp server (~{args.prompt_tokens:,} "
-                   "tokens)", miss.ratio, "info", None,
+                   "tokens)", miss.ratio, *ceiling(0.25),
                    f"daemon {miss.median(0) * 1000:.0f} ms, llama.cpp {miss.median(1) * 1000:.0f} ms "
                    f"({seen[d.name][0].prompt_tokens} prompt tokens on the daemon); {miss.spread()}")
         report.add("prefix-hit TTFT (the same prompt again), daemon / llama.cpp server", hit.ratio,
-                   "info", None,
+                   *ceiling(1.0),
                    f"daemon {hit.median(0) * 1000:.1f} ms (cached {daemon_hit.cached_tokens} of "
                    f"{daemon_hit.prompt_tokens}), llama.cpp {hit.median(1) * 1000:.1f} ms; "
                    f"{hit.spread()}")
@@ -254,16 +262,20 @@ class PeerBench:
                 + " tok/s", flush=True)
         ttft: dict[str, list[float | None]] = {f"{side.name} {kind}": [] for side in (d, s)
                                                for kind in ("miss", "hit")}
+        prefill: list[float | None] = []  # llama.cpp server's miss, tokens/s
         for length in lengths:
             got = self.interleaved([d, s], args.plot_rounds, lambda side, r: miss_then_hit(
-                side, text_prompt(length, seed=5000 + 10 * length + r)))
+                side, text_prompt_tokens(length, seed=5000 + 10 * length + r)))
             for side in (d, s):
                 for k, kind in enumerate(("miss", "hit")):
                     ttft[f"{side.name} {kind}"].append(
                         statistics.median(g[side.name][k].ttft_s * 1000 for g in got))
+            prefill.append(statistics.median(
+                (g[s.name][0].prompt_tokens or length) / g[s.name][0].ttft_s for g in got))
             print(f"peer plot: ~{length}-token prompt: " + ", ".join(
                 f"{name} {vs[-1]:.0f} ms" for name, vs in ttft.items()), flush=True)
         self.result.notes.append(plot_table(levels, decode, lengths, ttft))
+        self.result.prefill, self.result.prefill_lengths = {"llama.cpp server (miss)": prefill}, lengths
         try:
             plots.plot_decode_by_concurrency(
                 levels, decode, img_dir / DECODE_PNG,

@@ -30,6 +30,17 @@ def text_prompt(n_words: int, seed: int) -> str:
     return head + "".join(" " + rng.choice(WORDS) for _ in range(max(1, n_words - 3)))
 
 
+# SmolLM2's tokens per word of ``text_prompt`` (2,000 words are about 2,067 tokens, 8,000
+# about 8,260: past the model's 8,192-token context)
+TOKENS_PER_WORD = 1.034
+
+
+def text_prompt_tokens(n_tokens: int, seed: int) -> str:
+    """``text_prompt`` of about ``n_tokens`` SmolLM2 tokens (not words): an 8,000-token point
+    then fits the model's context."""
+    return text_prompt(max(4, round(n_tokens / TOKENS_PER_WORD)), seed)
+
+
 class CountMismatch(RuntimeError):
     pass
 

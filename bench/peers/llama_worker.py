@@ -30,6 +30,7 @@ import argparse
 import json
 import sys
 import time
+from typing import Any
 
 
 def load(model: str, threads: int, n_ctx: int):
@@ -77,7 +78,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("mode", choices=("server", "inproc"))
     parser.add_argument("--model", required=True)
     parser.add_argument("--threads", type=int, required=True)
-    parser.add_argument("--ctx", type=int, default=4096)
+    # the default model's whole context: the prefill plot's longest prompt is ~8,000 tokens
+    parser.add_argument("--ctx", type=int, default=8192)
     parser.add_argument("--port", type=int, default=0)
     args = parser.parse_args(argv)
     llm = load(args.model, args.threads, args.ctx)
@@ -150,8 +152,11 @@ def serve(llm, args, eog: list[int]) -> int:
     from llama_cpp.server import model as server_model
     from llama_cpp.server.settings import ModelSettings, ServerSettings
 
-    # The proxy loads its models from settings; hand it the one constructed above instead.
-    server_model.LlamaProxy.load_llama_from_model_settings = staticmethod(lambda _settings: llm)
+    # The proxy loads its models from settings; hand it the one constructed above instead
+    # (through an Any: where llama-cpp-python is installed, mypy reads its types, which forbid
+    # assigning a method)
+    proxy: Any = server_model.LlamaProxy
+    proxy.load_llama_from_model_settings = staticmethod(lambda _settings: llm)
     settings = ServerSettings(host="127.0.0.1", port=args.port, interrupt_requests=False)
     model_settings = ModelSettings(model=args.model, n_threads=args.threads,
                                    n_threads_batch=args.threads, n_ctx=args.ctx, verbose=False)

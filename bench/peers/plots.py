@@ -65,6 +65,28 @@ def plot_ttft_by_prompt(lengths: list[int], series: dict[str, list[float | None]
     return _save(plt, fig, path)
 
 
+def plot_prefill_by_prompt(lengths: list[int], series: dict[str, list[float | None]], path: Path,
+                           title: str) -> Path:
+    """Prefill tokens/s (a miss: prompt tokens over time to the first token) by prompt
+    length, a line per side; a side measured at one length is a lone marker."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4.5), dpi=110)
+    for (name, ys), marker in zip(series.items(), "osD^vP"):
+        xs, vs = _points(lengths, ys)
+        ax.plot(xs, vs, marker=marker, label=name,
+                linestyle="none" if len(xs) < 2 else ("-" if "daemon" in name else "--"))
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(lengths)
+    ax.set_xticklabels([str(n) for n in lengths])
+    ax.set_xlabel("prompt tokens")
+    ax.set_ylabel("prefill tokens/s")
+    ax.set_ylim(bottom=0)
+    ax.set_title(title, fontsize=10)
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    return _save(plt, fig, path)
+
+
 def _save(plt, fig, path: Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.tight_layout()

@@ -35,7 +35,11 @@ def test_row_verdict(value, op, bar, noise, met):
 
 FIGURES = [
     "prefix-hit TTFT / miss TTFT (96-token shared prefix)",
-    "miss TTFT (chunked prefill) / one plain forward",
+    "miss TTFT / float32 dense forward (96-token prompt)",
+    "miss TTFT / quantized torch path forward (96-token prompt)",
+    "miss TTFT / fastest plain dense forward (48-token prompt)",
+    "miss TTFT / fastest plain dense forward (96-token prompt)",
+    "conversation turn: station ms before the first token, 20 new tokens on a 96-token cached conversation",
     "station single-stream decode / plain contiguous-cache loop",
     "aggregate decode at 3 streams / 1 stream",
     "decode_next round trip per token / generate per token",
@@ -67,7 +71,8 @@ def test_bench_runs_every_figure_on_a_tiny_model(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "bench", "--model", str(model_dir), "--prompt-tokens", "96",
          "--decode-tokens", "6", "--streams", "3", "--rounds", "1", "--out", str(out),
-         "--second-model", "off"],  # Gemma 3 270M beside llama.cpp: minutes where both are here
+         "--second-model", "off",  # Gemma 3 270M beside llama.cpp: minutes where both are here
+         "--prefill-rows", "48,96", "--prefill-plot", "32"],
         cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=300)
     # 0: every goal met, 1: some missed (a tiny model's figures on a shared CPU); not a crash
     assert proc.returncode in (0, 1), proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -83,18 +88,31 @@ def test_bench_runs_every_figure_on_a_tiny_model(tmp_path):
     assert len(shares) == 2
     assert all(value > 0 for name, (value, _) in rows.items() if name not in shares)
     assert all(0 <= rows[name][0] <= 1 for name in shares)
-    # 96 prompt tokens = 6 blocks of 16; the last token is always recomputed: 5 blocks hit
-    assert "(cached 80)" in rows[FIGURES[0]][1]
-    assert "(hit, cached" in rows[FIGURES[7]][1]
+    # 96 prompt tokens: every one but the last is reused (the last is always recomputed)
+    assert "(cached 95)" in rows[FIGURES[0]][1]
+    # the prefill rows: every plain forward measured, the fastest named; the turn adds 20
+    # tokens to the 96 its conversation's miss left cached
+    for name in FIGURES[3:5]:
+        assert re.match(r"station \d+ ms, fp32 \d+ ms, bf16 \d+ ms; fastest: (fp32|bf16) \(1 of 1 rounds\)",
+                        rows[name][1]), rows[name][1]
+    assert rows[FIGURES[5]][1].endswith("; 116 prompt tokens, cached 96"), rows[FIGURES[5]][1]
+    assert "(hit, cached" in rows[FIGURES[11]][1]
     # the disk tier's figures: a hit read back from disk after a restart, a tier of 10x the pool
-    assert "(session_tier disk, cached 80," in rows[FIGURES[9]][1]
-    assert re.search(r"= (\d+\.\d)x the", rows[FIGURES[10]][1])
-    assert float(re.search(r"= (\d+\.\d)x the", rows[FIGURES[10]][1])[1]) >= 10
+    assert "(session_tier disk, cached 95," in rows[FIGURES[13]][1]
+    assert re.search(r"= (\d+\.\d)x the", rows[FIGURES[14]][1])
+    assert float(re.search(r"= (\d+\.\d)x the", rows[FIGURES[14]][1])[1]) >= 10
+    # the prefill plot: drawn beside the docs, its figures in a table, every length a row
+    assert (out.parent / "img" / "prefill_by_prompt.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    text = out.read_text()
+    assert "![prefill tokens/s by prompt length](img/prefill_by_prompt.png)" in text
+    table = text.split("## Prefill by prompt length", 1)[1]
+    assert [line.split("|")[1].strip() for line in table.splitlines()
+            if re.match(r"\| \d+ \|", line)] == ["32", "48", "96"]
     # the grammar row: the unconstrained side is asked for exactly as many tokens as the
     # grammar produced (bench.grammar runs alone too: python -m bench.grammar)
     m = re.search(r"json_schema [\d.]+ tok/s \((\d+) tokens, finish (\w+), .*unconstrained "
-                  r"[\d.]+ tok/s \((\d+) tokens\)", rows[FIGURES[8]][1])
-    assert m and m[1] == m[3] and int(m[1]) > 1 and m[2] in ("stop", "length"), rows[FIGURES[8]][1]
+                  r"[\d.]+ tok/s \((\d+) tokens\)", rows[FIGURES[12]][1])
+    assert m and m[1] == m[3] and int(m[1]) > 1 and m[2] in ("stop", "length"), rows[FIGURES[12]][1]
     # a float checkpoint's quantized side is int4 at load: all 14 of the tiny model's linears
     assert "weights int4: 14 int4 layers (load)" in rows[shares[0]][1]
     # the start check's cost, from the station's hello (a probe of 4 blocks and a few tokens)
