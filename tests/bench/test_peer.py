@@ -167,3 +167,55 @@ def test_plots_on_synthetic_figures_are_pngs(tmp_path):
     table = figures.plot_table([1, 2], {"daemon": [20.0, 38.0], "peer": [60.0, None]},
                                [250], {"daemon miss": [500.0]})
     assert "| 2 | 38.0 | - |" in table and "| ~250 | 500.0 |" in table
+
+
+class _Scripted:
+    """A side whose completions take the times it is told: ``miss_s`` to the first chunk of
+    a prompt it has not seen, ``hit_s`` of one it has, one token a ``token_s`` after that;
+    its prompt tokens: the prompt's words."""
+
+    def __init__(self, miss_s, hit_s, token_s=0.01):
+        self.miss_s, self.hit_s, self.token_s, self.seen = miss_s, hit_s, token_s, set()
+
+    def complete(self, prompt, max_tokens):
+        from bench.peers.http_side import Completion
+
+        first = self.hit_s if prompt in self.seen else self.miss_s
+        self.seen.add(prompt)
+        return Completion(0.0, first, first + self.token_s * (max_tokens - 1), max_tokens,
+                          len(prompt.split()))
+
+
+def _bench(args, daemon, server, inproc):
+    sides = [figures.Side("daemon", daemon), figures.Side("llama.cpp server", server),
+             figures.Side("llama.cpp in-process", inproc)]
+    return figures.PeerBench(args, [], *sides, figures.PeerResult())
+
+
+def test_the_ttft_rows_have_goals_for_the_default_model_only():
+    daemon, server = _Scripted(miss_s=1.0, hit_s=0.05), _Scripted(miss_s=5.0, hit_s=0.04)
+    bench = _bench(_args(), daemon, server, _Scripted(9.0, 9.0))
+    bench.rows()
+    rows = {row.name: row for row in bench.result.report.rows}
+    miss = rows["long-prompt TTFT (miss), daemon / llama.cpp server (~64 tokens)"]
+    hit = rows["prefix-hit TTFT (the same prompt again), daemon / llama.cpp server"]
+    assert (miss.value, miss.op, miss.bar, miss.met) == (0.2, "<=", 0.25, True)
+    assert (hit.value, hit.op, hit.bar, hit.met) == (1.25, "<=", 1.0, False)
+    other = _bench(_args(), _Scripted(1.0, 0.05), _Scripted(5.0, 0.04), _Scripted(9.0, 9.0))
+    other.rows(goals=False)  # a model the issues set no bars for: every row reported only
+    assert {row.op for row in other.result.report.rows} == {"info"}
+
+
+def test_the_plots_keep_llama_cpps_prefill_rate_for_the_prefill_plot(tmp_path):
+    pytest.importorskip("matplotlib")
+    server = _Scripted(miss_s=2.0, hit_s=0.04)
+    bench = _bench(_args(peer_prompts="100,400"), _Scripted(1.0, 0.05), server, _Scripted(1.0, 1.0))
+    bench.plots(tmp_path / "img")
+    # its prompt tokens (the words of a prompt sized in tokens) over its miss TTFT
+    from bench.peers.http_side import text_prompt_tokens
+
+    words = [len(text_prompt_tokens(n, seed=0).split()) for n in (100, 400)]
+    assert bench.result.prefill_lengths == [100, 400]
+    assert bench.result.prefill == {"llama.cpp server (miss)": [words[0] / 2.0, words[1] / 2.0]}
+    # 97 and 387 words asked for (tokens / TOKENS_PER_WORD): the head "Note 0:" and the rest
+    assert words == [96, 386]
