@@ -6,13 +6,14 @@ mid-prefill first, then new admissions in arrival order). So a long prompt is pr
 chunks interleaved with everyone else's decode steps, and decoding never stalls behind it.
 
 Admission asks the KV cache manager (``station.core.kv_manager``) for the blocks the
-prompt can start from (a loaded session's, then prefix-cache hits: those tokens skip
-prefill) and then for blocks for the whole prompt at once (two-phase:
-``find_computed_blocks`` then ``allocate_slots``, which expires KV sessions before it
-fails); a request that does not fit waits, in order. A decoding sequence that needs a new
-block and finds none preempts the newest running sequence: its blocks are freed (its full
-blocks stay in the prefix cache, so the recompute usually hits them) and it goes back to
-the head of the waiting queue. Nothing here raises on exhaustion.
+prompt can start from (a loaded session's, then prefix-cache hits, then a cached tail's
+first tokens: those tokens skip prefill, up to the last prompt token) and then for blocks
+for the whole prompt at once (two-phase: ``find_computed_blocks`` then ``allocate_slots``,
+which expires KV sessions before it fails); a request that does not fit waits, in order. A
+decoding sequence that needs a new block and finds none preempts the newest running
+sequence: its blocks are freed (they stay in the prefix cache, its partial last block too,
+so the recompute usually hits them) and it goes back to the head of the waiting queue.
+Nothing here raises on exhaustion.
 
 Held sequences (``forward``/``decode_next``) are ``park``ed between calls (they keep their
 blocks and are not scheduled) and ``resume``d with new tokens; a resumed sequence gets

@@ -2,8 +2,9 @@
 
 One engine thread loops like nano-vllm's ``LLMEngine.step``: schedule -> run -> postprocess.
 Every running sequence decodes in the same forward; prompts are prefilled in chunks beside
-them; a prompt whose leading full blocks are in the prefix cache skips those tokens. A finished
-sequence's full blocks stay cached (evictable, LRU). What becomes of a sequence after its
+them; a prompt whose leading tokens are in the prefix cache skips them (whole blocks, then a
+cached block's leading tokens, copied: ``station.core.tails``). A finished sequence's full
+blocks and partial last block stay cached (evictable, LRU). What becomes of a sequence after its
 step (its events, its end) is ``station.engine.outcomes``; the choices of an ``n > 1``
 generate fork from their parent in ``station.engine.forks``. Each helper is handed the parts
 it works on (the KV cache manager, the scheduler, the runner's rows), never the engine.
