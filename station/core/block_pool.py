@@ -258,6 +258,8 @@ class BlockPool:
                 n += 1
             if n > best_n:
                 best, best_n = block, n
+                if n == len(token_ids):
+                    break  # none can share more
         return best, best_n
 
     def cached_ext_blocks(self) -> list[tuple[int, int | None, tuple[int, ...]]]:
