@@ -57,11 +57,13 @@ def test_n4_seeded_saves_once_and_the_next_turn_hits(full, client):
     assert [c.index for c in resp.choices] == [0, 1, 2, 3]
     assert len({c.message.content for c in resp.choices}) == 4
     assert (g["liquid_memory"], g["liquid_kv_saved"]) == ("miss", True)
-    prompt_len = resp.usage.prompt_tokens
+    prompt_len, bs = resp.usage.prompt_tokens, after["block_size"]
     assert resp.usage.completion_tokens == 24
-    # one prefill; the prompt's full blocks allocated once, each choice its own last blocks
-    assert after["prefill_tokens"] - before["prefill_tokens"] == prompt_len
-    bs = after["block_size"]
+    # one prefill (past what the prefix cache holds of the chat template's first tokens, sent
+    # before in this tenant: reused inside a block); the prompt's blocks allocated once, each
+    # choice its own last blocks
+    assert 0 < g["cached_tokens"] < bs
+    assert after["prefill_tokens"] - before["prefill_tokens"] == prompt_len - g["cached_tokens"]
     own = -(-(prompt_len + 5) // bs) - prompt_len // bs
     assert after["blocks_allocated"] - before["blocks_allocated"] == prompt_len // bs + 4 * own
     # only the first choice saved: as many sessions as a one-choice request saves

@@ -235,11 +235,13 @@ def test_an_evicted_session_whose_blocks_are_still_cached_is_a_pool_hit(tiny, tm
         assert (stats["kv_sessions"], stats["kv_disk_sessions"], stats["kv_sessions_offloaded"]) == (1, 1, 1)
         matched = t.generate(prompts[0], 4, match_session=True)
         named = t.generate(prompts[0] + prompt_of(9, 3), 4, load_session="alice.p.0")
-        for got, prompt in ((matched, prompts[0]), (named, prompts[0] + prompt_of(9, 3))):
+        # The session's 20 tokens, then the first run's block 5 (3 prompt tokens, 1 answer
+        # token) up to the prompt's last token (matched), or all 3 it shares (named).
+        for got, prompt, cached in ((matched, prompts[0], 22), (named, prompts[0] + prompt_of(9, 3), 23)):
             pre = got.one(Prefill)
             assert (pre.session_loaded, pre.session_id, pre.session_tokens, pre.session_tier,
                     pre.session_error) == (True, "alice.p.0", 20, "pool", None), pre
-            assert got.one(Finished).cached_tokens == 20
+            assert got.one(Finished).cached_tokens == cached
             assert got.tokens == reference(path, prompt, 4)
         assert matched.tokens == first[0]
         assert t.engine.stats()["kv_disk_loads"] == 0
