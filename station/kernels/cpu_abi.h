@@ -22,6 +22,7 @@
 #define GNOSIS_STEP_MAX_HEAD_DIM 512
 #define GNOSIS_STEP_MAX_ROWS 64       /* token rows one step call may take */
 #define GNOSIS_MAX_THREADS 64
+#define GNOSIS_Q4_TILE 16            /* output rows of a 4-bit matrix's tile */
 
 /* What every call that can fail returns. */
 typedef enum {
@@ -59,14 +60,20 @@ typedef struct {
     float attention_scale; /* multiplies q . k */
 } gnosis_model_shape_t;
 
-/* A matrix of 4-bit groups as GGUF keeps them: per output row, cols / 2 bytes (byte j of a
-   32-value group holds values j and j + 16, low nibble first) and per group a float16 step
-   and minimum: w = step * q + min, q in 0..15. */
+/* A matrix of 4-bit groups, w = step * q + min with q in 0..15 and a float16 step and
+   minimum per 32-value group (a GGUF file's Q4_0 / Q4_1 groups), in tiles of
+   GNOSIS_Q4_TILE output rows (the last one padded with zero rows): tile t holds rows
+   16t..16t+15, and for each of its groups g, in order:
+     q:    8 slabs of 32 bytes; in slab c, byte 2i + j holds value 2c + j of row 16t + i's
+           group g in its low nibble and value 2c + 16 + j in its high nibble;
+     step, min: 16 float16 each, row 16t + i's at [t][g][i].
+   So one 32-byte load is 16 rows' 4 values, and the products of a tile are 16 lanes
+   (cpu_q4.c). cpu_step.py writes this layout from the file's groups. */
 typedef struct {
-    const uint8_t *q;     /* [rows, cols / 2] */
-    const uint16_t *step; /* [rows, cols / GNOSIS_GROUP] float16 */
-    const uint16_t *min;  /* [rows, cols / GNOSIS_GROUP] float16 */
-    const float *bias;    /* [rows], or NULL: none */
+    const uint8_t *q;     /* [tiles, cols / GNOSIS_GROUP, 8, 32] */
+    const uint16_t *step; /* [tiles, cols / GNOSIS_GROUP, GNOSIS_Q4_TILE] float16 */
+    const uint16_t *min;  /* [tiles, cols / GNOSIS_GROUP, GNOSIS_Q4_TILE] float16 */
+    const float *bias;    /* [tiles * GNOSIS_Q4_TILE] (zero past rows), or NULL: none */
     int32_t rows, cols;
 } gnosis_q4_matrix_t;
 
@@ -133,6 +140,12 @@ int32_t gnosis_step_threads(const gnosis_step_t *step);
 /* The forward of the rows: their K/V into the pool, the final norm's output into
    hidden_out; GNOSIS_BAD_ARGUMENT (checked before anything is written). */
 gnosis_status_t gnosis_step_run(gnosis_step_t *step, const gnosis_step_rows_t *rows);
+/* What this build computes the step with: "avx512-vnni", "avx2" or "scalar" for the
+   4-bit products (cpu_q4.c; each gives the same bits), and 1 where its vector attention
+   (cpu_attention.c: an AVX-512 build, head_dim a multiple of 16) takes head_dim, 0 where
+   the step attends with its portable loops. */
+const char *gnosis_q4_simd(void);
+int32_t gnosis_attention_takes(int32_t head_dim);
 /* The Q8_0 product as gnosis_q8_linear computes it, on the step's threads. */
 gnosis_status_t gnosis_step_head(gnosis_step_t *step, const gnosis_q8_product_t *product);
 

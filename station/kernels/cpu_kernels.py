@@ -41,8 +41,9 @@ log = get_logger(__name__)
 
 SOURCE = Path(__file__).with_suffix(".c")
 # compiled into the same library: the whole decode step (station.kernels.cpu_step)
-SOURCES = (SOURCE, SOURCE.with_name("cpu_step.c"))
-HEADER = SOURCE.with_name("cpu_abi.h")  # included by both; part of the build's key
+SOURCES = (SOURCE, *(SOURCE.with_name(name) for name in ("cpu_step.c", "cpu_q4.c", "cpu_attention.c")))
+HEADER = SOURCE.with_name("cpu_abi.h")  # included by all; part of the build's key
+PARTS_HEADER = SOURCE.with_name("cpu_parts.h")  # what the C files call in one another
 GROUP = 32  # cpu_abi.h's GNOSIS_GROUP
 BUILD_TIMEOUT_S = 120
 _loaded: dict[str, ctypes.CDLL | None] = {}  # by key: the same sources, compiler and machine
@@ -87,7 +88,7 @@ def load_library(cache_dir: Path | None) -> ctypes.CDLL | None:
     """The compiled kernels for this machine (built once, then reused); None if it cannot be."""
     from station.kernels.quantized import machine_tag
 
-    missing = [source.name for source in (*SOURCES, HEADER) if not source.is_file()]
+    missing = [source.name for source in (*SOURCES, HEADER, PARTS_HEADER) if not source.is_file()]
     if missing:
         log.info("cpu_kernels_unavailable", reason=f"{', '.join(missing)} not installed beside {__name__}")
         return None
@@ -101,7 +102,7 @@ def load_library(cache_dir: Path | None) -> ctypes.CDLL | None:
     except (OSError, subprocess.SubprocessError) as exc:
         log.info("cpu_kernels_unavailable", reason=f"{cc} --version: {exc}")
         return None
-    sources = b"".join(source.read_bytes() for source in (*SOURCES, HEADER))
+    sources = b"".join(source.read_bytes() for source in (*SOURCES, HEADER, PARTS_HEADER))
     key = hashlib.sha256(sources + repr((version, machine_tag())).encode()).hexdigest()[:16]
     if key in _loaded:  # this process has built or opened this very library already
         return _loaded[key]

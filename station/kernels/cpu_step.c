@@ -29,7 +29,7 @@
 #include <string.h>
 #include <time.h>
 
-#include "cpu_abi.h"
+#include "cpu_parts.h"
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
@@ -43,6 +43,7 @@
 #define MAX_HEAD_DIM GNOSIS_STEP_MAX_HEAD_DIM
 #define MAX_THREADS GNOSIS_MAX_THREADS
 #define MAX_ROWS GNOSIS_STEP_MAX_ROWS
+#define TILE_ROWS GNOSIS_Q4_TILE
 #define SPIN_NS 300000 /* a worker spins this long for work, then sleeps */
 
 typedef gnosis_q4_matrix_t mat_t;
@@ -69,16 +70,22 @@ struct gnosis_step {
     const float *embed, *final_norm, *cos, *sin;
     layer_t *layer;
     /* scratch, sized for max_rows rows */
-    float *h, *x, *qkv, *att, *act, *scores, *acc, *xd, *xs;
+    float *h, *x, *qkv, *att, *act, *xd, *xs;
     int16_t *xq;
+    float *tile_out; /* per thread: a matrix tile's outputs (and its up rows') for every row */
+    /* attention, per thread: cpu_attention.c's scratch where it takes the shape (vector),
+       else the portable loops' scores and sums */
+    int vector_attention;
+    float *scores, *acc, *qt, *part;
     int group_start[MAX_ROWS], group_len[MAX_ROWS]; /* this call's attention groups */
     int group_max, pairs; /* rows a group may hold; (row, head) pairs of a thread's scratch */
     /* this call */
     int b;
-    const int64_t *pos;
+    const int64_t *pos, *slots;
     const int32_t *tables;
     int table_width;
     const mat_t *mat;
+    const float *in, *norm;
     out_mode_t out_mode;
     float *out;
     layer_t *cur;
@@ -242,169 +249,57 @@ static void silu_mul(float *gate, const float *up, int n) {
     for (; i < n; i++) gate[i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
 }
 
-/* A row of activations as int16 per 32-value group: xq, the group's step xd and sum xs. */
-static void quantize(const float *x, int k, int16_t *xq, float *xd, float *xs) {
-    for (int g = 0; g < k / G; g++) {
-        const float *v = x + g * G;
-#if STEP_SIMD
-        __m256 a[4], mx = _mm256_setzero_ps(), sum = _mm256_setzero_ps();
-        const __m256 sign = _mm256_set1_ps(-0.0f);
-        for (int i = 0; i < 4; i++) {
-            a[i] = _mm256_loadu_ps(v + 8 * i);
-            mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, a[i]));
-            sum = _mm256_add_ps(sum, a[i]);
-        }
-        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
-        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-        float amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1)));
-        float inv = amax > 0.0f ? 32767.0f / amax : 0.0f;
-        __m256 scale = _mm256_set1_ps(inv);
-        for (int i = 0; i < 4; i += 2) {
-            __m256i lo = _mm256_cvtps_epi32(_mm256_mul_ps(a[i], scale));
-            __m256i hi = _mm256_cvtps_epi32(_mm256_mul_ps(a[i + 1], scale));
-            __m256i packed = _mm256_permute4x64_epi64(_mm256_packs_epi32(lo, hi), 0xd8);
-            _mm256_storeu_si256((__m256i *)(xq + g * G + 8 * i), packed);
-        }
-        xd[g] = amax / 32767.0f;
-        xs[g] = hsum8(sum);
-#else
-        float amax = 0.0f, sum = 0.0f;
-        for (int i = 0; i < G; i++) { float a = fabsf(v[i]); amax = a > amax ? a : amax; sum += v[i]; }
-        float d = amax / 32767.0f, inv = amax > 0.0f ? 32767.0f / amax : 0.0f;
-        for (int i = 0; i < G; i++) xq[g * G + i] = (int16_t)lrintf(v[i] * inv);
-        xd[g] = d;
-        xs[g] = sum;
-#endif
-    }
-}
-
-#define TILE 4
-#if STEP_SIMD
-/* The body of dot_rows for a constant number of token rows (bt), so that the compiler
-   unrolls the row loops and keeps every accumulator in a register. */
-static inline __attribute__((always_inline)) void dot_body(
-        const uint8_t *q, const uint16_t *sp, const uint16_t *mp, int k, const int16_t *xq,
-        const float *xd, const float *xs, const int bt, float *y) {
-    const int groups = k / G, g8 = groups & ~7;
-    /* the row's group scales widened once, times each token row's activation steps; the
-       minimums' term, sum over groups of min * (the group's activation sum), vectorized */
-    float scale[TILE][MAX_GROUPS];
-    __m256 tailv[TILE];
-    float tail[TILE];
-    for (int t = 0; t < bt; t++) tailv[t] = _mm256_setzero_ps();
-    for (int g = 0; g < g8; g += 8) {
-        __m256 st = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sp + g)));
-        __m256 mn = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(mp + g)));
-        for (int t = 0; t < bt; t++) {
-            _mm256_storeu_ps(scale[t] + g, _mm256_mul_ps(st, _mm256_loadu_ps(xd + t * groups + g)));
-            tailv[t] = _mm256_fmadd_ps(mn, _mm256_loadu_ps(xs + t * groups + g), tailv[t]);
-        }
-    }
-    for (int t = 0; t < bt; t++) {
-        tail[t] = hsum8(tailv[t]);
-        for (int g = g8; g < groups; g++) {
-            scale[t][g] = f16(sp[g]) * xd[t * groups + g];
-            tail[t] += f16(mp[g]) * xs[t * groups + g];
-        }
-    }
-    __m256 acc0[TILE], acc1[TILE];
-    for (int t = 0; t < bt; t++) acc0[t] = acc1[t] = _mm256_setzero_ps();
-    const __m256i low = _mm256_set1_epi16(0x0f);
-    int g = 0;
-#define GROUP_STEP(ACC)                                                                       \
-    {                                                                                         \
-        /* 16-bit lane j: byte j of the group, whose low nibble is value j, high j + 16 */    \
-        __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(q + g * 16)));      \
-        __m256i w0 = _mm256_and_si256(v, low), w1 = _mm256_srli_epi16(v, 4);                  \
-        for (int t = 0; t < bt; t++) {                                                        \
-            const int16_t *xg = xq + (size_t)t * k + g * G;                                   \
-            __m256i p = _mm256_add_epi32(                                                     \
-                _mm256_madd_epi16(w0, _mm256_loadu_si256((const __m256i *)xg)),               \
-                _mm256_madd_epi16(w1, _mm256_loadu_si256((const __m256i *)(xg + 16))));       \
-            ACC[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_broadcast_ss(&scale[t][g]), ACC[t]); \
-        }                                                                                     \
-        g++;                                                                                  \
-    }
-    while (g + 1 < groups) { GROUP_STEP(acc0) GROUP_STEP(acc1) }
-    if (g < groups) GROUP_STEP(acc0)
-#undef GROUP_STEP
-    for (int t = 0; t < bt; t++) y[t] = hsum8(_mm256_add_ps(acc0[t], acc1[t])) + tail[t];
-}
-#endif
-
-/* y[t] = sum_k w[n, k] * x[t, k] for the t < bt rows of a tile (rows of xq are k apart). */
-static void dot_rows(const mat_t *w, int n, const int16_t *xq, const float *xd, const float *xs,
-                     int bt, float *y) {
-    const int k = w->cols, groups = k / G;
-    const uint8_t *q = w->q + (size_t)n * (k / 2);
-    const uint16_t *sp = w->step + (size_t)n * groups, *mp = w->min + (size_t)n * groups;
-#if STEP_SIMD
-    switch (bt) {
-    case 1: dot_body(q, sp, mp, k, xq, xd, xs, 1, y); break;
-    case 2: dot_body(q, sp, mp, k, xq, xd, xs, 2, y); break;
-    case 3: dot_body(q, sp, mp, k, xq, xd, xs, 3, y); break;
-    default: dot_body(q, sp, mp, k, xq, xd, xs, 4, y); break;
-    }
-#else
-    for (int t = 0; t < bt; t++) {
-        float acc = 0.0f, tail = 0.0f;
-        for (int g = 0; g < groups; g++) {
-            const int16_t *xg = xq + (size_t)t * k + g * G;
-            int32_t sum = 0;
-            for (int j = 0; j < 16; j++)
-                sum += (q[g * 16 + j] & 15) * xg[j] + (q[g * 16 + j] >> 4) * xg[j + 16];
-            acc += (float)sum * (f16(sp[g]) * xd[t * groups + g]);
-            tail += f16(mp[g]) * xs[t * groups + g];
-        }
-        y[t] = acc + tail;
-    }
-#endif
-}
-
-#define ROWS_PER_CHUNK 32
-/* Output rows [chunk * 32, +32) of the current matrix, every token row. */
+/* Output rows [16 chunk, +16) of the current matrix (one tile, cpu_q4.c) for every token
+   row; gate rows then up rows, combined, in OUT_SILU_GATE_UP. */
 static void matmul_task(step_t *s, int chunk, int tid) {
-    (void)tid;
     const mat_t *w = s->mat;
-    int rows = s->out_mode == OUT_SILU_GATE_UP ? w->rows / 2 : w->rows;
-    int n0 = chunk * ROWS_PER_CHUNK, n1 = n0 + ROWS_PER_CHUNK < rows ? n0 + ROWS_PER_CHUNK : rows;
-    int groups = w->cols / G;
-    float y[TILE], u[TILE], up[TILE][ROWS_PER_CHUNK];
-    for (int b0 = 0; b0 < s->b; b0 += TILE) {
-        int bt = s->b - b0 < TILE ? s->b - b0 : TILE;
-        const int16_t *xq = s->xq + (size_t)b0 * w->cols;
-        const float *xd = s->xd + (size_t)b0 * groups, *xs = s->xs + (size_t)b0 * groups;
-        for (int n = n0; n < n1; n++) {
-            dot_rows(w, n, xq, xd, xs, bt, y);
-            if (w->bias) for (int t = 0; t < bt; t++) y[t] += w->bias[n];
-            if (s->out_mode == OUT_SILU_GATE_UP) {  /* gate here, up beside it; SiLU(gate) * up below */
-                dot_rows(w, n + rows, xq, xd, xs, bt, u);
-                if (w->bias) for (int t = 0; t < bt; t++) u[t] += w->bias[n + rows];
-                for (int t = 0; t < bt; t++) {
-                    s->out[(size_t)(b0 + t) * rows + n] = y[t];
-                    up[t][n - n0] = u[t];
-                }
-            } else if (s->out_mode == OUT_ADD) {
-                for (int t = 0; t < bt; t++) s->out[(size_t)(b0 + t) * rows + n] += y[t];
-            } else {
-                for (int t = 0; t < bt; t++) s->out[(size_t)(b0 + t) * rows + n] = y[t];
-            }
-        }
-        if (s->out_mode == OUT_SILU_GATE_UP)
-            for (int t = 0; t < bt; t++) silu_mul(s->out + (size_t)(b0 + t) * rows + n0, up[t], n1 - n0);
+    const int rows = s->out_mode == OUT_SILU_GATE_UP ? w->rows / 2 : w->rows;
+    const int n0 = chunk * TILE_ROWS, n = rows - n0 < TILE_ROWS ? rows - n0 : TILE_ROWS;
+    float *y = s->tile_out + (size_t)tid * 2 * s->max_rows * TILE_ROWS, *u = y + (size_t)s->max_rows * TILE_ROWS;
+    gnosis_q4_tile(w, chunk, s->xq, s->xd, s->xs, s->b, y);
+    if (s->out_mode == OUT_SILU_GATE_UP) {  /* the up rows' tile sits rows / 16 tiles on */
+        gnosis_q4_tile(w, chunk + rows / TILE_ROWS, s->xq, s->xd, s->xs, s->b, u);
+        for (int t = 0; t < s->b; t++) silu_mul(y + (size_t)t * TILE_ROWS, u + (size_t)t * TILE_ROWS, TILE_ROWS);
+    }
+    for (int t = 0; t < s->b; t++) {
+        float *out = s->out + (size_t)t * rows + n0;
+        const float *yt = y + (size_t)t * TILE_ROWS;
+        if (s->out_mode == OUT_ADD)
+            for (int i = 0; i < n; i++) out[i] += yt[i];
+        else
+            memcpy(out, yt, sizeof(float) * n);
     }
 }
 
-static void matmul(step_t *s, const mat_t *w, const float *x, out_mode_t mode, float *out) {
-    int groups = w->cols / G;
-    for (int t = 0; t < s->b; t++)
-        quantize(x + (size_t)t * w->cols, w->cols, s->xq + (size_t)t * w->cols, s->xd + (size_t)t * groups,
-                 s->xs + (size_t)t * groups);
+/* Token row `chunk` of the current matrix's input, for its products (first its RMS norm
+   from the residual, where the matrix reads the norm's output). */
+static void quantize_task(step_t *s, int chunk, int tid) {
+    (void)tid;
+    const int k = s->mat->cols, groups = k / G;
+    float *x = (float *)s->in + (size_t)chunk * k;
+    if (s->norm) rms_norm(s->h + (size_t)chunk * k, s->norm, x, k, s->eps);
+    gnosis_q4_quantize_row(x, k, s->xq + (size_t)chunk * k, s->xd + (size_t)chunk * groups, s->xs + (size_t)chunk * groups);
+}
+
+#define ROWS_ALONE 8 /* rows the calling thread takes alone (a parallel region costs more) */
+
+static void per_row(step_t *s, task_fn fn) {
+    if (s->b < ROWS_ALONE)
+        for (int t = 0; t < s->b; t++) fn(s, t, 0);
+    else
+        parallel(s, fn, s->b);
+}
+
+/* out (mode) = x @ w.T; with `norm`, x is first written as the RMS norm of the residual. */
+static void matmul(step_t *s, const mat_t *w, const float *norm, float *x, out_mode_t mode, float *out) {
     s->mat = w;
+    s->in = x;
+    s->norm = norm;
+    per_row(s, quantize_task);
     s->out_mode = mode;
     s->out = out;
-    int rows = mode == OUT_SILU_GATE_UP ? w->rows / 2 : w->rows;
-    parallel(s, matmul_task, (rows + ROWS_PER_CHUNK - 1) / ROWS_PER_CHUNK);
+    const int rows = mode == OUT_SILU_GATE_UP ? w->rows / 2 : w->rows;
+    parallel(s, matmul_task, (rows + TILE_ROWS - 1) / TILE_ROWS);
 }
 
 static inline float dot(const float *a, const float *b, int n) {
@@ -489,6 +384,21 @@ static void attention_task(step_t *s, int job, int tid) {
     const int hd = s->head_dim, kvh = s->kv_heads, rep = s->heads / kvh, bs = s->block_size;
     const int qkv_n = (s->heads + 2 * kvh) * hd, stride = kvh * hd, mp = s->max_pos;
     const int grp = job / kvh, kv = job % kvh, t0 = s->group_start[grp], g = s->group_len[grp];
+    if (s->vector_attention) {
+        const int npad = s->pairs < 16 ? 16 : (s->pairs + 15) / 16 * 16;
+        const gnosis_attention_job_t j = {
+            .q = s->qkv + (size_t)t0 * qkv_n + (size_t)kv * rep * hd, .k = s->cur->kv.k + kv * hd,
+            .v = s->cur->kv.v + kv * hd, .table = s->tables + (size_t)t0 * s->table_width,
+            .out = s->att + (size_t)t0 * s->heads * hd + (size_t)kv * rep * hd, .q_row = qkv_n,
+            .out_row = s->heads * hd, .stride = stride, .block_size = bs, .head_dim = hd, .rows = g,
+            .rep = rep, .first = (int)s->pos[t0], .scaling = s->scaling};
+        const gnosis_attention_scratch_t scratch = {
+            .scores = s->scores + (size_t)tid * npad * (mp + 32), .qt = s->qt + (size_t)tid * hd * (npad < 32 ? 32 : npad),
+            .part = s->part + (size_t)tid * 16 * npad, .acc = s->acc + (size_t)tid * hd * npad,
+            .pairs = s->pairs, .max_pos = mp};
+        gnosis_attention(&j, &scratch);
+        return;
+    }
     const int n = g * rep; /* (row i, head r) pairs, i * rep + r */
     float *scores = s->scores + (size_t)tid * s->pairs * mp; /* [n][max_pos] */
     float *acc = s->acc + (size_t)tid * s->pairs * hd;      /* [n][hd] */
@@ -615,6 +525,18 @@ static void rotate(float *x, int heads, int hd, const float *cos, const float *s
     }
 }
 
+/* Row `chunk`'s rotary embedding on its query and key heads, its K and V into the pool. */
+static void rotary_task(step_t *s, int chunk, int tid) {
+    (void)tid;
+    const int hd = s->head_dim, kvh = s->kv_heads, qkv_n = (s->heads + 2 * kvh) * hd;
+    float *q = s->qkv + (size_t)chunk * qkv_n, *k = q + s->heads * hd, *v = k + kvh * hd;
+    const float *c = s->cos + (size_t)s->pos[chunk] * hd, *sn = s->sin + (size_t)s->pos[chunk] * hd;
+    rotate(q, s->heads, hd, c, sn);
+    rotate(k, kvh, hd, c, sn);
+    memcpy(s->cur->kv.k + (size_t)s->slots[chunk] * kvh * hd, k, sizeof(float) * kvh * hd);
+    memcpy(s->cur->kv.v + (size_t)s->slots[chunk] * kvh * hd, v, sizeof(float) * kvh * hd);
+}
+
 /* -- the vocabulary head over Q8_0 blocks (cpu_kernels.c) on the step's threads */
 
 #define HEAD_ROWS_PER_CHUNK 512
@@ -658,7 +580,8 @@ static int takes_layer(const gnosis_layer_weights_t *w, const gnosis_model_shape
 /* The step and what it allocated (free(NULL) is nothing). */
 static void free_buffers(step_t *s) {
     free(s->layer); free(s->h); free(s->x); free(s->qkv); free(s->att); free(s->act);
-    free(s->scores); free(s->acc); free(s->xq); free(s->xd); free(s->xs);
+    free(s->scores); free(s->acc); free(s->qt); free(s->part); free(s->xq); free(s->xd); free(s->xs);
+    free(s->tile_out);
     free(s);
 }
 
@@ -695,21 +618,34 @@ gnosis_status_t gnosis_step_create(const gnosis_step_config_t *config, gnosis_st
     s->qkv = malloc(sizeof(float) * B * qkv_n);
     s->att = malloc(sizeof(float) * B * att_n);
     s->act = malloc(sizeof(float) * B * s->inter);
-    /* A group of a prompt's rows reads each K/V row once for all of them; up to 32 (row,
-       head) pairs a group (one row of a model whose K/V heads serve more query heads), and
-       few enough rows a group that each thread has about two jobs of attention. */
+    /* A group of a prompt's rows reads each K/V row once for all of them; few enough rows
+       a group that each thread has about two jobs of attention. */
     int rep = s->heads / s->kv_heads, jobs_per_group = (2 * nt + s->kv_heads - 1) / s->kv_heads;
-    s->pairs = rep > 32 ? rep : B * rep < 32 ? B * rep : 32;
+    s->vector_attention = gnosis_attention_takes(hd);
     s->group_max = B / jobs_per_group;
-    if (s->group_max > s->pairs / rep) s->group_max = s->pairs / rep;
-    if (s->group_max < 1) s->group_max = 1;
-    s->scores = malloc(sizeof(float) * (size_t)nt * s->pairs * s->max_pos);
-    s->acc = malloc(sizeof(float) * (size_t)nt * s->pairs * hd);
+    if (s->vector_attention) {
+        if (s->group_max < 1) s->group_max = 1;
+        s->pairs = s->group_max * rep;
+        const size_t npad = s->pairs < 16 ? 16 : (size_t)(s->pairs + 15) / 16 * 16;
+        s->scores = malloc(sizeof(float) * nt * npad * (s->max_pos + 32));
+        s->qt = malloc(sizeof(float) * nt * hd * (npad < 32 ? 32 : npad));
+        s->part = malloc(sizeof(float) * nt * 16 * npad);
+        s->acc = malloc(sizeof(float) * nt * hd * npad);
+    } else { /* up to 32 (row, head) pairs a group (one row where a K/V head serves more) */
+        s->pairs = rep > 32 ? rep : B * rep < 32 ? B * rep : 32;
+        if (s->group_max > s->pairs / rep) s->group_max = s->pairs / rep;
+        if (s->group_max < 1) s->group_max = 1;
+        s->scores = malloc(sizeof(float) * (size_t)nt * s->pairs * s->max_pos);
+        s->acc = malloc(sizeof(float) * (size_t)nt * s->pairs * hd);
+        s->qt = malloc(sizeof(float));
+        s->part = malloc(sizeof(float));
+    }
     s->xq = malloc(sizeof(int16_t) * B * widest);
     s->xd = malloc(sizeof(float) * B * (widest / G + 1));
     s->xs = malloc(sizeof(float) * B * (widest / G + 1));
-    if (!s->layer || !s->h || !s->x || !s->qkv || !s->att || !s->act || !s->scores || !s->acc || !s->xq ||
-        !s->xd || !s->xs) {
+    s->tile_out = malloc(sizeof(float) * nt * 2 * B * TILE_ROWS);
+    if (!s->layer || !s->h || !s->x || !s->qkv || !s->att || !s->act || !s->scores || !s->acc || !s->qt ||
+        !s->part || !s->xq || !s->xd || !s->xs || !s->tile_out) {
         free_buffers(s);
         return GNOSIS_NO_MEMORY;
     }
@@ -757,32 +693,22 @@ static int takes_rows(const step_t *s, const gnosis_step_rows_t *r) {
 
 gnosis_status_t gnosis_step_run(gnosis_step_t *s, const gnosis_step_rows_t *rows) {
     if (!takes_rows(s, rows)) return GNOSIS_BAD_ARGUMENT;
-    const int b = rows->rows, H = s->hidden, hd = s->head_dim, kvh = s->kv_heads;
-    const int qkv_n = (s->heads + 2 * kvh) * hd;
-    const int64_t *tokens = rows->tokens, *pos = rows->positions, *slots = rows->slots;
+    const int b = rows->rows, H = s->hidden, kvh = s->kv_heads;
+    const int64_t *tokens = rows->tokens;
     float *out = rows->hidden_out;
-    s->b = b; s->pos = pos; s->tables = rows->block_tables; s->table_width = rows->table_width;
+    s->b = b; s->pos = rows->positions; s->slots = rows->slots;
+    s->tables = rows->block_tables; s->table_width = rows->table_width;
     const int groups = group_rows(s, b);
     for (int t = 0; t < b; t++) memcpy(s->h + (size_t)t * H, s->embed + (size_t)tokens[t] * H, sizeof(float) * H);
     for (int l = 0; l < s->layers; l++) {
         layer_t *L = &s->layer[l];
         s->cur = L;
-        for (int t = 0; t < b; t++) rms_norm(s->h + (size_t)t * H, L->w.input_norm, s->x + (size_t)t * H, H, s->eps);
-        matmul(s, &L->w.qkv, s->x, OUT_STORE, s->qkv);
-        for (int t = 0; t < b; t++) {
-            float *q = s->qkv + (size_t)t * qkv_n, *k = q + s->heads * hd, *v = k + kvh * hd;
-            const float *c = s->cos + (size_t)pos[t] * hd, *sn = s->sin + (size_t)pos[t] * hd;
-            rotate(q, s->heads, hd, c, sn);
-            rotate(k, kvh, hd, c, sn);
-            memcpy(L->kv.k + (size_t)slots[t] * kvh * hd, k, sizeof(float) * kvh * hd);
-            memcpy(L->kv.v + (size_t)slots[t] * kvh * hd, v, sizeof(float) * kvh * hd);
-        }
+        matmul(s, &L->w.qkv, L->w.input_norm, s->x, OUT_STORE, s->qkv);
+        per_row(s, rotary_task);
         parallel(s, attention_task, groups * kvh);
-        matmul(s, &L->w.o, s->att, OUT_ADD, s->h);
-        for (int t = 0; t < b; t++)
-            rms_norm(s->h + (size_t)t * H, L->w.post_attention_norm, s->x + (size_t)t * H, H, s->eps);
-        matmul(s, &L->w.gate_up, s->x, OUT_SILU_GATE_UP, s->act);
-        matmul(s, &L->w.down, s->act, OUT_ADD, s->h);
+        matmul(s, &L->w.o, NULL, s->att, OUT_ADD, s->h);
+        matmul(s, &L->w.gate_up, L->w.post_attention_norm, s->x, OUT_SILU_GATE_UP, s->act);
+        matmul(s, &L->w.down, NULL, s->act, OUT_ADD, s->h);
     }
     for (int t = 0; t < b; t++) rms_norm(s->h + (size_t)t * H, s->final_norm, out + (size_t)t * H, H, s->eps);
     return GNOSIS_OK;

@@ -41,12 +41,14 @@ from torch import nn
 
 from gnosis_daemon.logs import get_logger
 from station.kernels.cpu_kernels import Q8Linear, Q8Product, Status
+from station.kernels.quantized import TiledMatrix
 
 log = get_logger(__name__)
 
 MAX_WIDTH = 32768  # inputs of a layer: cpu_abi.h's GNOSIS_STEP_MAX_WIDTH
 MAX_HEAD_DIM = 512  # cpu_abi.h's GNOSIS_STEP_MAX_HEAD_DIM
-STEP_ROWS = 8  # token rows per call (at most GNOSIS_STEP_MAX_ROWS); more rows are more calls
+MAX_ROWS = 64  # cpu_abi.h's GNOSIS_STEP_MAX_ROWS
+STEP_ROWS = MAX_ROWS  # token rows per call; more rows are more calls
 # the four matrices of a layer, in gnosis_layer_weights_t's order: the projections of each stacked
 _PROJECTIONS = (("self_attn", ("q_proj", "k_proj", "v_proj")), ("self_attn", ("o_proj",)),
                 ("mlp", ("gate_proj", "up_proj")), ("mlp", ("down_proj",)))
@@ -125,12 +127,16 @@ def declare_step(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.gnosis_step_run.restype = ctypes.c_int
     lib.gnosis_step_head.argtypes = [_ptr, ctypes.POINTER(Q8Product)]
     lib.gnosis_step_head.restype = ctypes.c_int
+    lib.gnosis_q4_simd.argtypes = []
+    lib.gnosis_q4_simd.restype = ctypes.c_char_p
+    lib.gnosis_attention_takes.argtypes = [_int]
+    lib.gnosis_attention_takes.restype = _int
     return lib
 
 
-def _matrix(q: torch.Tensor, step: torch.Tensor, low: torch.Tensor, bias: torch.Tensor | None) -> Q4Matrix:
-    return Q4Matrix(q=q.data_ptr(), step=step.data_ptr(), min=low.data_ptr(),
-                    bias=None if bias is None else bias.data_ptr(), rows=q.shape[0], cols=2 * q.shape[1])
+def _matrix(m: TiledMatrix) -> Q4Matrix:
+    return Q4Matrix(q=m.q.data_ptr(), step=m.step.data_ptr(), min=m.min.data_ptr(),
+                    bias=None if m.bias is None else m.bias.data_ptr(), rows=m.rows, cols=m.cols)
 
 
 class StepWeights:
@@ -152,8 +158,8 @@ class StepWeights:
         self.rotary = base.rotary_emb
         self.embed: torch.Tensor = base.embed_tokens.weight.detach()
         self.final_norm: torch.Tensor = base.norm.weight.detach()
-        # per layer, _PROJECTIONS' four matrices: (q, step, min, bias or None)
-        self.mats: list[list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]]] = []
+        # per layer, _PROJECTIONS' four matrices, in the step's tiles
+        self.mats: list[list[TiledMatrix]] = []
         self.norms: list[tuple[torch.Tensor, torch.Tensor]] = []
         for layer in base.layers:
             parts = []
@@ -165,7 +171,7 @@ class StepWeights:
                 if any(linear.bias is not None for linear in linears):
                     bias = torch.cat([linear.bias.detach().float() if linear.bias is not None else
                                       torch.zeros(linear.out_features) for linear in linears])
-                parts.append((q, s, m, bias))
+                parts.append(TiledMatrix.from_groups(q, s, m, bias))
             self.mats.append(parts)
             self.norms.append((layer.input_layernorm.weight.detach(),
                                layer.post_attention_layernorm.weight.detach()))
@@ -180,8 +186,23 @@ class StepWeights:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for parts in self.mats for mat in parts
-                   for t in mat if t is not None)
+        return sum(mat.nbytes for parts in self.mats for mat in parts)
+
+    def arithmetic(self) -> str:
+        """Names what the step's bits depend on (for the fingerprint: KV one arithmetic
+        wrote is never served to another): the products' (alike on every build) and which
+        attention this build runs."""
+        lib = declare_step(self.lib)
+        return "q4-int16-tiles," + ("attention-vector" if lib.gnosis_attention_takes(self.head_dim)
+                                     else "attention-portable")
+
+    def kernels(self) -> str:
+        """What this machine's build computes the step with, for the decode plan."""
+        lib = declare_step(self.lib)
+        attention = ("AVX-512, K/V read once a row group" if lib.gnosis_attention_takes(self.head_dim)
+                     else "portable loops")
+        return (f"4-bit products {lib.gnosis_q4_simd().decode()} (15-bit activations), attention "
+                f"{attention}, prompts in calls of up to {STEP_ROWS} rows")
 
     def bind(self, kv_cache: Any, max_positions: int, threads: int | None = None) -> CpuStep:
         return CpuStep(self, kv_cache, max_positions, threads or torch.get_num_threads())
@@ -194,7 +215,7 @@ class StepWeights:
     def layer_weights(self) -> ctypes.Array[LayerWeights]:
         """Per layer, pointers into this object's tensors (valid while it lives)."""
         return (LayerWeights * self.layers)(*(
-            LayerWeights(*(_matrix(*mat) for mat in parts), input_norm=norm1.data_ptr(),
+            LayerWeights(*(_matrix(mat) for mat in parts), input_norm=norm1.data_ptr(),
                          post_attention_norm=norm2.data_ptr())
             for parts, (norm1, norm2) in zip(self.mats, self.norms)))
 

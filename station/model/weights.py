@@ -92,7 +92,7 @@ class WeightsReport:
         if not any(f != "float" for f in self.forms.values()):
             return "float"
         digest = hashlib.sha256(json.dumps(sorted(self.forms.items())).encode()).hexdigest()[:16]
-        step = ",cpu-step" if self.step is not None else ""  # its own arithmetic (cpu_step)
+        step = f",cpu-step:{self.step.arithmetic()}" if self.step is not None else ""  # its own (cpu_step)
         return f"int4:{self.count('int4')},int8:{self.count('int8')},{digest}{step}"
 
     def summary(self) -> dict[str, Any]:

@@ -104,7 +104,7 @@ def _c_step(start: Start) -> tuple[Body | None, str]:
         return None, weights.why.get("c-step", "no C step was built at load")
     if start.head is None:
         return None, "the model post-processes its logits: the C step needs the runner's head"
-    return Body(step=weights.step), weights.why["c-step"]
+    return Body(step=weights.step), f"{weights.why['c-step']}; {weights.step.kernels()}"
 
 
 def _lean(start: Start) -> tuple[Body | None, str]:

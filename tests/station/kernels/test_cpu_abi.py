@@ -18,13 +18,14 @@ from pathlib import Path
 
 import pytest
 
-from station.kernels import cpu_kernels, cpu_step
+from station.kernels import cpu_kernels, cpu_step, quantized
 from station.kernels.cpu_kernels import HEADER, Q8Product, Status, compiler, load_library
 
 pytestmark = pytest.mark.skipif(compiler() is None, reason="no C compiler here (cc, gcc or $CC)")
 
 CONSTANTS = {"GNOSIS_GROUP": cpu_kernels.GROUP, "GNOSIS_STEP_MAX_WIDTH": cpu_step.MAX_WIDTH,
-             "GNOSIS_STEP_MAX_HEAD_DIM": cpu_step.MAX_HEAD_DIM,
+             "GNOSIS_STEP_MAX_HEAD_DIM": cpu_step.MAX_HEAD_DIM, "GNOSIS_Q4_TILE": quantized.TILE,
+             "GNOSIS_STEP_MAX_ROWS": cpu_step.MAX_ROWS,
              **{f"GNOSIS_{status.name}": int(status) for status in Status}}
 
 
@@ -125,7 +126,8 @@ def _ctype(c_type: str) -> object:
 def test_each_function_python_calls_has_the_headers_prototype(lib):
     functions = _header_functions()
     assert set(functions) == {"gnosis_simd", "gnosis_q8_linear", "gnosis_q8_columns", "gnosis_step_create",
-                              "gnosis_step_free", "gnosis_step_threads", "gnosis_step_run", "gnosis_step_head"}
+                              "gnosis_step_free", "gnosis_step_threads", "gnosis_step_run", "gnosis_step_head",
+                              "gnosis_q4_simd", "gnosis_attention_takes"}
     del functions["gnosis_q8_columns"]  # cpu_step.c's, not called from Python
     for name, (returns, params) in functions.items():
         function = getattr(lib, name)

@@ -38,16 +38,7 @@ def _load(path, cache, **overrides):
 
 def _dense(weights: StepWeights) -> list[list[torch.Tensor]]:
     """Per layer, the four fused matrices' values (w = step * q + min), float64."""
-    out = []
-    for parts in weights.mats:
-        dense = []
-        for q, s, m, _ in parts:
-            n = q.shape[0]
-            low, high = (q & 15).view(n, -1, 16), (q >> 4).view(n, -1, 16)
-            values = torch.cat([low, high], -1).double()  # [N, groups, 32]
-            dense.append((values * s.double()[:, :, None] + m.double()[:, :, None]).view(n, -1))
-        out.append(dense)
-    return out
+    return [[mat.dense() for mat in parts] for parts in weights.mats]
 
 
 def _pool(model, blocks: int) -> KVCache:
@@ -64,8 +55,8 @@ def _run_alone(step, ids: list[int], table: list[int]) -> torch.Tensor:
 def test_the_step_computes_the_models_forward_on_its_own_values(tiny, tmp_path, family):
     loaded = _load(tiny[family], tmp_path)
     weights = loaded.weights.step
-    assert isinstance(weights, StepWeights) and loaded.weights.tag.endswith(",cpu-step")
-    assert any(bias is not None for _, _, _, bias in weights.mats[0]) == (family == "qwen2")
+    assert isinstance(weights, StepWeights) and loaded.weights.tag.endswith(f",cpu-step:{weights.arithmetic()}")
+    assert any(mat.bias is not None for mat in weights.mats[0]) == (family == "qwen2")
     # transformers' forward in float64 over the values the step holds
     reference = load_model(Settings(model=str(tiny[family]), model_cache_dir=str(tmp_path / "f"),
                                     weights="float")).model.double()
@@ -95,7 +86,7 @@ def test_a_row_gives_the_same_bits_alone_and_in_a_batch(tiny, tmp_path):
     loaded = _load(tiny["llama"], tmp_path)
     rows = STEP_ROWS + 3  # two calls' worth
     step = loaded.weights.step.bind(_pool(loaded.model, 10 * rows), max_positions=64, threads=2)
-    prompts = [prompt_of(100 + i, 5 + 3 * i) for i in range(rows)]  # up to 35 tokens
+    prompts = [prompt_of(100 + i, 5 + 3 * (i % 11)) for i in range(rows)]  # up to 35 tokens
     tables = [[10 * i + j for j in range(10)] for i in range(rows)]
     with torch.inference_mode():
         for prompt, table in zip(prompts, tables):  # each sequence's context, written alone

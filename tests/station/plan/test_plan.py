@@ -98,7 +98,9 @@ def test_gemma2_runs_transformers_forward_and_its_own_head(models, tmp_path):
 def test_int4_weights_with_the_c_step_on(models, tmp_path):
     plan, parts, loaded = planned(models["llama"], tmp_path, weights="int4", cpu_decode_step="on",
                                   decode_graphs="on")
-    assert whys(plan)["forward"] == [("c-step", True, "setting cpu_decode_step=on"),
+    kernels = loaded.weights.step.kernels()  # the instructions this machine's build uses
+    assert "4-bit products" in kernels and "prompts in calls of up to 64 rows" in kernels
+    assert whys(plan)["forward"] == [("c-step", True, f"setting cpu_decode_step=on; {kernels}"),
                                      ("lean", False, "not tried: c-step comes first"),
                                      ("transformers", False, "not tried: c-step comes first")]
     assert plan.decode_steps.refused()["static-step"] == "the forward body is c-step, not the lean decoder"

@@ -1,0 +1,389 @@
+/* The attention of a group of token rows for one K/V head, on AVX-512 (cpu_step.c calls it
+   on its threads; cpu_parts.h declares the job and the scratch).
+
+   A group is one row (a decode token) or a prompt's consecutive rows, which read the same
+   K/V: each K and V row is read from the pool once for all of the group's (row, query
+   head) pairs. The arithmetic of one pair over its positions 0..len-1, whatever else is in
+   the job:
+     - score_p = (q[0] k_p[0] + ... + q[hd-1] k_p[hd-1], one multiply-add at a time in
+       that order, from 0) * scaling;
+     - best = the largest score; e_p = exp16(score_p - best);
+     - total = 16 partial sums (sum l takes e_p for p = l mod 16, in order, from 0), then
+       (l + l+8), (l + l+4), (l + l+2), (0 + 1), as sum16 adds them;
+     - out[d] = (e_0 v_0[d] + ... , one multiply-add at a time in position order, from 0)
+       * (1 / total).
+   Two layouts compute it, chosen by the number of pairs: with few (a decode row's heads)
+   positions go in the 16 lanes, K rows transposed 16 x 16 into scratch; with many (a
+   prompt's rows) pairs go in the lanes, the queries transposed once and each K value
+   broadcast. Both do the same operations on the same values, so a row gets the same bits
+   alone as in a prompt's group, and its K/V are read at the vector units' rate instead of
+   one dot product (and one horizontal sum) at a time. */
+
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "cpu_parts.h"
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+
+#define MANY_PAIRS 16 /* pairs from which the pairs take the lanes */
+#define SPAN 32       /* positions a K transpose covers (two vectors) */
+#define PAIR_BLOCK 6  /* pairs whose output sums are held in registers at once */
+
+int32_t gnosis_attention_takes(int32_t head_dim) { return head_dim % 16 == 0; }
+
+static inline const float *row_at(const float *base, const int32_t *table, int bs, int stride, int p) {
+    return base + ((size_t)table[p / bs] * bs + p % bs) * stride;
+}
+
+/* e^x for 16 floats: Cephes' expf (range reduction by ln 2 in two parts, a degree-6
+   polynomial), the step's exp8 on 16 lanes. */
+static inline __m512 exp16(__m512 x) {
+    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.3f));
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    x = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    x = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), x);
+    __m512 y = _mm512_set1_ps(1.9875691500e-4f);
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.3981999507e-3f));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(8.3334519073e-3f));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(4.1665795894e-2f));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.6666665459e-1f));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(5.0000001201e-1f));
+    y = _mm512_fmadd_ps(y, _mm512_mul_ps(x, x), _mm512_add_ps(x, _mm512_set1_ps(1.0f)));
+    __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+    return _mm512_mul_ps(y, _mm512_castsi512_ps(e));
+}
+
+/* The 16 lanes' sum as the header says: (l + l+8), then (l + l+4), (l + l+2), (0 + 1). */
+static inline float sum16(__m512 a) {
+    __m256 h = _mm256_add_ps(_mm512_castps512_ps256(a), _mm512_extractf32x8_ps(a, 1));
+    __m128 q = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+    __m128 p = _mm_add_ps(q, _mm_movehl_ps(q, q));
+    return _mm_cvtss_f32(_mm_add_ss(p, _mm_shuffle_ps(p, p, 1)));
+}
+
+/* 16 rows of 16 floats (src[i]) into 16 columns: dst[j * ld + i] = src[i][j]. */
+static inline void transpose16(const float *const src[16], float *dst, int ld) {
+    __m512 r[16], t[16];
+    for (int i = 0; i < 16; i++) r[i] = _mm512_loadu_ps(src[i]);
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) {
+        const __m512d a = _mm512_castps_pd(t[i]), b = _mm512_castps_pd(t[i + 1]);
+        const __m512d c = _mm512_castps_pd(t[i + 2]), d = _mm512_castps_pd(t[i + 3]);
+        r[i] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, c));
+        r[i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, c));
+        r[i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(b, d));
+        r[i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(b, d));
+    }
+    for (int i = 0; i < 4; i++) {
+        t[i] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0x88);
+        t[i + 4] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0xdd);
+        t[i + 8] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0x88);
+        t[i + 12] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0xdd);
+    }
+    for (int i = 0; i < 8; i++) {
+        _mm512_storeu_ps(dst + (size_t)i * ld, _mm512_shuffle_f32x4(t[i], t[i + 8], 0x88));
+        _mm512_storeu_ps(dst + (size_t)(i + 8) * ld, _mm512_shuffle_f32x4(t[i], t[i + 8], 0xdd));
+    }
+}
+
+static inline const float *query(const gnosis_attention_job_t *j, int x) {
+    return j->q + (size_t)(x / j->rep) * j->q_row + (size_t)(x % j->rep) * j->head_dim;
+}
+
+/* Few pairs: scores[x][p] (rows max_pos + 32 apart), positions in the lanes. */
+static void scores_by_position(const gnosis_attention_job_t *j, const gnosis_attention_scratch_t *s,
+                               int n, int ctx) {
+    const int hd = j->head_dim, ss = s->max_pos + SPAN;
+    float *kt = s->qt; /* [hd][SPAN] */
+    const __m512 scale = _mm512_set1_ps(j->scaling);
+    for (int p0 = 0; p0 < ctx; p0 += SPAN) {
+        for (int h = 0; h < SPAN / 16; h++) {
+            const float *rows[16];
+            for (int i = 0; i < 16; i++) {
+                const int p = p0 + 16 * h + i;
+                rows[i] = row_at(j->k, j->table, j->block_size, j->stride, p < ctx ? p : ctx - 1);
+                if (p + SPAN < ctx) /* the next span's row, on its way while this one computes */
+                    for (int off = 0; off < hd; off += 16)
+                        _mm_prefetch((const char *)(row_at(j->k, j->table, j->block_size, j->stride, p + SPAN) + off),
+                                     _MM_HINT_T0);
+            }
+            for (int d0 = 0; d0 < hd; d0 += 16) {
+                const float *src[16];
+                for (int i = 0; i < 16; i++) src[i] = rows[i] + d0;
+                transpose16(src, kt + (size_t)d0 * SPAN + 16 * h, SPAN);
+            }
+        }
+        for (int x0 = 0; x0 < n; x0 += 4) {
+            const float *q[4];
+            for (int u = 0; u < 4; u++) q[u] = query(j, x0 + u < n ? x0 + u : x0);
+            __m512 a[4][2];
+            for (int u = 0; u < 4; u++) a[u][0] = a[u][1] = _mm512_setzero_ps();
+            for (int d = 0; d < hd; d++) {
+                const __m512 k0 = _mm512_loadu_ps(kt + (size_t)d * SPAN), k1 = _mm512_loadu_ps(kt + (size_t)d * SPAN + 16);
+                for (int u = 0; u < 4; u++) {
+                    const __m512 qd = _mm512_set1_ps(q[u][d]);
+                    a[u][0] = _mm512_fmadd_ps(qd, k0, a[u][0]);
+                    a[u][1] = _mm512_fmadd_ps(qd, k1, a[u][1]);
+                }
+            }
+            for (int u = 0; u < 4 && x0 + u < n; u++) {
+                _mm512_storeu_ps(s->scores + (size_t)(x0 + u) * ss + p0, _mm512_mul_ps(a[u][0], scale));
+                _mm512_storeu_ps(s->scores + (size_t)(x0 + u) * ss + p0 + 16, _mm512_mul_ps(a[u][1], scale));
+            }
+        }
+    }
+}
+
+/* Few pairs: each pair's scores into e_p in place; -> 1 / total in inv[x]. */
+static void softmax_by_position(const gnosis_attention_job_t *j, const gnosis_attention_scratch_t *s,
+                                int n, float *inv) {
+    const int ss = s->max_pos + SPAN;
+    for (int x = 0; x < n; x++) {
+        float *sc = s->scores + (size_t)x * ss;
+        const int len = j->first + x / j->rep + 1;
+        __m512 m = _mm512_set1_ps(-INFINITY);
+        for (int p = 0; p < len; p += 16) {
+            const __mmask16 valid = len - p >= 16 ? 0xffff : (__mmask16)((1u << (len - p)) - 1);
+            m = _mm512_mask_max_ps(m, valid, m, _mm512_maskz_loadu_ps(valid, sc + p));
+        }
+        const __m512 best = _mm512_set1_ps(_mm512_reduce_max_ps(m));
+        __m512 total = _mm512_setzero_ps();
+        for (int p = 0; p < len; p += 16) {
+            const __mmask16 valid = len - p >= 16 ? 0xffff : (__mmask16)((1u << (len - p)) - 1);
+            const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(valid, sc + p), best));
+            _mm512_mask_storeu_ps(sc + p, valid, e);
+            total = _mm512_mask_add_ps(total, valid, total, e);
+        }
+        inv[x] = 1.0f / sum16(total);
+    }
+}
+
+static inline __mmask16 pairs_seeing(__m512i len, int p) {
+    return _mm512_cmpgt_epi32_mask(len, _mm512_set1_epi32(p));
+}
+
+/* Scores of pair vectors v0..v0 + nv (a constant: the sums stay in registers), four
+   positions at a time, and their largest. */
+static inline __attribute__((always_inline)) void score_block(
+        const gnosis_attention_job_t *j, const gnosis_attention_scratch_t *s, int npad, int ctx, int v0,
+        const int nv, const __m512i *len, float *best) {
+    const int hd = j->head_dim;
+    const __m512 scale = _mm512_set1_ps(j->scaling);
+    __m512 m[4];
+    for (int v = 0; v < nv; v++) m[v] = _mm512_set1_ps(-INFINITY);
+    for (int p = 0; p < ctx; p += 4) {
+        const float *k[4];
+        for (int u = 0; u < 4; u++)
+            k[u] = row_at(j->k, j->table, j->block_size, j->stride, p + u < ctx ? p + u : ctx - 1);
+        __m512 a[4][4];
+        for (int u = 0; u < 4; u++)
+            for (int v = 0; v < nv; v++) a[u][v] = _mm512_setzero_ps();
+        for (int d = 0; d < hd; d++) {
+            __m512 qv[4];
+            for (int v = 0; v < nv; v++) qv[v] = _mm512_loadu_ps(s->qt + (size_t)d * npad + (v0 + v) * 16);
+            for (int u = 0; u < 4; u++) {
+                const __m512 kd = _mm512_set1_ps(k[u][d]);
+                for (int v = 0; v < nv; v++) a[u][v] = _mm512_fmadd_ps(qv[v], kd, a[u][v]);
+            }
+        }
+        for (int u = 0; u < 4 && p + u < ctx; u++)
+            for (int v = 0; v < nv; v++) {
+                const __m512 sc = _mm512_mul_ps(a[u][v], scale);
+                _mm512_storeu_ps(s->scores + (size_t)(p + u) * npad + (v0 + v) * 16, sc);
+                m[v] = _mm512_mask_max_ps(m[v], pairs_seeing(len[v0 + v], p + u), m[v], sc);
+            }
+    }
+    for (int v = 0; v < nv; v++) _mm512_storeu_ps(best + (v0 + v) * 16, m[v]);
+}
+
+/* Many pairs: queries transposed (qt[d][x]), scores[p][x] (rows npad apart), and each
+   pair's largest score in best[x]. */
+static void scores_by_pair(const gnosis_attention_job_t *j, const gnosis_attention_scratch_t *s,
+                           int n, int npad, int ctx, const __m512i *len, float *best) {
+    const int hd = j->head_dim;
+    for (int x = 0; x < npad; x++) {
+        const float *q = query(j, x < n ? x : 0);
+        for (int d = 0; d < hd; d++) s->qt[(size_t)d * npad + x] = x < n ? q[d] : 0.0f;
+    }
+    for (int v0 = 0; v0 < npad / 16; v0 += 4) {
+        const int nv = npad / 16 - v0 < 4 ? npad / 16 - v0 : 4;
+        switch (nv) {
+        case 1: score_block(j, s, npad, ctx, v0, 1, len, best); break;
+        case 2: score_block(j, s, npad, ctx, v0, 2, len, best); break;
+        case 3: score_block(j, s, npad, ctx, v0, 3, len, best); break;
+        default: score_block(j, s, npad, ctx, v0, 4, len, best); break;
+        }
+    }
+}
+
+#define P_TILE 64    /* positions whose e_p are computed, then weighed, while in L1 */
+#define D_BLOCK 4    /* head dims, and */
+#define V_BLOCK 6    /* vectors of 16 pairs, whose output sums sit in registers at once */
+
+/* acc[d][v0 + v] for d in [d0, d0 + D_BLOCK), v < nv (a constant: the sums stay in
+   registers), over the tile's positions: those every pair sees, then the rest, masked. */
+static inline __attribute__((always_inline)) void weigh_block(
+        const float *const *vrow, const float *e, int npad, int p0, int p1, int all_see, int d0,
+        int v0, const int nv, const __m512i *len, float *acc) {
+    __m512 r[D_BLOCK][V_BLOCK];
+    for (int dd = 0; dd < D_BLOCK; dd++)
+        for (int v = 0; v < nv; v++) r[dd][v] = _mm512_loadu_ps(acc + (size_t)(d0 + dd) * npad + (v0 + v) * 16);
+    int p = p0;
+    for (; p < all_see; p++) {
+        const float *vp = vrow[p - p0] + d0, *ep = e + (size_t)p * npad + v0 * 16;
+        __m512 ev[V_BLOCK];
+        for (int v = 0; v < nv; v++) ev[v] = _mm512_loadu_ps(ep + 16 * v);
+        for (int dd = 0; dd < D_BLOCK; dd++) {
+            const __m512 w = _mm512_set1_ps(vp[dd]);
+            for (int v = 0; v < nv; v++) r[dd][v] = _mm512_fmadd_ps(ev[v], w, r[dd][v]);
+        }
+    }
+    for (; p < p1; p++) {
+        const float *vp = vrow[p - p0] + d0, *ep = e + (size_t)p * npad + v0 * 16;
+        for (int v = 0; v < nv; v++) {
+            const __mmask16 valid = pairs_seeing(len[v0 + v], p);
+            const __m512 ev = _mm512_loadu_ps(ep + 16 * v);
+            for (int dd = 0; dd < D_BLOCK; dd++)
+                r[dd][v] = _mm512_mask3_fmadd_ps(ev, _mm512_set1_ps(vp[dd]), r[dd][v], valid);
+        }
+    }
+    for (int dd = 0; dd < D_BLOCK; dd++)
+        for (int v = 0; v < nv; v++) _mm512_storeu_ps(acc + (size_t)(d0 + dd) * npad + (v0 + v) * 16, r[dd][v]);
+}
+
+/* Many pairs, a tile of positions [p0, p1): e_p into place (zero where a pair does not
+   see p), added to the partial sums, and acc[d][x] += e(x, p) v_p[d] in position order. */
+static void weigh_tile(const gnosis_attention_job_t *j, const gnosis_attention_scratch_t *s, int npad,
+                       int p0, int p1, const __m512i *len, const float *best, float *acc) {
+    const int hd = j->head_dim, nv_all = npad / 16;
+    for (int v = 0; v < nv_all; v++) {
+        const __m512 b = _mm512_loadu_ps(best + 16 * v);
+        for (int p = p0; p < p1; p++) {
+            const __mmask16 valid = pairs_seeing(len[v], p);
+            float *sc = s->scores + (size_t)p * npad + 16 * v, *pl = s->part + 16 * (16 * v + p % 16);
+            const __m512 e = _mm512_maskz_mov_ps(valid, exp16(_mm512_sub_ps(_mm512_loadu_ps(sc), b)));
+            _mm512_storeu_ps(sc, e);
+            _mm512_storeu_ps(pl, _mm512_mask_add_ps(_mm512_loadu_ps(pl), valid, _mm512_loadu_ps(pl), e));
+        }
+    }
+    const float *vrow[P_TILE];
+    for (int p = p0; p < p1; p++) vrow[p - p0] = row_at(j->v, j->table, j->block_size, j->stride, p);
+    const int all_see = j->first + 1 < p1 ? (j->first + 1 > p0 ? j->first + 1 : p0) : p1;
+    for (int v0 = 0; v0 < nv_all; v0 += V_BLOCK) {
+        const int nv = nv_all - v0 < V_BLOCK ? nv_all - v0 : V_BLOCK;
+        for (int d0 = 0; d0 < hd; d0 += D_BLOCK) {
+            switch (nv) {
+            case 1: weigh_block(vrow, s->scores, npad, p0, p1, all_see, d0, v0, 1, len, acc); break;
+            case 2: weigh_block(vrow, s->scores, npad, p0, p1, all_see, d0, v0, 2, len, acc); break;
+            case 3: weigh_block(vrow, s->scores, npad, p0, p1, all_see, d0, v0, 3, len, acc); break;
+            case 4: weigh_block(vrow, s->scores, npad, p0, p1, all_see, d0, v0, 4, len, acc); break;
+            case 5: weigh_block(vrow, s->scores, npad, p0, p1, all_see, d0, v0, 5, len, acc); break;
+            default: weigh_block(vrow, s->scores, npad, p0, p1, all_see, d0, v0, 6, len, acc); break;
+            }
+        }
+    }
+}
+
+/* Many pairs: scores, then tiles of positions weighed into acc[d][x], then each pair's
+   total from its 16 partial sums and its output, acc * (1 / total). */
+static void attend_by_pair(const gnosis_attention_job_t *j, const gnosis_attention_scratch_t *s, int n, int ctx) {
+    const int hd = j->head_dim, npad = (n + 15) / 16 * 16, nv = npad / 16;
+    __m512i len[nv];
+    for (int v = 0; v < nv; v++) {
+        int32_t lens[16];
+        for (int l = 0; l < 16; l++) {
+            const int x = 16 * v + l;
+            lens[l] = x < n ? j->first + x / j->rep + 1 : 0;
+        }
+        len[v] = _mm512_loadu_si512((const void *)lens);
+    }
+    float best[npad];
+    scores_by_pair(j, s, n, npad, ctx, len, best);
+    float *acc = s->acc; /* [hd][npad] */
+    memset(acc, 0, sizeof(float) * hd * npad);
+    memset(s->part, 0, sizeof(float) * 16 * npad);
+    for (int p0 = 0; p0 < ctx; p0 += P_TILE) weigh_tile(j, s, npad, p0, p0 + P_TILE < ctx ? p0 + P_TILE : ctx, len, best, acc);
+    for (int v = 0; v < nv; v++) {
+        const float *part = s->part + 16 * 16 * v; /* [16 partial sums][16 pairs] */
+        __m512 t[8];
+        for (int l = 0; l < 8; l++) t[l] = _mm512_add_ps(_mm512_loadu_ps(part + 16 * l), _mm512_loadu_ps(part + 16 * (l + 8)));
+        for (int l = 0; l < 4; l++) t[l] = _mm512_add_ps(t[l], t[l + 4]);
+        for (int l = 0; l < 2; l++) t[l] = _mm512_add_ps(t[l], t[l + 2]);
+        float total[16];
+        _mm512_storeu_ps(total, _mm512_add_ps(t[0], t[1]));
+        for (int l = 0; l < 16 && 16 * v + l < n; l++) {
+            const int x = 16 * v + l;
+            const float inv = 1.0f / total[l];
+            float *o = j->out + (size_t)(x / j->rep) * j->out_row + (size_t)(x % j->rep) * hd;
+            for (int d = 0; d < hd; d++) o[d] = acc[(size_t)d * npad + x] * inv;
+        }
+    }
+}
+
+/* out = sum over p of e(x, p) v_p, in position order, times inv[x]; e(x, p) at
+   e[x * ex + p * ep]. PAIR_BLOCK pairs and up to 64 of head_dim at a time in registers. */
+static void weighted_values(const gnosis_attention_job_t *j, const float *e, int ex, int ep, int n,
+                            const float *inv) {
+    const int hd = j->head_dim;
+    for (int x0 = 0; x0 < n; x0 += PAIR_BLOCK) {
+        int len[PAIR_BLOCK], longest = 0;
+        for (int u = 0; u < PAIR_BLOCK; u++) {
+            len[u] = x0 + u < n ? j->first + (x0 + u) / j->rep + 1 : 0;
+            longest = len[u] > longest ? len[u] : longest;
+        }
+        for (int d0 = 0; d0 < hd; d0 += 64) {
+            const int nd = (hd - d0) / 16 < 4 ? (hd - d0) / 16 : 4;
+            __m512 r[PAIR_BLOCK][4];
+            for (int u = 0; u < PAIR_BLOCK; u++)
+                for (int i = 0; i < 4; i++) r[u][i] = _mm512_setzero_ps();
+            for (int p = 0; p < longest; p++) {
+                const float *vp = row_at(j->v, j->table, j->block_size, j->stride, p) + d0;
+                if (p + 8 < longest)
+                    _mm_prefetch((const char *)(row_at(j->v, j->table, j->block_size, j->stride, p + 8) + d0), _MM_HINT_T0);
+                __m512 vv[4];
+                for (int i = 0; i < 4; i++) vv[i] = i < nd ? _mm512_loadu_ps(vp + 16 * i) : _mm512_setzero_ps();
+                for (int u = 0; u < PAIR_BLOCK; u++)
+                    if (p < len[u]) {
+                        const __m512 w = _mm512_set1_ps(e[(size_t)(x0 + u) * ex + (size_t)p * ep]);
+                        for (int i = 0; i < 4; i++)
+                            if (i < nd) r[u][i] = _mm512_fmadd_ps(w, vv[i], r[u][i]);
+                    }
+            }
+            for (int u = 0; u < PAIR_BLOCK && x0 + u < n; u++) {
+                const int x = x0 + u;
+                float *o = j->out + (size_t)(x / j->rep) * j->out_row + (size_t)(x % j->rep) * hd + d0;
+                const __m512 scale = _mm512_set1_ps(inv[x]);
+                for (int i = 0; i < nd; i++) _mm512_storeu_ps(o + 16 * i, _mm512_mul_ps(r[u][i], scale));
+            }
+        }
+    }
+}
+
+void gnosis_attention(const gnosis_attention_job_t *j, const gnosis_attention_scratch_t *s) {
+    const int n = j->rows * j->rep, ctx = j->first + j->rows;
+    if (n < MANY_PAIRS) {
+        float inv[MANY_PAIRS];
+        scores_by_position(j, s, n, ctx);
+        softmax_by_position(j, s, n, inv);
+        weighted_values(j, s->scores, s->max_pos + SPAN, 1, n, inv);
+    } else {
+        attend_by_pair(j, s, n, ctx);
+    }
+}
+
+#else
+
+int32_t gnosis_attention_takes(int32_t head_dim) { (void)head_dim; return 0; }
+
+void gnosis_attention(const gnosis_attention_job_t *j, const gnosis_attention_scratch_t *s) {
+    (void)j; (void)s; /* never called: the step attends with its own loops */
+}
+
+#endif

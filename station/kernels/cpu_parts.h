@@ -1,0 +1,49 @@
+/* What the library's C files call in one another, never from Python (cpu_abi.h is the
+   interface Python calls): the 4-bit products (cpu_q4.c) and the attention of a group of
+   token rows (cpu_attention.c), both called by the step (cpu_step.c) on its threads. */
+
+#ifndef GNOSIS_CPU_PARTS_H
+#define GNOSIS_CPU_PARTS_H
+
+#include <stdint.h>
+
+#include "cpu_abi.h"
+
+/* -- the 4-bit products (cpu_q4.c) */
+
+/* One row of activations for the products: per 32-value group, int16 values xq, their
+   step xd (the group's largest magnitude / 32767) and the group's float32 sum xs. */
+void gnosis_q4_quantize_row(const float *x, int32_t k, int16_t *xq, float *xd, float *xs);
+/* y[r][i] = row 16 tile + i of w times token row r (r < rows; rows of xq are w->cols apart,
+   of xd and xs w->cols / GNOSIS_GROUP), bias included: [rows, GNOSIS_Q4_TILE]. */
+void gnosis_q4_tile(const gnosis_q4_matrix_t *w, int32_t tile, const int16_t *xq, const float *xd,
+                    const float *xs, int32_t rows, float *y);
+
+/* -- attention (cpu_attention.c) */
+
+/* One job: the rows of a group (consecutive positions of one sequence, row i at position
+   first + i, seeing positions 0..first + i) and one K/V head with the rep query heads it
+   serves. Position p's K and V rows are at (table[p / block_size] * block_size + p %
+   block_size) * stride floats into k and v. */
+typedef struct {
+    const float *q;     /* row i's query head r at q + i * q_row + r * head_dim */
+    const float *k, *v;
+    const int32_t *table;
+    float *out;         /* row i's head r at out + i * out_row + r * head_dim */
+    int32_t q_row, out_row, stride, block_size, head_dim, rows, rep, first;
+    float scaling;      /* multiplies q . k */
+} gnosis_attention_job_t;
+
+/* A thread's scratch for jobs of up to `pairs` (row, head) pairs and `max_pos` positions. */
+typedef struct {
+    float *scores; /* [max(pairs, 16) rounded up to 16, max_pos + 32] */
+    float *qt;     /* [head_dim, max(32, pairs rounded up to 16)] */
+    float *part;   /* [16, pairs rounded up to 16] */
+    float *acc;    /* [head_dim, pairs rounded up to 16] */
+    int32_t pairs, max_pos;
+} gnosis_attention_scratch_t;
+
+/* The job's attention, into out (its scratch the calling thread's). */
+void gnosis_attention(const gnosis_attention_job_t *job, const gnosis_attention_scratch_t *scratch);
+
+#endif
