@@ -169,31 +169,34 @@ static inline __mmask16 pairs_seeing(__m512i len, int p) {
     return _mm512_cmpgt_epi32_mask(len, _mm512_set1_epi32(p));
 }
 
-/* Scores of pair vectors v0..v0 + nv (a constant: the sums stay in registers), four
+#define QK_POS 8 /* positions, and */
+#define QK_VEC 3 /* vectors of 16 pairs, whose scores sit in registers at once */
+
+/* Scores of pair vectors v0..v0 + nv (a constant: the sums stay in registers), QK_POS
    positions at a time, and their largest. */
 static inline __attribute__((always_inline)) void score_block(
         const gnosis_attention_job_t *j, const gnosis_attention_scratch_t *s, int npad, int ctx, int v0,
         const int nv, const __m512i *len, float *best) {
     const int hd = j->head_dim;
     const __m512 scale = _mm512_set1_ps(j->scaling);
-    __m512 m[4];
+    __m512 m[QK_VEC];
     for (int v = 0; v < nv; v++) m[v] = _mm512_set1_ps(-INFINITY);
-    for (int p = 0; p < ctx; p += 4) {
-        const float *k[4];
-        for (int u = 0; u < 4; u++)
+    for (int p = 0; p < ctx; p += QK_POS) {
+        const float *k[QK_POS];
+        for (int u = 0; u < QK_POS; u++)
             k[u] = row_at(j->k, j->table, j->block_size, j->stride, p + u < ctx ? p + u : ctx - 1);
-        __m512 a[4][4];
-        for (int u = 0; u < 4; u++)
+        __m512 a[QK_POS][QK_VEC];
+        for (int u = 0; u < QK_POS; u++)
             for (int v = 0; v < nv; v++) a[u][v] = _mm512_setzero_ps();
         for (int d = 0; d < hd; d++) {
-            __m512 qv[4];
+            __m512 qv[QK_VEC];
             for (int v = 0; v < nv; v++) qv[v] = _mm512_loadu_ps(s->qt + (size_t)d * npad + (v0 + v) * 16);
-            for (int u = 0; u < 4; u++) {
+            for (int u = 0; u < QK_POS; u++) {
                 const __m512 kd = _mm512_set1_ps(k[u][d]);
                 for (int v = 0; v < nv; v++) a[u][v] = _mm512_fmadd_ps(qv[v], kd, a[u][v]);
             }
         }
-        for (int u = 0; u < 4 && p + u < ctx; u++)
+        for (int u = 0; u < QK_POS && p + u < ctx; u++)
             for (int v = 0; v < nv; v++) {
                 const __m512 sc = _mm512_mul_ps(a[u][v], scale);
                 _mm512_storeu_ps(s->scores + (size_t)(p + u) * npad + (v0 + v) * 16, sc);
@@ -212,13 +215,12 @@ static void scores_by_pair(const gnosis_attention_job_t *j, const gnosis_attenti
         const float *q = query(j, x < n ? x : 0);
         for (int d = 0; d < hd; d++) s->qt[(size_t)d * npad + x] = x < n ? q[d] : 0.0f;
     }
-    for (int v0 = 0; v0 < npad / 16; v0 += 4) {
-        const int nv = npad / 16 - v0 < 4 ? npad / 16 - v0 : 4;
+    for (int v0 = 0; v0 < npad / 16; v0 += QK_VEC) {
+        const int nv = npad / 16 - v0 < QK_VEC ? npad / 16 - v0 : QK_VEC;
         switch (nv) {
         case 1: score_block(j, s, npad, ctx, v0, 1, len, best); break;
         case 2: score_block(j, s, npad, ctx, v0, 2, len, best); break;
-        case 3: score_block(j, s, npad, ctx, v0, 3, len, best); break;
-        default: score_block(j, s, npad, ctx, v0, 4, len, best); break;
+        default: score_block(j, s, npad, ctx, v0, 3, len, best); break;
         }
     }
 }

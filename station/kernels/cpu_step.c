@@ -490,15 +490,17 @@ static void attention_task(step_t *s, int job, int tid) {
 }
 
 /* Rows that can share attention jobs: consecutive rows at consecutive positions whose
-   block tables agree on every block the later row reads (a prompt's rows, in order), at
-   most group_max of them (so that there are jobs enough for the threads, and the scratch
-   holds a group's scores). */
+   block tables agree on every block the later row reads (a prompt's rows, in order): few
+   enough a group that each thread has about two jobs in this call, and at most group_max
+   (the scratch holds a group's scores). A row's bits do not depend on its group. */
 static int group_rows(step_t *s, int b) {
-    int ng = 0;
+    const int jobs_per_group = (2 * s->nt + s->kv_heads - 1) / s->kv_heads;
+    int most = (b + jobs_per_group - 1) / jobs_per_group, ng = 0;
+    most = most < 1 ? 1 : most > s->group_max ? s->group_max : most;
     for (int t = 0; t < b; t++) {
         if (ng > 0) {
             int t0 = s->group_start[ng - 1], g = s->group_len[ng - 1];
-            if (t == t0 + g && g < s->group_max && s->pos[t] == s->pos[t0] + g &&
+            if (t == t0 + g && g < most && s->pos[t] == s->pos[t0] + g &&
                 memcmp(s->tables + (size_t)t * s->table_width, s->tables + (size_t)t0 * s->table_width,
                        sizeof(int32_t) * (size_t)(s->pos[t] / s->block_size + 1)) == 0) {
                 s->group_len[ng - 1]++;
