@@ -65,8 +65,9 @@ class HashIndex(Generic[S]):
     def deepest_match(self, tenant: str, block_hashes: Sequence[BlockHash],
                       max_blocks: int) -> tuple[S | None, int]:
         """``tenant``'s session sharing the most leading blocks (at most ``max_blocks``)
-        with a prompt whose block hashes are ``block_hashes``; the most recently used of
-        equals, and how many blocks it shares ((None, 0) for none). O(prompt blocks):
+        with a prompt whose block hashes are ``block_hashes``; of equals one that holds a block
+        past them (whose tokens can serve the prompt's partial tail), then the most recently
+        used, and how many blocks it shares ((None, 0) for none). O(prompt blocks):
         walks the prompt from its deepest block up and stops at the first hash a session
         of the tenant holds. Hashes only: the caller compares tokens before it trusts it."""
         by_hash = self._by_hash
@@ -76,8 +77,12 @@ class HashIndex(Generic[S]):
                 continue
             best: S | None = None
             for session in holders.values():
-                if session.tenant == tenant and (best is None or session.last_used > best.last_used):
+                if session.tenant == tenant and (best is None or _rank(session, depth) > _rank(best, depth)):
                     best = session
             if best is not None:
                 return best, depth + 1
         return None, 0
+
+
+def _rank(session: IndexedSession, depth: int) -> tuple[bool, float]:
+    return len(session.block_hashes) > depth + 1, session.last_used

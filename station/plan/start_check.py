@@ -9,8 +9,8 @@ the torch thread before the socket is up:
 
 1. a probe prompt longer than the longest window (a few blocks when every layer is full),
    prefilled in the engine's chunks, then ``DECODE_TOKENS`` greedy tokens decoded alone;
-2. the same prompt again (a prefix hit: the offset chunk over cached blocks) beside a second
-   prompt (a prompt chunk next to decode rows), both then decoding as one batch.
+2. the same prompt again (a prefix hit: its last token computed at an offset over cached KV)
+   beside a second prompt (a prompt chunk next to decode rows), both then decoding as one batch.
 
 At every decoded position the logprobs of the engine's top ``TOP`` tokens and of the token it
 chose are compared with ``log_softmax`` of the model's own forward over the same tokens

@@ -17,7 +17,9 @@ import time
 
 import httpx
 from openai import OpenAI
+from transformers import AutoTokenizer
 
+from gnosis_daemon.tokens import common_prefix_len
 from supervisor.status import render
 from tests.supervisor.conftest import MODEL_NAME, both_running, cli, start_daemon, stop_daemon
 from tests.support.kv_tier import (flip_token_digit, model_layout, quarantined, tier_dir,
@@ -134,11 +136,12 @@ def openai_client(daemon) -> OpenAI:
     return OpenAI(base_url=f"{daemon.base_url}/v1", api_key="unused", max_retries=0, timeout=60)
 
 
-def chat(client: OpenAI, content: str) -> tuple[str, dict, int]:
-    """-> (the answer, its ``_gnosis`` block, its prompt tokens)."""
+def chat(client: OpenAI, content: str) -> tuple[str, dict, int, int]:
+    """-> (the answer, its ``_gnosis`` block, its prompt tokens, its answer's tokens)."""
     resp = client.chat.completions.create(model=MODEL_NAME, max_tokens=4, temperature=0,
                                           messages=[{"role": "user", "content": content}])
-    return resp.choices[0].message.content, resp.model_extra["_gnosis"], resp.usage.prompt_tokens
+    usage = resp.usage
+    return resp.choices[0].message.content, resp.model_extra["_gnosis"], usage.prompt_tokens, usage.completion_tokens
 
 
 def wait_until(predicate, timeout: float, what: str):
@@ -165,12 +168,22 @@ def test_liquid_sessions_survive_a_station_sigkill(tiny_model_dir, tmp_path):
     root = tier_dir(daemon.runtime_dir / "state", fingerprint)
     try:
         client = openai_client(daemon)
-        first = []
-        for prompt in prompts:
-            answer, gnosis, prompt_tokens = chat(client, prompt)
+        # No saved prefix for any of them (sessions match whole blocks), but the prefix cache
+        # serves what a prompt shares with an earlier one, token by token: the chat
+        # template's opening and the "Qnn" digits in common.
+        ids = [AutoTokenizer.from_pretrained(tiny_model_dir).apply_chat_template(
+            [{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True)["input_ids"]
+            for p in prompts]
+        shared = [max((common_prefix_len(ids[i], ids[j]) for j in range(i)), default=0)
+                  for i in range(len(ids))]
+        first, answered = [], []
+        for prompt, cached in zip(prompts, shared):
+            answer, gnosis, prompt_tokens, answer_tokens = chat(client, prompt)
             assert (gnosis["liquid_memory"], gnosis["liquid_kv_saved"], gnosis["tier"],
-                    gnosis["cached_tokens"], prompt_tokens) == ("miss", True, None, 0, 62), gnosis
+                    gnosis["cached_tokens"], prompt_tokens) == ("miss", True, None, cached, 62), gnosis
             first.append(answer)
+            answered.append(answer_tokens)
+        assert shared[0] == 0 and 0 < min(shared[1:]) < BS
         # Each completion saved its prompt's session and its prompt + answer's: 40
         # manifests, each on disk whole (written under a temp name, fsynced, renamed).
         wait_until(lambda: len(list((root / "sessions").glob("*.kvs"))) == 40, 30,
@@ -191,9 +204,13 @@ def test_liquid_sessions_survive_a_station_sigkill(tiny_model_dir, tmp_path):
         assert health["station_kv_tier"]["start_sessions"] == 40
 
         for i, prompt in enumerate(prompts):
-            answer, gnosis, prompt_tokens = chat(client, prompt)
+            answer, gnosis, prompt_tokens, _ = chat(client, prompt)
+            # read back from disk: the prompt's 3 full blocks, and where the prompt + answer's
+            # session (its last token's KV never computed) fills a 4th block, all of the prompt
+            # but its last token (whose logits are needed) from that block too
+            cached = prompt_tokens - 1 if prompt_tokens + answered[i] - 1 >= 4 * BS else 3 * BS
             assert (gnosis["liquid_memory"], gnosis["tier"], gnosis["cached_tokens"]) == (
-                "hit", "disk", 48), (i, gnosis)
+                "hit", "disk", cached), (i, gnosis)
             assert answer == first[i], i
         assert daemon.child("station")["pid"] == new["pid"]  # no restart since
     finally:
@@ -229,7 +246,7 @@ def test_a_corrupt_file_at_start_is_published_and_the_daemon_serves(tiny_model_d
         health = host_health(daemon)
         assert (health["station_kv_tier"]["quarantined"],
                 health["station_kv_tier"]["quarantine_reasons"]) == (1, {"checksum": 1})
-        answer, gnosis, _ = chat(openai_client(daemon), "hi")  # a 200, or the client raises
+        answer, gnosis, _, _ = chat(openai_client(daemon), "hi")  # a 200, or the client raises
         assert gnosis["liquid_memory"] == "miss" and isinstance(answer, str)
         assert daemon.child("station")["restarts"] == 0
     finally:
