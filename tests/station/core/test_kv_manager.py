@@ -231,6 +231,17 @@ def test_matching_loads_the_tenants_session_with_the_deepest_shared_prefix():
     assert match([*range(8), 9], tenant="bob") == (None, 0, [])  # another tenant's hashes
 
 
+def test_of_equal_matches_the_session_holding_a_block_past_them_is_taken():
+    """Its next block can serve the prompt's partial tail; a session that ends where the
+    match does cannot, however recently used."""
+    kv = manager(16)
+    saved(kv, "longer", [*range(8), 50])  # blocks 0, 1
+    saved(kv, "shorter", range(4))  # block 0, used last
+    seq = make_seq(kv, "q", [0, 1, 2, 3, 4, 5, 6], tenant="alice", match_session=True)
+    computed = kv.find_computed_blocks(seq)
+    assert (computed.session.session_id, computed.num_session_tokens) == ("longer", 4)
+
+
 def test_matching_follows_saves_replacements_deletes_and_expiry():
     kv = manager(16, budget=2)
     saved(kv, "a", [*range(8), 9])
