@@ -39,7 +39,6 @@
 #endif
 
 #define G GNOSIS_GROUP
-#define MAX_GROUPS (GNOSIS_STEP_MAX_WIDTH / G)
 #define MAX_HEAD_DIM GNOSIS_STEP_MAX_HEAD_DIM
 #define MAX_THREADS GNOSIS_MAX_THREADS
 #define MAX_ROWS GNOSIS_STEP_MAX_ROWS
@@ -103,23 +102,6 @@ struct gnosis_step {
     pthread_cond_t cv;
     task_fn fn;
 };
-
-static inline float f16(uint16_t v) {
-#if STEP_SIMD
-    return _cvtsh_ss(v);
-#else
-    uint32_t sign = (uint32_t)(v & 0x8000) << 16, exp = (v >> 10) & 0x1f, man = v & 0x3ff, bits;
-    if (exp == 0) {
-        if (man == 0) { bits = sign; } else {
-            exp = 113;
-            while (!(man & 0x400)) { man <<= 1; exp--; }
-            bits = sign | (exp << 23) | ((man & 0x3ff) << 13);
-        }
-    } else if (exp == 31) bits = sign | 0x7f800000 | (man << 13);
-    else bits = sign | ((exp + 112) << 23) | (man << 13);
-    float f; memcpy(&f, &bits, 4); return f;
-#endif
-}
 
 /* -- the thread pool */
 
