@@ -35,6 +35,16 @@ Closer = Callable[[], Awaitable[None]]
 
 TIERS = ("pool", "host", "disk")
 FINISH_REASONS = ("stop", "length")  # a station result's finish_reason (vllm:request_success)
+# The API dialect of a generation request, by the route it came in on (a POST).
+DIALECT_ROUTES = {"/v1/chat/completions": "chat", "/v1/completions": "completions",
+                  "/v1/messages": "messages", "/v1/responses": "responses"}
+DIALECTS = tuple(DIALECT_ROUTES.values())
+# TTL pins (Anthropic's cache_control, OpenAI's prompt_cache_retention): the TTL class a
+# pin was asked with, and what became of it (created: pinned anew; read: served from a live
+# pin; downgraded: kept as an ordinary LRU session, the tenant's pin budget being full;
+# refused: not saved at all).
+PIN_TTLS = ("5m", "1h", "24h")
+PIN_OUTCOMES = ("created", "read", "downgraded", "refused")
 
 # Seconds. Time to first token and end-to-end: vLLM's buckets; between tokens: vLLM's, with
 # finer ones below 10 ms (a small model on a GPU decodes a token in a few milliseconds).
@@ -85,6 +95,8 @@ class RequestRecord:
     token_gaps: list[float] = field(default_factory=list)  # between successive tokens
     finished_at: float | None = None  # the station's result arrived
     finish_reason: str | None = None
+    # The request's TTL pins as (ttl class, outcome): PIN_TTLS x PIN_OUTCOMES.
+    pins: list[tuple[str, str]] = field(default_factory=list)
     # Resources a streamed response holds (the station stream); run when the task ends,
     # even if the response body was never iterated.
     closers: list[Closer] = field(default_factory=list)
@@ -137,6 +149,15 @@ class Metrics:
                               ("outcome",), registry=r)
         self.liquid_hits = Counter("gnosis_liquid_hits", "Liquid-memory hits by the tier the "
                                    "session came from", ("tier",), registry=r)
+        self.dialects = Counter("gnosis_requests_by_dialect", "Generation requests by API "
+                                "dialect (the route they came in on)", ("dialect",), registry=r)
+        for dialect in DIALECTS:
+            self.dialects.labels(dialect)
+        self.pins = Counter("gnosis_cache_pins", "TTL pins asked for, by TTL class and outcome",
+                            ("ttl", "outcome"), registry=r)
+        for ttl in PIN_TTLS:
+            for pin_outcome in PIN_OUTCOMES:
+                self.pins.labels(ttl, pin_outcome)
         for outcome in LIQUID_OUTCOMES:
             self.liquid.labels(outcome)
         for tier in TIERS:
@@ -194,6 +215,12 @@ class Metrics:
 
     def observe(self, record: RequestRecord) -> None:
         self.http_requests.labels(record.route or "unmatched", str(record.status or 0)).inc()
+        dialect = DIALECT_ROUTES.get(record.route or "") if record.method == "POST" else None
+        if dialect is not None:
+            self.dialects.labels(dialect).inc()
+        for ttl, pin_outcome in record.pins:
+            if ttl in PIN_TTLS and pin_outcome in PIN_OUTCOMES:
+                self.pins.labels(ttl, pin_outcome).inc()
         self.prompt_tokens.inc(_n(record.prompt_tokens))
         self.completion_tokens.inc(_n(record.completion_tokens))
         self.cached_tokens.inc(_n(record.cached_tokens))

@@ -82,6 +82,24 @@ def test_a_record_is_observed_in_both_name_sets():
     assert value(s, "vllm:generation_tokens_total", model_name="m") == 3
 
 
+def test_requests_are_counted_by_dialect_and_pins_by_ttl_and_outcome():
+    metrics = Metrics(max_model_len=64)
+    for route, method in [("/v1/messages", "POST"), ("/v1/messages", "POST"),
+                          ("/v1/chat/completions", "POST"), ("/v1/models", "GET")]:
+        metrics.observe(RequestRecord("r", method, route, route=route, status=200))
+    metrics.observe(RequestRecord("r", "POST", "/v1/messages", route="/v1/messages",
+                                  status=200, pins=[("5m", "created"), ("1h", "read"),
+                                                    ("1h", "read"), ("5m", "nonsense")]))
+    s = scrape(metrics.render().decode())
+    assert {d: value(s, "gnosis_requests_by_dialect_total", dialect=d)
+            for d in ("chat", "completions", "messages", "responses")} == \
+        {"chat": 1, "completions": 0, "messages": 3, "responses": 0}
+    assert value(s, "gnosis_cache_pins_total", ttl="5m", outcome="created") == 1
+    assert value(s, "gnosis_cache_pins_total", ttl="1h", outcome="read") == 2
+    assert value(s, "gnosis_cache_pins_total", ttl="24h", outcome="downgraded") == 0
+    assert sum(v for (name, _), v in s.items() if name == "gnosis_cache_pins_total") == 3
+
+
 def test_a_request_without_a_completion_touches_no_histogram():
     metrics = Metrics(max_model_len=64)
     metrics.observe(RequestRecord("r2", "GET", "/nowhere", status=404))
