@@ -118,6 +118,12 @@ class Settings:
     # -- liquid memory
     liquid_memory: bool = True  # THOTH_LIQUID_MEMORY
     kv_session_budget: int = 256  # sessions kept before LRU expiry
+    # prompt_cache_retention "24h": the prompt's KV is pinned this long (refreshed on a hit).
+    cache_retention_24h_s: float = 86400.0
+    # /v1/responses: stored responses per tenant (least recently used past it are deleted)
+    # and how long one is kept (its record under <state_dir>/responses, and its KV session).
+    responses_max_per_tenant: int = 1000
+    responses_ttl_s: float = 30 * 86400.0
     # A tenant holding more than this share of the session budget (or of the pool's pinned
     # blocks) loses its own LRU sessions first: it cannot evict another tenant's.
     kv_session_tenant_share: float = 0.5
@@ -209,7 +215,8 @@ class Settings:
                      "listen_backlog", "max_request_bytes", "max_inflight_requests",
                      "stream_buffer_bytes",
                      "max_waiting_requests", "kv_disk_bytes", "kv_events_queue",
-                     "kv_events_buffer_steps", "decode_graph_max_context", "grammar_max_nodes"):
+                     "kv_events_buffer_steps", "decode_graph_max_context", "grammar_max_nodes",
+                     "responses_max_per_tenant"):
             value = getattr(self, name)
             _check(value, value > 0, name, "a positive integer")
         _check(self.kv_io_nice, 0 <= self.kv_io_nice <= 19, "kv_io_nice", "an integer from 0 to 19")
