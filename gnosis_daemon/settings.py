@@ -118,6 +118,10 @@ class Settings:
     # -- liquid memory
     liquid_memory: bool = True  # THOTH_LIQUID_MEMORY
     kv_session_budget: int = 256  # sessions kept before LRU expiry
+    # The TTLs of Anthropic's cache_control classes ("5m", "1h"): each breakpoint is a pin
+    # the station keeps this long after its last hit (short in tests).
+    cache_ttl_5m_s: float = 300.0
+    cache_ttl_1h_s: float = 3600.0
     # prompt_cache_retention "24h": the prompt's KV is pinned this long (refreshed on a hit).
     cache_retention_24h_s: float = 86400.0
     # /v1/responses: stored responses per tenant (least recently used past it are deleted)
