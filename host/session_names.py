@@ -5,7 +5,10 @@ Session ids carry the tenant and a digest, never the caller's text: ``<tenant>.p
 the prompt>`` (the prompt's KV, saved when its prefill ends: the same prompt saves under the
 same id), ``<tenant>.c.<random>`` (prompt + completion, saved when the generation finishes),
 ``<tenant>.n.<digest of the name>`` (a named session: ``session_id`` / ``prompt_cache_key`` /
-``user``, replaced on every turn). Sessions are scoped per tenant
+``user``, replaced on every turn), ``<tenant>.r.<digest of the response id>`` (a stored
+``/v1/responses`` answer's prompt + output, which its follow-up loads), ``<tenant>.t.<digest
+of the prefix>`` (a TTL pin: the same prefix pins under the same id, so a repeated
+breakpoint refreshes one pin). Sessions are scoped per tenant
 (``gnosis_daemon.api_keys``): the station only ever matches a tenant's own sessions.
 """
 
@@ -42,3 +45,14 @@ def save_ids(tenant: str, prompt: Any, name: str | None) -> SaveIds:
         save = f"{tenant}.p.{_digest(tenant, prompt)}"
         final = f"{tenant}.c.{uuid.uuid4().hex[:24]}"
     return SaveIds(tenant, save, final)
+
+
+def response_session(tenant: str, response_id: str) -> str:
+    """The session a stored response's conversation (prompt + output) is saved under."""
+    return f"{tenant}.r.{_digest(tenant, response_id)}"
+
+
+def pin_session(tenant: str, prefix: Any) -> str:
+    """The session a TTL pin of ``prefix`` (what the station renders and pins) is saved
+    under: one id per tenant and prefix."""
+    return f"{tenant}.t.{_digest(tenant, prefix)}"
