@@ -57,6 +57,9 @@ class Capability(enum.StrEnum):
     # generate's match_session: the station loads the tenant's saved session sharing the
     # longest prefix with the prompt (a feature of generate + kv_session, not an op)
     KV_SESSION_MATCH = "kv_session_match"
+    # generate's pins: prefixes kept as TTL-pinned sessions, exempt from the budgets while
+    # live (a feature of generate + kv_session)
+    KV_SESSION_PINS = "kv_session_pins"
     # generate's grammar (structured output, forced tool calls): a feature of generate
     STRUCTURED_OUTPUT = "structured_output"
 

@@ -25,3 +25,7 @@ MAX_TOOLS: Final = 128  # tools the chat template renders
 # so a negative seed is the same as that seed plus 2**64.
 SEED_MIN: Final = -(2**63)
 SEED_END: Final = 2**64
+# TTL pins (gnosis_daemon.wire.pins): at most MAX_PINS per generate, each kept at most
+# PIN_TTL_MAX_S (30 days) past its last hit.
+MAX_PINS: Final = 8
+PIN_TTL_MAX_S: Final = 2_592_000

@@ -12,6 +12,7 @@ from dataclasses import dataclass, fields
 from typing import ClassVar, TypedDict
 
 from gnosis_daemon.wire import read
+from gnosis_daemon.wire.pins import PinReport, reports_from_wire
 from gnosis_daemon.wire.read import WireMap, bad
 
 
@@ -51,6 +52,7 @@ class PrefillReport:
     session_error: str | None = None  # why no session was loaded
     saved: bool = False  # save_session pinned the prompt's full blocks
     save_error: str | None = None
+    pins: tuple[PinReport, ...] = ()  # one per pin of generate's ``pins``, in order
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -69,6 +71,7 @@ class PrefillEvent(PrefillReport):
     def to_wire(self) -> dict[str, object]:
         out: dict[str, object] = {"type": self.TYPE}
         out.update((f.name, getattr(self, f.name)) for f in fields(PrefillReport))
+        out["pins"] = [pin.to_wire() for pin in self.pins]
         if self.prompt_logprobs is not None:
             out["prompt_logprobs"] = list(self.prompt_logprobs)
         return out
@@ -84,6 +87,7 @@ class PrefillEvent(PrefillReport):
                    session_error=read.optional(data, "session_error", str),
                    saved=read.boolean(data, "saved", False),
                    save_error=read.optional(data, "save_error", str),
+                   pins=reports_from_wire(data),
                    prompt_logprobs=_entries(data, "prompt_logprobs"))
 
 

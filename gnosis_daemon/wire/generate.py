@@ -19,6 +19,7 @@ from gnosis_daemon.wire.bounds import (BIAS_MAX, MAX_CHOICES, MAX_LOGIT_BIAS, MA
                                        MAX_STOP_CHARS, MAX_STOP_STRINGS, PENALTY_MAX, SEED_END,
                                        SEED_MIN)
 from gnosis_daemon.wire.chat import Message, Tool, check_messages, check_tools
+from gnosis_daemon.wire.pins import Pin, pins_from_wire
 from gnosis_daemon.wire.read import WireMap, bad
 
 GrammarSpec = dict[str, object]  # checked by gnosis_daemon.grammar_spec
@@ -182,19 +183,21 @@ class Sessions:
     """KV sessions: start from one (``load_session``, or with ``match_session`` the
     tenant's saved session sharing the longest prefix), save the prompt's KV when its
     prefill ends (``save_session``) or the prompt and completion's when it ends
-    (``save_final_session``). ``tenant`` isolates the prefix cache and the sessions."""
+    (``save_final_session``), keep prefixes of the prompt as TTL ``pins`` (capability
+    ``kv_session_pins``). ``tenant`` isolates the prefix cache and the sessions."""
 
     tenant: str = ""
     load_session: str | None = None
     match_session: bool = False
     save_session: str | None = None
     save_final_session: str | None = None
+    pins: tuple[Pin, ...] = ()
 
     @property
     def asked(self) -> bool:
         """A session argument is set (capability ``kv_session``)."""
         return bool(self.load_session or self.match_session or self.save_session
-                    or self.save_final_session)
+                    or self.save_final_session or self.pins)
 
     @classmethod
     def from_wire(cls, args: WireMap) -> Sessions:
@@ -202,7 +205,8 @@ class Sessions:
                    load_session=read.optional(args, "load_session", str),
                    match_session=read.boolean(args, "match_session", False),
                    save_session=read.optional(args, "save_session", str),
-                   save_final_session=read.optional(args, "save_final_session", str))
+                   save_final_session=read.optional(args, "save_final_session", str),
+                   pins=pins_from_wire(args))
 
     def to_wire(self) -> dict[str, object]:
         out: dict[str, object] = {"tenant": self.tenant} if self.tenant else {}
@@ -211,6 +215,8 @@ class Sessions:
                 out[name] = value
         if self.match_session:
             out["match_session"] = True
+        if self.pins:
+            out["pins"] = [pin.to_wire() for pin in self.pins]
         return out
 
 
@@ -242,6 +248,8 @@ class GenerateArgs:
             raise bad("generate takes exactly one of 'tokens', 'prompt' or 'messages'")
         if self.tools is not None and self.messages is None:
             raise bad("argument 'tools' needs 'messages' (the chat template renders them)")
+        if self.messages is None and any(p.messages is not None for p in self.sessions.pins):
+            raise bad("argument 'pins' messages needs a 'messages' prompt")
         if self.max_tokens is not None:
             self.token_budget(self.max_tokens)
         if len(self.stop) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_CHARS for s in self.stop):

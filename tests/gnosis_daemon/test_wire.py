@@ -209,7 +209,7 @@ def test_prefill_event_bytes_and_round_trip():
     # The protocol's field order, as the station has always sent it.
     assert list(wired) == ["type", "prompt_tokens", "cached_tokens", "session_loaded",
                            "session_id", "session_tokens", "session_tier", "session_error",
-                           "saved", "save_error", "prompt_logprobs"]
+                           "saved", "save_error", "pins", "prompt_logprobs"]
     assert wired["type"] == "prefill" and wired["prompt_logprobs"] == [ENTRY]
     assert event_from_wire(msgpack.unpackb(msgpack.packb(wired))) == event
     assert "prompt_logprobs" not in PrefillEvent.of(report).to_wire()
@@ -262,7 +262,8 @@ def test_result_with_choices():
 
 # -- one definition each
 BOUNDS = ("PENALTY_MAX", "BIAS_MAX", "MAX_LOGIT_BIAS", "MAX_STOP_STRINGS", "MAX_STOP_CHARS",
-          "MAX_CHOICES", "MAX_LOGPROBS", "MAX_TOOLS", "SEED_MIN", "SEED_END")
+          "MAX_CHOICES", "MAX_LOGPROBS", "MAX_TOOLS", "SEED_MIN", "SEED_END", "MAX_PINS",
+          "PIN_TTL_MAX_S")
 
 
 def test_each_bound_is_defined_once():
