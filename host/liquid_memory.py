@@ -32,6 +32,7 @@ from host.session_names import SaveIds, save_ids
 
 log = get_logger("host.liquid")
 
+PINS = "kv_session_pins"  # generate's pins (the capability flag in hello)
 # What makes the prompt: the generate arguments a save id digests.
 _PROMPT_ARGS = ("messages", "tools", "prompt", "tokens", "add_special_tokens")
 
@@ -82,8 +83,15 @@ class LiquidMemory:
         return self.negotiated is not None and self.negotiated.has(capability)
 
     # -- per completion
+    def can_pin(self) -> bool:
+        """TTL pins can be asked for (``generate``'s ``pins``): liquid memory is effective and
+        the station has ``kv_session_pins``. A caller refuses a pin it cannot get rather
+        than drop it."""
+        return self.state(connected=True).effective and self.has(PINS)
+
     def prepare(self, station_args: dict[str, Any], *, tenant: str,
-                name: str | None) -> Prepared:
+                name: str | None, pins: list[dict[str, Any]] | None = None) -> Prepared:
+        """``pins``: ``generate``'s pins (the caller has checked ``can_pin``)."""
         state = self.state(connected=True)
         if not state.effective:
             # The tenant still goes along: it salts the automatic prefix cache, so two
@@ -97,6 +105,8 @@ class LiquidMemory:
                 "save_final_session": ids.save_final_session}
         if match:
             args["match_session"] = True
+        if pins:
+            args["pins"] = pins
         return Prepared(args, ids, match)
 
     def on_prefill(self, prepared: Prepared, event: PrefillEvent | None) -> LiquidOutcome:
