@@ -131,6 +131,9 @@ class Settings:
     # A tenant holding more than this share of the session budget (or of the pool's pinned
     # blocks) loses its own LRU sessions first: it cannot evict another tenant's.
     kv_session_tenant_share: float = 0.5
+    # generate's pins (TTL-pinned sessions, exempt from the budgets while live): a tenant's
+    # pinned KV bytes past this are saved as ordinary sessions instead ("pin_budget").
+    kv_pin_tenant_bytes: int = 2 * 1024 ** 3
     # The disk tier behind the KV pool (<state_dir>/kv-tier): every saved session is
     # written behind, evicted sessions stay there, and a restart finds them again.
     kv_persistence: bool = True
@@ -220,7 +223,7 @@ class Settings:
                      "stream_buffer_bytes",
                      "max_waiting_requests", "kv_disk_bytes", "kv_events_queue",
                      "kv_events_buffer_steps", "decode_graph_max_context", "grammar_max_nodes",
-                     "responses_max_per_tenant"):
+                     "responses_max_per_tenant", "kv_pin_tenant_bytes"):
             value = getattr(self, name)
             _check(value, value > 0, name, "a positive integer")
         _check(self.kv_io_nice, 0 <= self.kv_io_nice <= 19, "kv_io_nice", "an integer from 0 to 19")
