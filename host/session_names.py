@@ -58,7 +58,7 @@ def pin_session(tenant: str, prefix: Any) -> str:
     return f"{tenant}.t.{_digest(tenant, prefix)}"
 
 
-def pin_id(tenant: str, prefix: Any) -> str:
+def pin_session(tenant: str, prefix: Any) -> str:
     """The session a TTL pin keeps ``prefix`` under (what the station renders of it: the
     tools and the messages up to the breakpoint), the same for every request of the tenant
     that repeats the breakpoint."""
