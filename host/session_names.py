@@ -57,9 +57,3 @@ def pin_session(tenant: str, prefix: Any) -> str:
     under: one id per tenant and prefix."""
     return f"{tenant}.t.{_digest(tenant, prefix)}"
 
-
-def pin_session(tenant: str, prefix: Any) -> str:
-    """The session a TTL pin keeps ``prefix`` under (what the station renders of it: the
-    tools and the messages up to the breakpoint), the same for every request of the tenant
-    that repeats the breakpoint."""
-    return f"{tenant}.k.{_digest(tenant, 'pin', prefix)}"
