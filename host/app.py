@@ -38,11 +38,13 @@ from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
 from gnosis_daemon.api_keys import ANON, KeyFileError, Keyring, bearer, load_keyring
-from gnosis_daemon.client import StationError, is_unknown_op
+from gnosis_daemon.client import StationError
 from gnosis_daemon.logs import configure_logging, get_logger
 from gnosis_daemon.refusal import describe
 from gnosis_daemon.settings import Settings
-from host import embeddings, errors, http_server, json_body, openai_api, sse, tokenize_api
+from host import (embeddings, errors, http_server, json_body, openai_api, responses_api,
+                  session_control, sse, tokenize_api)
+from host import messages
 from host.completions import complete, json_response
 from host.errors import ApiError
 from host.liquid_memory import LiquidMemory
@@ -111,7 +113,9 @@ def create_app(settings: Settings, link: StationLink,
         if not (path == "/v1" or path.startswith("/v1/")) and path not in _TOKEN_PATHS and \
                 not (settings.health_requires_key and path in _HEALTH_PATHS):
             return
-        key = bearer(request.headers.get("Authorization"))
+        # Anthropic's clients send the key as x-api-key: the same keys, the same tenants.
+        key = bearer(request.headers.get("Authorization")) or \
+            (request.headers.get("x-api-key") or "").strip() or None
         tenant = keyring.tenant(key)
         if tenant is None:
             message = ("Incorrect API key provided." if key else
@@ -260,36 +264,12 @@ def create_app(settings: Settings, link: StationLink,
         req = openai_api.with_session_header(req, request.headers.get(openai_api.SESSION_HEADER))
         return await complete(settings, link, memory, req, current(), g.tenant)
 
+    messages.register(app, settings, link, memory, admission, _body)
     tokenize_api.register(app, settings, link, _body)
 
-    @app.post("/v1/embeddings")
-    async def create_embeddings() -> Response:
-        body = await _body()  # a slot is taken once the body is in, never while it arrives
-        admission.admit(current(), g.tenant)
-        req = embeddings.parse(body)
-        try:
-            conn = link.current()
-        except StationError as exc:
-            raise errors.from_station(exc, "input") from None
-        model_id = link.model_id
-        assert model_id is not None
-        if req.model is not None and req.model != model_id:
-            raise errors.model_not_found(req.model)
-        if not memory.has("embed"):
-            raise embeddings.not_supported()
-        embeddings.check_fits(req, (link.hello or {}).get("model") or {}, link.max_frame_bytes)
-        try:
-            with trio.fail_after(settings.request_timeout_s):
-                result = await conn.request("embed", req.station_args, rid=current().request_id)
-        except StationError as exc:
-            if is_unknown_op(exc):
-                raise embeddings.not_supported(exc.message) from None
-            raise errors.from_station(exc, "input") from None
-        except trio.TooSlowError:
-            raise ApiError(504, f"The embeddings did not finish within "
-                           f"{settings.request_timeout_s:g} s.", errors.SERVER_ERROR, None,
-                           "timeout") from None
-        return json_response(embeddings.response(req, model_id, result))
+    embeddings.register(app, settings, link, memory, admission, _body)
+    responses_api.register(app, settings, link, memory, admission, _body)
+    session_control.register(app, link)
 
     return app
 

@@ -31,7 +31,7 @@ from gnosis_daemon.wire import GenerateEvent, GenerateResult, PrefillEvent, Toke
 from host.gather import gather
 from host.generic_tools import generic_messages
 from gnosis_daemon.settings import Settings
-from host import errors, formatting, liquid, openai_api, sse
+from host import errors, formatting, liquid, openai_api, retention, sse
 from host.choices import PromptChoices
 from host.errors import ApiError
 from host.liquid import LiquidOutcome
@@ -70,6 +70,9 @@ async def complete(settings: Settings, link: StationLink, memory: LiquidMemory,
     reqs = per_prompt(req)
     for one in reqs:
         check_prompt_fits(one, model, link.max_frame_bytes)
+    # prompt_cache_retention "24h": each prompt pinned whole (refused here when it cannot be).
+    pins = [retention.pins(settings, memory, one.retention, tenant, one.station_args)
+            for one in reqs]
     record.model = model_id
     fmt = formatting.Formatter(req.kind, model_id, req.include_usage)
     n = req.station_args.get("n", 1)
@@ -78,7 +81,8 @@ async def complete(settings: Settings, link: StationLink, memory: LiquidMemory,
         try:
             with trio.fail_after(settings.request_timeout_s):
                 runs = await gather([
-                    functools.partial(_run, conn, memory, one, record, tenant, name, i, n)
+                    functools.partial(_run, conn, memory, one, record, tenant, name, i, n,
+                                      pins[i])
                     for i, one in enumerate(reqs)])
         except StationError as exc:
             raise station_error(exc, req) from None
@@ -116,7 +120,7 @@ async def complete(settings: Settings, link: StationLink, memory: LiquidMemory,
     opened = []
     try:
         for i, one in enumerate(reqs):
-            prepared = memory.prepare(one.station_args, tenant=tenant, name=name)
+            prepared = memory.prepare(one.station_args, tenant=tenant, name=name, pins=pins[i])
             stream = await stack.enter_async_context(
                 conn.open_stream("generate", prepared.frame(), rid=record.request_id))
             first = await _next(stream)
@@ -256,6 +260,7 @@ def _outcome(memory: LiquidMemory, prepared: Prepared, first: GenerateEvent | No
     record.liquid_reason = outcome.miss_reason
     record.liquid_tier = outcome.tier
     if prefill is not None:
+        retention.note_pins(record, getattr(prefill, "pins", ()))
         record.prefill_at = time.monotonic()
         record.prompt_tokens = prefill.prompt_tokens
         record.cached_tokens = prefill.cached_tokens
@@ -264,11 +269,12 @@ def _outcome(memory: LiquidMemory, prepared: Prepared, first: GenerateEvent | No
 
 async def _run(conn: StationConnection, memory: LiquidMemory,
                req: openai_api.CompletionRequest, record: RequestRecord, tenant: str,
-               name: str | None, prompt_index: int, n: int
+               name: str | None, prompt_index: int, n: int,
+               pins: list[dict[str, Any]] | None = None
                ) -> tuple[Prepared, LiquidOutcome, GenerateResult, PromptChoices]:
     """A whole non-streamed generation: (prepared call, outcome, the station's result, its
     choices with their logprobs)."""
-    prepared = memory.prepare(req.station_args, tenant=tenant, name=name)
+    prepared = memory.prepare(req.station_args, tenant=tenant, name=name, pins=pins)
     prompt = PromptChoices(prompt_index, n)
     async with conn.open_stream("generate", prepared.frame(), rid=record.request_id) as stream:
         first = await _next(stream)

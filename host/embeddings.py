@@ -11,10 +11,15 @@ from __future__ import annotations
 
 import base64
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Awaitable, Callable
 
+import trio
+from quart import Response, g
+
+from gnosis_daemon.client import StationError, is_unknown_op
 from gnosis_daemon.protocol import unpack_array
-from host import errors
+from gnosis_daemon.settings import Settings
+from host import errors, sse
 from host.errors import ApiError
 from host.fields import as_object, check_known, is_int
 from host.openai_api import (
@@ -23,6 +28,9 @@ from host.openai_api import (
     check_token_ids,
     frame_estimate,
 )
+from host.liquid_memory import LiquidMemory
+from host.request_scope import Admission, current
+from host.station_link import StationLink
 
 MAX_INPUTS = 2048  # OpenAI's limit on inputs per request
 FIELDS = frozenset({"input", "model", "encoding_format", "dimensions", "user"})
@@ -124,3 +132,39 @@ def response(req: EmbeddingRequest, model: str, result: dict[str, Any]) -> dict[
     prompt_tokens = int(sum(result.get("num_tokens") or ()))
     return {"object": "list", "data": data, "model": model,
             "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens}}
+
+
+def register(app: Any, settings: Settings, link: StationLink, memory: LiquidMemory,
+             admission: Admission, read_body: Callable[[], Awaitable[Any]]) -> None:
+    """The route, on the host's app (``host.app.create_app``; ``read_body``: its JSON body
+    reader, after which the request takes an in-flight slot)."""
+
+    @app.post("/v1/embeddings")
+    async def create_embeddings() -> Response:
+        body = await read_body()  # a slot is taken once the body is in, never while it arrives
+        admission.admit(current(), g.tenant)
+        req = parse(body)
+        try:
+            conn = link.current()
+        except StationError as exc:
+            raise errors.from_station(exc, "input") from None
+        model_id = link.model_id
+        assert model_id is not None
+        if req.model is not None and req.model != model_id:
+            raise errors.model_not_found(req.model)
+        if not memory.has("embed"):
+            raise not_supported()
+        check_fits(req, (link.hello or {}).get("model") or {}, link.max_frame_bytes)
+        try:
+            with trio.fail_after(settings.request_timeout_s):
+                result = await conn.request("embed", req.station_args, rid=current().request_id)
+        except StationError as exc:
+            if is_unknown_op(exc):
+                raise not_supported(exc.message) from None
+            raise errors.from_station(exc, "input") from None
+        except trio.TooSlowError:
+            raise ApiError(504, f"The embeddings did not finish within "
+                           f"{settings.request_timeout_s:g} s.", errors.SERVER_ERROR, None,
+                           "timeout") from None
+        return Response(sse.encode_json(response(req, model_id, result)), 200,
+                        content_type="application/json")

@@ -73,7 +73,7 @@ _SAMPLING = frozenset({
     "model", "max_tokens", "temperature", "top_p", "top_k", "n", "stop", "seed", "stream",
     "stream_options", "ignore_eos", "session_id", "prompt_cache_key", "user", "logprobs",
     "presence_penalty", "frequency_penalty", "logit_bias", "min_p", "repetition_penalty",
-    "stop_token_ids", "min_tokens"})
+    "stop_token_ids", "min_tokens", "prompt_cache_retention"})
 # vLLM / SGLang extension fields that routers (vllm-router) add to every request they
 # forward, at these values: accepted only at them (each would change the answer otherwise).
 ROUTER_DEFAULTS = {"no_stop_trim": False, "continue_final_message": False,
@@ -113,6 +113,9 @@ class CompletionRequest:
     # None for one prompt (station_args holds it).
     prompts: tuple[dict[str, Any], ...] | None = None
     echo: bool = False  # /v1/completions: the prompt's text before the completion's
+    # prompt_cache_retention: None / "in_memory" (the prompt's KV as any session's) or "24h"
+    # (the whole prompt pinned for cache_retention_24h_s: host.retention).
+    retention: str | None = None
 
     def __post_init__(self) -> None:
         assert self.kind in (CHAT, TEXT), self.kind
@@ -242,7 +245,23 @@ def _finish(kind: str, body: dict[str, Any], args: dict[str, Any], max_tokens: i
         # OpenAI's padding against length side channels: no effect on the answer.
         typed(options, "include_obfuscation", is_bool, "a boolean", "stream_options.")
     return CompletionRequest(kind, model, stream, include_usage, args, prompt_param, session_name,
-                             prompt_chars)
+                             prompt_chars, retention=check_retention(body))
+
+
+RETENTIONS = ("in_memory", "24h")
+
+
+def check_retention(body: dict[str, Any]) -> str | None:
+    """``prompt_cache_retention``: null or one of ``RETENTIONS``, else 400 naming it."""
+    value = body.get("prompt_cache_retention")
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise errors.invalid_type("prompt_cache_retention", "a string", value)
+    if value not in RETENTIONS:
+        raise errors.invalid_value("prompt_cache_retention", f"value must be one of "
+                                   f"{', '.join(repr(r) for r in RETENTIONS)}, but got {value!r}.")
+    return value
 
 
 def _message(message: Any, where: str) -> dict[str, Any]:
