@@ -10,6 +10,7 @@ import pytest
 
 from host.session_names import response_session
 from tests.host import responses_support as rs
+from tests.support.metrics import scrape, value
 
 BS = 16  # the station's default KV block size
 TURNS = ["What is the capital of France, in one word?", "And the capital of Spain?",
@@ -135,8 +136,14 @@ def test_streamed_events_follow_openais_sequence_and_match_the_whole_answer(stac
     assert client.responses.retrieve(last.id).output_text == whole.output_text
 
 
+def dialect_count(stack) -> float:
+    text = stack.http("GET", "/metrics").text
+    return value(scrape(text), "gnosis_requests_by_dialect_total", dialect="responses")
+
+
 def test_every_field_is_accepted(stack):
     client = stack.client()
+    counted = dialect_count(stack)
     made = client.responses.create(
         model="tiny", input=[{"role": "developer", "content": "Be brief."},
                              {"type": "message", "role": "user",
@@ -149,6 +156,7 @@ def test_every_field_is_accepted(stack):
     assert (made.temperature, made.top_p, made.max_output_tokens, made.prompt_cache_key,
             made.user, made.metadata) == (0.5, 0.9, 4, "conv-1", "u-1", {"a": "b"})
     assert made.usage.output_tokens <= 4
+    assert dialect_count(stack) == counted + 1  # counted as the responses dialect
 
 
 BAD = [
