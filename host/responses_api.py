@@ -4,9 +4,9 @@ whose conversation state is the KV.
 A response is one chat generation on the liquid path (``host.liquid_memory``): its input
 items are chat messages, after ``instructions`` as the system message. A stored response
 (``store``, the default) keeps its text record on disk (``host.response_store``) and its
-KV in the station: the generation is sent with ``save_final_session`` = the response's own
-session (``host.session_names.response_session``), so prompt + output are saved when it
-ends. A follow-up naming it in ``previous_response_id`` rebuilds the conversation from the
+KV in the station: the generation is sent with ``save_session`` and ``save_final_session``
+= the response's own session (``host.session_names.response_session``), so the prompt is
+saved when its prefill ends and prompt + output replace it when it ends. A follow-up naming it in ``previous_response_id`` rebuilds the conversation from the
 chain of records (each turn's input, then its output as the assistant's message) and is sent
 with ``load_session`` = that session: the station reuses the whole saved conversation and
 prefills only what is new. The session survives a station restart through the disk tier;
@@ -64,12 +64,14 @@ def conversation(chain: list[ResponseRecord], req: ResponsesRequest) -> list[dic
 
 
 def _plan(prepared: Prepared, *, store: bool, save: str, load: str | None) -> None:
-    """The session arguments of a response's generate: its own session saved at the end
-    (``store``) or no save at all; the previous response's session loaded."""
+    """The session arguments of a response's generate: its own session, the prompt's KV
+    when the prefill ends and prompt + output when it ends (``store``: so a response makes
+    that one session, which its ``DELETE`` forgets), or no save at all; the previous
+    response's session loaded."""
     if not prepared.liquid:
         return
     if store:
-        prepared.args["save_final_session"] = save
+        prepared.args["save_session"] = prepared.args["save_final_session"] = save
     else:
         prepared.args.pop("save_session", None)
         prepared.args.pop("save_final_session", None)

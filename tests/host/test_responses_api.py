@@ -62,19 +62,21 @@ def test_a_three_turn_chain_hits_the_previous_turns_kv_across_a_station_sigkill(
 def test_get_returns_the_stored_response_and_delete_removes_record_and_session(stack):
     client = stack.client()
     tenant = stack.tenant_of(rs.KEY_A)
+    before = {s["session_id"] for s in stack.sessions(tenant)}
     made = ask(client, "Say something short.", metadata={"topic": "test"})
     got = client.responses.retrieve(made.id)
     assert (got.id, got.output_text, got.metadata, got.usage.input_tokens) == (
         made.id, made.output_text, {"topic": "test"}, made.usage.input_tokens)
+    # The response made one session, its own (the prompt's KV, then prompt + output).
     session = response_session(tenant, made.id)
-    assert any(s["session_id"] == session for s in stack.sessions(tenant))
+    assert {s["session_id"] for s in stack.sessions(tenant)} - before == {session}
     assert any(made.id in p.name for p in stack.record_files())
     client.responses.delete(made.id)
     with pytest.raises(openai.NotFoundError) as info:
         client.responses.retrieve(made.id)
     assert info.value.body["code"] == "not_found"
     assert not any(made.id in p.name for p in stack.record_files())
-    assert not any(s["session_id"] == session for s in stack.sessions(tenant))
+    assert {s["session_id"] for s in stack.sessions(tenant)} == before
     with pytest.raises(openai.NotFoundError):
         client.responses.delete(made.id)
 
