@@ -6,9 +6,10 @@ items are chat messages, after ``instructions`` as the system message. A stored 
 (``store``, the default) keeps its text record on disk (``host.response_store``) and its
 KV in the station: the generation is sent with ``save_session`` and ``save_final_session``
 = the response's own session (``host.session_names.response_session``), so the prompt is
-saved when its prefill ends and prompt + output replace it when it ends. A follow-up naming it in ``previous_response_id`` rebuilds the conversation from the
-chain of records (each turn's input, then its output as the assistant's message) and is sent
-with ``load_session`` = that session: the station reuses the whole saved conversation and
+saved when its prefill ends and prompt + output replace it when it ends. A follow-up naming
+it in ``previous_response_id`` rebuilds the conversation from the chain of records (each
+turn's input, then its output as the assistant's message) and is sent with ``load_session``
+= that session: the station reuses the whole saved conversation and
 prefills only what is new. The session survives a station restart through the disk tier;
 when it is gone the chain is still the text, so the follow-up is a miss, never wrong.
 
