@@ -260,7 +260,7 @@ def _outcome(memory: LiquidMemory, prepared: Prepared, first: GenerateEvent | No
     record.liquid_reason = outcome.miss_reason
     record.liquid_tier = outcome.tier
     if prefill is not None:
-        retention.note_pins(record, getattr(prefill, "pins", ()))
+        retention.note_pins(record, prefill.pins)
         record.prefill_at = time.monotonic()
         record.prompt_tokens = prefill.prompt_tokens
         record.cached_tokens = prefill.cached_tokens

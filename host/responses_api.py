@@ -90,7 +90,7 @@ def _outcome(prepared: Prepared, first: Any, record: RequestRecord, store: bool)
     if prefill is not None:
         record.prompt_tokens = prefill.prompt_tokens
         record.cached_tokens = prefill.cached_tokens
-        retention.note_pins(record, getattr(prefill, "pins", ()))
+        retention.note_pins(record, prefill.pins)
     return outcome
 
 

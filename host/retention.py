@@ -12,9 +12,10 @@ a 400 naming the field: the retention asked for is never silently shortened.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Iterable
 
 from gnosis_daemon.settings import Settings
+from gnosis_daemon.wire.pins import PinReport
 from host import errors
 from host.liquid_memory import LiquidMemory
 from host.metrics import RequestRecord
@@ -40,9 +41,9 @@ def pins(settings: Settings, memory: LiquidMemory, retention: str | None, tenant
              "ttl_s": float(settings.cache_retention_24h_s)}]
 
 
-def note_pins(record: RequestRecord, reports: Any) -> None:
+def note_pins(record: RequestRecord, reports: Iterable[PinReport]) -> None:
     """Count what became of the request's pins (the prefill event's ``pins``)."""
-    for report in reports or ():
+    for report in reports:
         if report.pinned:
             outcome = "read" if report.read_tokens > 0 else "created"
         else:
