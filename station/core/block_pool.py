@@ -332,6 +332,16 @@ class BlockPool:
             if not block.held:
                 self._enqueue_free(block)
 
+    def forget(self, blocks: Sequence[KVBlock], chain: Sequence[BlockHash], extra_keys: ExtraKeys) -> None:
+        """Drop ``blocks`` and the tails filed after each hash of ``chain`` from the prefix
+        cache (a forgotten session's), where nothing holds them: reused first from now on."""
+        keys = {tail_key(h, extra_keys) for h in chain}
+        filed = [b for (key, _), by_id in self.tails.items() if key in keys for b in by_id.values()]
+        for block in (*blocks, *filed):
+            if not block.held:
+                self._evict(block)
+                self._free.move_to_end(block.block_id, last=False)
+
     def reset_prefix_cache(self) -> None:
         """Forget every cached hash (e.g. after the model changed)."""
         for block in self.blocks:

@@ -16,8 +16,8 @@ Modelled on vLLM v1's ``KVCacheManager``: the scheduler decides *who* runs, this
 
 Sessions are pinned here too (``pin`` / ``unpin`` / ``load_into``); ``resident_blocks`` says
 whether the KV of a token list is still in the pool (``kv_session.save``); ``begin_load`` /
-``finish_load`` bring a disk-tier session back (``station.tier.disk_tier`` reads its files
-between the two); ``fork`` gives an ``n > 1`` choice its parent's prompt KV (the partial block
+``finish_load`` bring a disk-tier session back (``station.core.disk_side``: the tier's
+side of the manager); ``fork`` gives an ``n > 1`` choice its parent's prompt KV (the partial block
 copied by ``copy_block``); ``hold_blocks`` keeps blocks as they are for a disk write.
 
 Thread-safety: none. Every call happens on the engine thread (``stats`` only reads ints).
@@ -31,9 +31,11 @@ from typing import Any, Callable, Sequence as Seq
 from gnosis_daemon.logs import get_logger
 from gnosis_daemon.tokens import common_prefix_len
 from station.core.block_pool import (BlockHash, BlockPool, ExtraKeys, KVBlock, block_hashes_for,
-                                     prefix_extra_keys, tail_key)
+                                     prefix_extra_keys)
+from station.core.disk_side import DiskTierSide
 from station.core.disk_sessions import DiskSession, DiskSessions
-from station.core.kv_results import ComputedBlocks, LoadPlan, SessionOutcome
+from station.core.kv_results import ComputedBlocks, SessionOutcome
+from station.core.pins import PinTable, read_from_pins
 from station.core.sequence import Sequence
 from station.core.sessions import KVSession, SessionRegistry
 from station.core.tails import find_tail, leave_tail, tail_of
@@ -41,16 +43,19 @@ from station.core.tails import find_tail, leave_tail, tail_of
 log = get_logger(__name__)
 
 
-class KVCacheManager:
+class KVCacheManager(DiskTierSide):
     def __init__(self, num_blocks: int, block_size: int, session_budget: int = 1, *,
                  tenant_share: float = 1.0, model_fingerprint: str = "", tenant_salt: str = "",
-                 clock: Callable[[], float] = time.time,
+                 clock: Callable[[], float] = time.time, bytes_per_block: int = 0,
+                 pin_tenant_bytes: int = 2 * 1024 ** 3,
                  copy_block: Callable[[int, int], None] | None = None) -> None:
         self.pool = BlockPool(num_blocks, block_size)
         # (src, dst) block ids: the KV tensors' copy, for forks and tails (none: no tails)
         self.copy_block = copy_block
+        self.pins = PinTable(clock, bytes_per_block, pin_tenant_bytes)  # TTL pins, both tiers
         self.sessions = SessionRegistry(self.pool, session_budget, clock=clock,
-                                        tenant_share=tenant_share)
+                                        tenant_share=tenant_share, pins=self.pins)
+        self.sessions.offload_pins = lambda session: self.disk_tier and session.durable
         self.block_size, self.model_fingerprint, self.tenant_salt = block_size, model_fingerprint, tenant_salt
         # The disk tier behind the pool (``enable_disk_tier``): sessions whose KV only the disk
         # holds, those saved since the engine last took them (to write behind), and what
@@ -78,7 +83,8 @@ class KVCacheManager:
     def stats(self) -> dict[str, Any]:
         """The pool's, the sessions' and the disk index's figures for the ``stats`` op: plain
         counters, so another thread may read them (they may be one step stale)."""
-        return {**self.pool.stats(), **self.sessions.stats(), "kv_disk_sessions": len(self.disk),
+        return {**self.pool.stats(), **self.sessions.stats(), **self.pins.stats(),
+                "kv_disk_sessions": len(self.disk),
                 "kv_sessions_offloaded": self.num_offloaded, "kv_sessions_lost": self.num_lost,
                 "kv_disk_loads": self.num_disk_loads,
                 "kv_disk_quarantined_loads": self.num_quarantined_loads,
@@ -174,6 +180,7 @@ class KVCacheManager:
                 on_disk = computed.cached_disk_session
                 on_disk.last_used = self.sessions.clock()
                 self.to_touch[on_disk.session_id] = on_disk.last_used
+                self.pins.refresh(on_disk.session_id)
         num_new = self.num_blocks_for(start + num_new_tokens) - num_held
         if num_new <= 0 and computed is None:
             return True
@@ -194,6 +201,9 @@ class KVCacheManager:
         if computed is not None:
             self.pool.touch(taken)  # the tail too: allocating must not evict it before its copy
             seq.blocks, seq.num_registered_blocks, seq.num_computed_tokens = list(hits), len(hits), start
+            if self.pins.num_pins and not seq.num_preemptions:  # what the prefill event reports
+                seq.num_pin_read_tokens = self.block_size * read_from_pins(
+                    self.pins, seq.tenant, hits, self.sessions.get)
         seq.blocks += self.pool.allocate(num_new)
         if tail is not None:
             assert self.copy_block is not None  # find_computed_blocks gives no tail without it
@@ -252,11 +262,16 @@ class KVCacheManager:
         return self.sessions.get(session_id)
 
     def pin(self, session_id: str, tenant: str, token_ids: Seq[int], blocks: Seq[KVBlock],
-            known_hashes: list[BlockHash] | None = None) -> KVSession:
+            known_hashes: list[BlockHash] | None = None, ttl_s: float | None = None) -> KVSession:
         """Pin ``blocks`` (the KV of ``token_ids``, full blocks) as session ``session_id``,
-        findable by its block hashes (``known_hashes``: a prefix of them already computed)."""
+        findable by its block hashes (``known_hashes``: a prefix of them already computed);
+        ``ttl_s``: a TTL pin (``station.core.pins``), else an ordinary session."""
         hashes = block_hashes_for(token_ids, self.block_size, self.extra_keys(tenant),
                                   (known_hashes or [])[:len(blocks)])
+        if ttl_s is None:
+            self.pins.drop(session_id)
+        else:  # before the save: the budget it applies does not count the pin
+            self.pins.add(session_id, tenant, ttl_s, len(blocks))
         session = self.sessions.save(session_id, tenant, token_ids, blocks, hashes)
         self.disk.remove(session_id)  # a new save of an id replaces its copy on disk
         if self.disk_tier:
@@ -264,18 +279,20 @@ class KVCacheManager:
         self._take_evictions()
         return session
 
-    def pin_sequence(self, session_id: str, seq: Sequence, num_tokens: int) -> int:
+    def pin_sequence(self, session_id: str, seq: Sequence, num_tokens: int,
+                     ttl_s: float | None = None) -> int:
         """Pin the full blocks of ``seq``'s first ``num_tokens`` computed tokens; -> tokens pinned."""
         n = min(num_tokens, seq.num_computed_tokens, seq.num_tokens) // self.block_size
         assert n <= len(seq.blocks)
         self.pin(session_id, seq.tenant, seq.token_ids[:n * self.block_size], seq.blocks[:n],
-                 seq.block_hashes)
+                 seq.block_hashes, ttl_s)
         return n * self.block_size
 
     def unpin(self, session_id: str) -> bool:
         """Delete a session, from the pool and the disk tier's index (the engine deletes
         its files)."""
         on_disk = self.disk.remove(session_id) is not None
+        self.pins.drop(session_id)
         return self.sessions.delete(session_id) or on_disk
 
     def load_into(self, seq: Sequence, session: KVSession) -> int:
@@ -290,6 +307,7 @@ class KVCacheManager:
 
     def _use(self, session: KVSession) -> None:
         self.sessions.use(session)
+        self.pins.refresh(session.session_id)
         if session.durable:  # the disk's LRU learns of it too
             self.to_touch[session.session_id] = session.last_used
 
@@ -298,103 +316,3 @@ class KVCacheManager:
         blocks (tokens compared, not only hashes); nothing is taken."""
         hashes = block_hashes_for(token_ids, self.block_size, self.extra_keys(tenant))
         return self.pool.get_computed_blocks(token_ids, hashes, capped=False)
-
-    # -- the disk tier
-    def hold_blocks(self, blocks: Seq[KVBlock]) -> list[int]:
-        """Take a reference on each of ``blocks`` (a write job reads them: they are neither
-        freed nor reused until ``release_blocks``). -> their block ids."""
-        self.pool.touch(blocks)
-        return [block.block_id for block in blocks]
-
-    def release_blocks(self, block_ids: Seq[int]) -> None:
-        """Drop the references ``hold_blocks`` took."""
-        self.pool.free([self.pool.blocks[i] for i in block_ids])
-
-    def adopt_disk_session(self, on_disk: DiskSession) -> None:
-        """Index a session another replica wrote to the shared disk tier; the pool's copy of
-        that id (an older turn of it), if any, is deleted and its blocks unpinned."""
-        self.sessions.delete(on_disk.session_id)
-        self.disk.add(on_disk)
-
-    def enable_disk_tier(self, sessions: Seq[DiskSession] = ()) -> None:
-        """Keep evicted durable sessions on disk from now on; ``sessions``: the tier's
-        index as the station's start found it."""
-        self.disk_tier = True
-        self.disk.add_all(sessions)
-
-    def take_writes(self) -> list[KVSession]:
-        """Sessions saved since the last call that are still resident (to write behind)."""
-        writes = [s for s in self.to_write if self.sessions.get(s.session_id) is s]
-        self.to_write = []
-        return writes
-
-    def take_touches(self) -> dict[str, float]:
-        """Durable sessions used since the last call (their files' last use to update)."""
-        touches, self.to_touch = self.to_touch, {}
-        return touches
-
-    def landed(self, session: KVSession) -> None:
-        """The write-behind of ``session`` reached disk after the pool had evicted it (and
-        counted it lost): it is a disk session now, unless its id was saved again since."""
-        if self.sessions.get(session.session_id) is not None or session.session_id in self.disk:
-            return
-        self._offload(session)
-        self.num_lost -= 1
-
-    def _take_evictions(self) -> None:
-        for session in self.sessions.evicted:
-            if self.disk_tier and session.durable:
-                self._offload(session)
-            else:
-                self.num_lost += 1
-        self.sessions.evicted = []
-
-    def _offload(self, session: KVSession) -> None:
-        """``session``, gone from the pool, is a disk session (its files are all written)."""
-        self.disk.add(DiskSession(session.session_id, session.tenant, session.token_ids,
-                                  session.block_hashes, session.file_hashes, session.last_used))
-        self.num_offloaded += 1
-
-    def begin_load(self, on_disk: DiskSession) -> LoadPlan | None:
-        """Fresh blocks for a disk session's KV (expiring pool sessions to make room, the
-        durable ones to disk); None when the pool cannot hold it now."""
-        n = len(on_disk.block_hashes)
-        if not self.pool.can_allocate(n):
-            self.sessions.reclaim(n, None, on_disk.tenant)
-            self._take_evictions()
-        if not self.pool.can_allocate(n):
-            return None
-        on_disk.loading = True
-        return LoadPlan(on_disk, tuple(self.pool.allocate(n)))
-
-    def finish_load(self, plan: LoadPlan, error: SessionOutcome | None) -> KVSession | None:
-        """The loader filled ``plan.blocks`` (``error`` None) or could not (``QUARANTINED``: a
-        file failed a check; ``UNREADABLE``): cache and pin the blocks as the session again,
-        or forget the session. -> the resident session."""
-        on_disk = plan.session
-        on_disk.loading = False
-        current = self.disk.get(on_disk.session_id) is on_disk
-        if error is not None or not current:  # failed, or deleted / saved again meanwhile
-            self.pool.free(plan.blocks)
-            if error is not None:
-                self.disk.remove(on_disk.session_id)
-                if error is SessionOutcome.QUARANTINED:
-                    self.num_quarantined_loads += 1
-                else:
-                    self.num_unreadable_loads += 1
-            return None
-        bs, keys, hashes = self.block_size, self.extra_keys(on_disk.tenant), on_disk.block_hashes
-        for i, (block, block_hash) in enumerate(zip(plan.blocks, hashes)):
-            self.pool.cache_full_block(block, block_hash, on_disk.token_ids[i * bs:(i + 1) * bs],
-                                       plan.blocks[i - 1] if i else None,
-                                       tail_key(hashes[i - 1] if i else None, keys))
-        self.disk.remove(on_disk.session_id)  # after: KV events say GPU, then drop DISK
-        session = self.sessions.save(on_disk.session_id, on_disk.tenant, on_disk.token_ids,
-                                     plan.blocks, on_disk.block_hashes)
-        session.durable = True
-        session.file_hashes = on_disk.file_hashes
-        self.to_touch[session.session_id] = session.last_used
-        self.pool.free(plan.blocks)  # the loader's references: the session's pins keep them
-        self.num_disk_loads += 1
-        self._take_evictions()
-        return session

@@ -19,6 +19,7 @@ from typing import Any, Callable
 from gnosis_daemon.protocol import ErrorCode, OpError
 from gnosis_daemon.wire import Choices, PrefillReport, Sampling, Sessions
 from gnosis_daemon.wire.read import bad
+from station.core.pins import PinPlan
 
 __all__ = ["CallDone", "Choices", "EngineCallHandler", "EngineEvent", "EventCallback", "Failed",
            "Finished", "GenerationRequest", "Prefill", "SamplingParams", "SequenceLimits",
@@ -59,6 +60,8 @@ class GenerationRequest:
     # Structured output: an xgrammar CompiledGrammar (opaque here, see
     # station.sampling.grammar); None: unconstrained.
     grammar: Any = None
+    # ``sessions.pins`` worked out against the prompt (station.serving.pin_prefix), in order.
+    pins: tuple[PinPlan, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

@@ -64,6 +64,7 @@ class Sequence:
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prefix-cache hit at (first) admission
     num_admitted_cached_tokens: int = 0  # the same at the latest admission
+    num_pin_read_tokens: int = 0  # of num_cached_tokens: held by the tenant's live TTL pins
     blocks: list[KVBlock] = field(default_factory=list)
     block_hashes: list[BlockHash] = field(default_factory=list)
     num_registered_blocks: int = 0  # leading blocks already offered to the prefix cache

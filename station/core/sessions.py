@@ -22,6 +22,10 @@ evicts its own sessions, and a tenant under its share never loses a session to a
 over it. Per-tenant figures are kept incrementally (a count and a per-block pin count
 for each tenant), so choosing a victim never walks the pool.
 
+A live TTL pin (``station.core.pins``) is no victim: it does not count against the count
+budget, and ``reclaim`` takes one only where ``offload_pins`` says it moves to the disk
+tier (durable, a tier behind the pool), after every unpinned session.
+
 Thread-safety: none. Every call happens on the engine thread.
 """
 
@@ -34,6 +38,7 @@ from typing import Callable, Iterable, Sequence
 
 from station.core.block_pool import BlockHash, BlockPool, KVBlock
 from station.core.hash_index import HashIndex
+from station.core.pins import PinTable
 
 
 @dataclass(slots=True, eq=False)
@@ -64,12 +69,15 @@ class _TenantUsage:
 
 class SessionRegistry:
     def __init__(self, pool: BlockPool, budget: int, clock: Callable[[], float] = time.time,
-                 tenant_share: float = 1.0) -> None:
+                 tenant_share: float = 1.0, pins: PinTable | None = None) -> None:
         assert budget > 0 and 0 < tenant_share <= 1
         self.pool = pool
         self.budget = budget
         self.clock = clock
         self.tenant_share = tenant_share
+        self.pins = pins if pins is not None else PinTable(clock)
+        # A live pin ``reclaim`` may take: it moves to the disk tier (the KV manager's rule).
+        self.offload_pins: Callable[[KVSession], bool] = lambda session: False
         self._sessions: OrderedDict[str, KVSession] = OrderedDict()  # LRU first
         self._tenants: dict[str, _TenantUsage] = {}  # only tenants that hold a session
         # block hash -> the sessions holding a block of that hash at that depth (the hash
@@ -153,15 +161,31 @@ class SessionRegistry:
             self._account(old, -1)
             self.pool.unpin(old.blocks)
         self._sessions[session_id] = session
-        while len(self._sessions) > self.budget:
+        while len(unpinned := self._unpinned(self._sessions.values())) > self.budget:
             over = self._over_sessions
-            victim = self._choose(self._sessions.values(), over, tenant, session_id)
+            victim = self._choose(unpinned, over, tenant, session_id)
             if victim is None:
                 # Only when the saver is over its share with this one session: then
                 # share * budget < 1 and every other tenant is over it too. A guard.
-                victim = next(s for s in self._sessions.values() if s.session_id != session_id)
+                victim = next(s for s in unpinned if s.session_id != session_id)
             self._expire(victim.session_id, over(victim.tenant))
         return session
+
+    def _unpinned(self, sessions: Iterable[KVSession]) -> list[KVSession]:
+        """``sessions`` (in their order) but the live pins."""
+        now = self.clock()
+        return [s for s in sessions if not self.pins.live(s.session_id, now)]
+
+    def _candidates(self, sessions: Iterable[KVSession]) -> list[KVSession]:
+        """What ``reclaim`` may take, in its order: the unpinned sessions (LRU first), then
+        the live pins that would move to the disk tier."""
+        now, unpinned, offloadable = self.clock(), [], []
+        for s in sessions:
+            if not self.pins.live(s.session_id, now):
+                unpinned.append(s)
+            elif self.offload_pins(s):
+                offloadable.append(s)
+        return unpinned + offloadable
 
     def deepest_match(self, tenant: str, block_hashes: Sequence[BlockHash],
                       max_blocks: int) -> tuple[KVSession | None, int]:
@@ -214,7 +238,7 @@ class SessionRegistry:
             return tenant_blocks.get(t, 0) > limit
 
         while free < num_blocks:
-            victim = self._choose(alive.values(), over, requester, keep)
+            victim = self._choose(self._candidates(alive.values()), over, requester, keep)
             if victim is None:
                 return None
             plan.append((victim.session_id, over(victim.tenant)))

@@ -40,6 +40,7 @@ from station.core.kv_results import LoadPlan, SessionOutcome
 from station.core.scheduler import Scheduler
 from station.core.sequence import Sequence, SequenceKind, SequenceStatus
 from station.core.sessions import KVSession
+from station.engine import pinning
 from station.engine.state import HeldState, RequestState
 from station.sampling.sample import make_generator, sample
 
@@ -166,27 +167,14 @@ class EngineCalls:
             else:
                 answer(done, self._park_session(owner, session), None)
 
-    def kv_delete(self, owner: Any, done: CallDone, session_id: str) -> dict[str, Any]:
-        deleted = self.kv.unpin(session_id)
-        if self.tier is not None:
-            self.tier.delete(session_id)  # its manifest, after any write queued for it
-        return {"deleted": deleted}
+    def kv_delete(self, owner: Any, done: CallDone, session_id: str | None = None,
+                  tenant: str | None = None, forget: bool = False,
+                  every: bool = False) -> dict[str, Any]:
+        return pinning.delete_sessions(self.kv, self.tier, session_id, tenant, forget, every)
 
-    def kv_list(self, owner: Any, done: CallDone, include_tokens: bool = False) -> dict[str, Any]:
-        sessions = self.kv.sessions
-        pool = reversed(sessions.sessions())  # most recently used first
-        disk = sorted(self.kv.disk.sessions(), key=lambda d: -d.last_used)
-        listed = []
-        for tier, tier_sessions in (("pool", pool), ("disk", disk)):
-            for s in tier_sessions:
-                item: dict[str, Any] = {"session_id": s.session_id, "tenant": s.tenant,
-                                        "num_tokens": s.num_tokens, "last_used": s.last_used,
-                                        "tier": tier,
-                                        "durable": isinstance(s, DiskSession) or s.durable}
-                if include_tokens:
-                    item["tokens"] = list(s.token_ids)
-                listed.append(item)
-        return {"sessions": listed, "budget": sessions.budget, "pinned_blocks": sessions.pinned_blocks}
+    def kv_list(self, owner: Any, done: CallDone, include_tokens: bool = False,
+                tenant: str | None = None) -> dict[str, Any]:
+        return pinning.list_sessions(self.kv, include_tokens, tenant)
 
     # -- held sequences
     def forward(self, owner: Any, done: CallDone, tokens: list[int], seq_id: str | None = None,

@@ -68,7 +68,8 @@ def make_sequences(request: GenerationRequest, on_event: EventCallback, *, extra
             sampling=SequenceSampling(p, prompt, stop_ids, device, request.grammar),
             user=RequestState(on_event, frozenset(stop_ids),
                               save_session=sessions.save_session if parent else None,
-                              save_final_session=sessions.save_final_session if parent else None),
+                              save_final_session=sessions.save_final_session if parent else None,
+                              pins=request.pins if parent else ()),
             logprobs=choices.logprobs,
             prompt_logprobs=choices.prompt_logprobs if parent else None))
     seqs[0].forks = seqs[1:]

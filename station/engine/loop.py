@@ -43,7 +43,7 @@ from gnosis_daemon.protocol import ErrorCode, OpError
 from station.core.requests import (CallDone, EngineCallHandler, EventCallback, GenerationRequest,
                                    SequenceLimits)
 from station.plan.choose import choose_plan
-from station.engine import forks
+from station.engine import forks, pinning
 from station.engine.calls import EngineCalls, answer
 from station.engine.outcomes import Outcomes
 from station.forward.kv_cache import KVCache, KVCacheShape, num_blocks_for
@@ -84,6 +84,8 @@ class PagedEngine:
                                  tenant_share=settings.kv_session_tenant_share,
                                  model_fingerprint=loaded.fingerprint,
                                  tenant_salt=settings.tenant_salt,
+                                 bytes_per_block=shape.bytes_per_block,
+                                 pin_tenant_bytes=settings.kv_pin_tenant_bytes,
                                  copy_block=self.kv_cache.copy_block)
         self.scheduler = Scheduler(self.kv, settings.max_batch_size, settings.prefill_chunk_tokens)
         self.calls = EngineCalls(self.kv, self.scheduler, self.limits, loaded.model, device)
@@ -262,11 +264,12 @@ class PagedEngine:
                 while not (self._stopping or self._inbox or self._aborts or self._call_queue
                            or self._cancels or self.scheduler.has_runnable()
                            or self.calls.embeds or self._resync_wanted()
-                           or (self.tier and self.tier.has_work())):
+                           or (self.tier and self.tier.has_work())
+                           or self.kv.pins.wait_s() == 0):
                     self.loop_idle = True
                     if until_idle:
                         return
-                    self._cond.wait()
+                    self._cond.wait(self.kv.pins.wait_s())  # a pin's expiry wakes it too
                 self.loop_idle, self.loop_turned = False, time.monotonic()
                 if self._stopping:
                     return
@@ -292,6 +295,8 @@ class PagedEngine:
                 self.calls.cancel(cancels)
             if self._resync_wanted():  # the router's view was cut short: all of it again
                 self.kv_events.resync(self.kv.pool.cached_ext_blocks())
+            if self.kv.pins.wait_s() == 0:  # TTL pins past their expiry leave every tier
+                pinning.expire(self.kv, self.tier)
             if self.tier is not None:
                 self.tier.before_step(stepping=self.scheduler.has_runnable())
             if self.scheduler.has_runnable():

@@ -19,7 +19,7 @@ from station.core.kv_manager import KVCacheManager
 from station.core.requests import EngineEvent, Failed, Finished, Prefill, Token
 from station.core.scheduler import Scheduler
 from station.core.sequence import Sequence, SequenceKind
-from station.engine import forks
+from station.engine import forks, pinning
 from station.engine.calls import EngineCalls, request_state, session_fields
 from station.sampling.logprobs import TokenLogprobs, prompt_logprobs_of
 
@@ -57,17 +57,18 @@ class Outcomes:
 
     def token(self, seq: Sequence, token: int, logprobs: TokenLogprobs | None = None) -> None:
         """A generate's sampled token: its prefill event the first time (and its
-        ``save_session``), the token, then its end at a stop token, the grammar's end or its
+        ``save_session`` and ``pins``), the token, then its end at a stop token, the grammar's end or its
         length."""
         client, sampling = request_state(seq), forks.sampling_of(seq)
         if not seq.prefill_reported:
             seq.prefill_reported = True
             saved, save_error = self._save_named(client.save_session, seq, seq.num_prompt_tokens)
+            pins = pinning.save_pins(self.kv, seq, client.pins)
             self._emit(seq, Prefill(
                 seq.seq_id, (time.perf_counter() - client.arrival) * 1000,
                 prompt_logprobs_of(seq), prompt_tokens=seq.num_prompt_tokens,
                 cached_tokens=seq.num_cached_tokens, **session_fields(seq),
-                saved=saved, save_error=save_error))
+                saved=saved, save_error=save_error, pins=pins))
         if (failure := sampling.failure) is not None:  # a grammar no token continues
             return self.fail(seq, ErrorCode.BAD_REQUEST, f"argument 'grammar' {failure}", "error")
         seq.token_ids.append(token)

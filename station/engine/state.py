@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from station.core.pins import PinPlan
 from station.core.requests import CallDone, EventCallback
 
 if TYPE_CHECKING:
@@ -32,6 +33,7 @@ class RequestState:
     stop_ids: frozenset[int]
     save_session: str | None = None
     save_final_session: str | None = None
+    pins: tuple[PinPlan, ...] = ()  # saved when the prefill ends (station.engine.pinning)
     final_saved: bool = False
     final_save_error: str | None = None
     held: HeldState | None = None  # set for held sequences (forward/decode_next)

@@ -64,8 +64,26 @@ def parse_session_id(ctx: OpContext, args: dict[str, Any]) -> dict[str, Any]:
     return {"session_id": _session_id(args)}
 
 
+def parse_kv_delete(ctx: OpContext, args: dict[str, Any]) -> dict[str, Any]:
+    """One session (``session_id``, ``tenant``: only if it is that tenant's), or ``all``
+    of a ``tenant``'s; ``forget``: out of the prefix cache too."""
+    tenant = arg(args, "tenant", str, None, nullable=True)
+    every = arg(args, "all", bool, False)
+    kwargs: dict[str, Any] = {"tenant": tenant, "forget": arg(args, "forget", bool, False),
+                              "every": every}
+    if every:
+        if tenant is None:
+            raise bad("argument 'all' needs 'tenant' (whose sessions to delete)")
+        if args.get("session_id") is not None:
+            raise bad("kv_session.delete takes 'session_id' or 'all', not both")
+    else:
+        kwargs["session_id"] = _session_id(args)
+    return kwargs
+
+
 def parse_kv_list(ctx: OpContext, args: dict[str, Any]) -> dict[str, Any]:
-    return {"include_tokens": arg(args, "include_tokens", bool, False)}
+    return {"include_tokens": arg(args, "include_tokens", bool, False),
+            "tenant": arg(args, "tenant", str, None, nullable=True)}
 
 
 def parse_forward(ctx: OpContext, args: dict[str, Any]) -> dict[str, Any]:

@@ -47,6 +47,7 @@ Parser = Callable[[OpContext, dict[str, Any]], Any]
 # feature flag -> the op flags it needs (all advertised, or the feature is not)
 FEATURES: dict[str, tuple[str, ...]] = {
     Capability.KV_SESSION_MATCH: (Capability.GENERATE, Capability.KV_SESSION),
+    Capability.KV_SESSION_PINS: (Capability.GENERATE, Capability.KV_SESSION),
     Capability.STRUCTURED_OUTPUT: (Capability.GENERATE,),
 }
 
@@ -146,7 +147,7 @@ STATION_OPS = OpRegistry([
             EngineCalls.kv_save),
     _engine("kv_session.load", Capability.KV_SESSION, engine_ops.parse_session_id,
             EngineCalls.kv_load),
-    _engine("kv_session.delete", Capability.KV_SESSION, engine_ops.parse_session_id,
+    _engine("kv_session.delete", Capability.KV_SESSION, engine_ops.parse_kv_delete,
             EngineCalls.kv_delete),
     _engine("kv_session.list", Capability.KV_SESSION, engine_ops.parse_kv_list,
             EngineCalls.kv_list),

@@ -26,9 +26,11 @@ from gnosis_daemon.protocol import Capability, ErrorCode, OpError
 from gnosis_daemon.settings import Settings
 from gnosis_daemon.wire import GenerateArgs
 from gnosis_daemon.wire.chat import json_chars, messages_chars
+from station.core.pins import PinPlan
 from station.core.requests import GenerationRequest, SamplingParams
 from station.model.loader import LoadedModel
 from station.serving.chat import check_messages, check_tools, codec, render_chat
+from station.serving.pin_prefix import pin_plans
 
 _MISSING = object()
 
@@ -177,12 +179,13 @@ class CheckedGenerate:
     prompt_ids: list[int]
     max_tokens: int
     grammar: Any = None
+    pins: tuple[PinPlan, ...] = ()  # the prefix each of ``args.sessions.pins`` keeps
 
     def request(self, request_id: str) -> GenerationRequest:
         """What the engine schedules (``add_request``)."""
         return GenerationRequest(request_id, self.prompt_ids,
                                  SamplingParams.of(self.args.sampling, self.max_tokens),
-                                 self.args.sessions, self.args.choices, self.grammar)
+                                 self.args.sessions, self.args.choices, self.grammar, self.pins)
 
 
 def check_generate(ctx: OpContext, args: GenerateArgs) -> None:
@@ -220,13 +223,20 @@ def encode_prompt(loaded: LoadedModel, args: GenerateArgs) -> list[int]:
     return codec(loaded).encode(args.prompt, args.add_special_tokens)
 
 
+def encode_with_pins(loaded: LoadedModel, args: GenerateArgs,
+                     block_size: int) -> tuple[list[int], tuple[PinPlan, ...]]:
+    """The prompt's ids and its pins' prefixes (worker thread: both may render the chat)."""
+    prompt_ids = encode_prompt(loaded, args)
+    return prompt_ids, pin_plans(loaded, args, prompt_ids, block_size)
+
+
 def ready_generate(loaded: LoadedModel, args: GenerateArgs, budget: int, prompt_ids: list[int],
-                   grammar: Any = None) -> CheckedGenerate:
-    """``args`` with its prompt's ids and compiled grammar. Its ``budget`` (``max_tokens``)
-    is capped by the context left; whether the prompt fits at all is the engine's one check
-    (``SequenceLimits``), with the same codes for every op."""
+                   grammar: Any = None, pins: tuple[PinPlan, ...] = ()) -> CheckedGenerate:
+    """``args`` with its prompt's ids, compiled grammar and pins' prefixes. Its ``budget``
+    (``max_tokens``) is capped by the context left; whether the prompt fits at all is the
+    engine's one check (``SequenceLimits``), with the same codes for every op."""
     room = max(1, loaded.max_model_len - len(prompt_ids))
-    return CheckedGenerate(args, prompt_ids, min(budget, room), grammar)
+    return CheckedGenerate(args, prompt_ids, min(budget, room), grammar, pins)
 
 
 def parse_generate(ctx: OpContext, raw: dict[str, Any]) -> CheckedGenerate | Tokenizing:
@@ -237,8 +247,11 @@ def parse_generate(ctx: OpContext, raw: dict[str, Any]) -> CheckedGenerate | Tok
     args = GenerateArgs.from_wire(raw, grammar_max_nodes=settings.grammar_max_nodes)
     budget = args.token_budget(settings.max_tokens_default)
     check_generate(ctx, args)
-    if args.tokens is not None and args.grammar is None:
-        return ready_generate(loaded, args, budget, list(args.tokens))
+    bs = settings.kv_block_size
+    if args.tokens is not None and args.grammar is None:  # (a pin needs no template here)
+        ids = list(args.tokens)
+        return ready_generate(loaded, args, budget, ids, pins=pin_plans(loaded, args, ids, bs))
     # The prompt is encoded on a worker thread; the grammar is compiled after, off it.
-    return Tokenizing(lambda: encode_prompt(loaded, args), args.grammar,
-                      lambda ids, compiled: ready_generate(loaded, args, budget, ids, compiled))
+    return Tokenizing(lambda: encode_with_pins(loaded, args, bs), args.grammar,
+                      lambda encoded, compiled: ready_generate(loaded, args, budget, encoded[0],
+                                                               compiled, encoded[1]))

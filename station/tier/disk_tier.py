@@ -242,8 +242,11 @@ class DiskTier:
         job.slots = []
         job.sent_at = time.perf_counter()
         self._inflight[self._next_id] = job
+        pin = self.kv.pins.get(job.session_id)  # a TTL pin's expiry goes with it
         if job.op == "touch":
             message["last_used"] = job.last_used
+            if pin is not None:
+                message["expires_at"] = pin.expires_at
         elif job.op == "write":
             session, bs = job.session, self.kv.block_size
             assert session is not None  # a write carries its session
@@ -258,7 +261,9 @@ class DiskTier:
                 message["session"] = {"session_id": session.session_id, "tenant": session.tenant,
                                       "token_ids": list(session.token_ids),
                                       "hashes": list(session.file_hashes),
-                                      "last_used": session.last_used}
+                                      "last_used": session.last_used,
+                                      "expires_at": pin.expires_at if pin else None,
+                                      "ttl_s": pin.ttl_s if pin else None}
         self._send(message)
 
     def _send_load_part(self, load: LoadJob) -> None:

@@ -15,7 +15,8 @@ Every file, integers little-endian::
 Block header: ``fingerprint``, ``block_size``, ``shape``, ``dtype`` (``str(torch.dtype)``),
 ``block_hash`` (hex; must equal the file's name), ``token_ids``, ``payload_bytes``.
 Session header: ``fingerprint``, ``block_size``, ``session_id``, ``tenant``, ``token_ids``,
-``block_hashes`` (hex), ``last_used``, ``saved_at``, ``payload_bytes``.
+``block_hashes`` (hex), ``last_used``, ``saved_at``, ``payload_bytes``; a TTL pin's
+``expires_at`` (unix seconds) and ``ttl_s`` too (``station.core.pins``), absent otherwise.
 
 No pickle: the header is JSON and the payload raw bytes reinterpreted as the dtype, so a
 file can never run code, whoever wrote it. The payload goes through uint8 views both ways,
@@ -118,16 +119,18 @@ class SessionRecord:
     block_hashes: tuple[BlockHash, ...]
     last_used: float
     saved_at: float
+    expires_at: float | None = None  # a TTL pin's: until when no budget evicts it
+    ttl_s: float | None = None
 
     def wire(self) -> list:
         """The record as the I/O process's ``sessions`` and ``discovered`` messages carry it."""
         return [self.session_id, self.tenant, list(self.token_ids), list(self.block_hashes),
-                self.last_used]
+                self.last_used, self.expires_at, self.ttl_s]
 
     @classmethod
     def from_wire(cls, item: Sequence) -> SessionRecord:
-        session_id, tenant, tokens, hashes, last_used = item
-        return cls(session_id, tenant, tuple(tokens), tuple(hashes), last_used, 0.0)
+        session_id, tenant, tokens, hashes, last_used, expires_at, ttl_s = item
+        return cls(session_id, tenant, tuple(tokens), tuple(hashes), last_used, 0.0, expires_at, ttl_s)
 
 
 def check_hash(block_hash: bytes) -> None:
@@ -209,6 +212,7 @@ def encode_session(layout: KVLayout, record: SessionRecord) -> list[Any]:
               "token_ids": list(record.token_ids),
               "block_hashes": [h.hex() for h in record.block_hashes],
               "last_used": record.last_used, "saved_at": record.saved_at}
+    header |= {"expires_at": record.expires_at, "ttl_s": record.ttl_s} if record.ttl_s is not None else {}
     return _pack(SESSION_MAGIC, header, b"")
 
 
@@ -382,11 +386,15 @@ def decode_session(path: Path, layout: KVLayout) -> tuple[SessionRecord, int]:
         raise Quarantined("header", f"{len(tokens)} tokens for {len(hashes)} blocks")
     if not _is_number(last_used) or not _is_number(saved_at):
         raise Quarantined("header", "'last_used' or 'saved_at' is not a finite number")
+    expires_at, ttl_s = header.get("expires_at"), header.get("ttl_s")
+    if not (expires_at is ttl_s is None or (_is_number(expires_at) and _is_number(ttl_s))):
+        raise Quarantined("header", "'expires_at' and 'ttl_s' are not both finite numbers")
     if payload.size:
         raise Quarantined("header", "a session manifest carries no payload")
     if session_name(sid) != path.name:
         raise Quarantined("name", "its header names another session")
+    pin = (float(expires_at), float(ttl_s)) if _is_number(expires_at) and _is_number(ttl_s) else ()
     record = SessionRecord(sid, tenant, tuple(tokens),
                            tuple(BlockHash(bytes.fromhex(h)) for h in hashes),
-                           float(last_used), float(saved_at))
+                           float(last_used), float(saved_at), *pin)
     return record, size

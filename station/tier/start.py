@@ -71,6 +71,10 @@ def open_tier(engine: Any, settings: Any, io: KVIOProcess | None = None) -> dict
             io.abandon()
         return report
     sessions = [s for s in (disk_session(engine.kv, r) for r in records) if s is not None]
+    for record in records:  # a pin keeps its expiry across a restart (expired ones are gone)
+        if record.expires_at is not None and record.ttl_s is not None:
+            engine.kv.pins.add(record.session_id, record.tenant, record.ttl_s,
+                               len(record.block_hashes), expires_at=record.expires_at)
     engine.attach_disk_tier(io, stats, slots, sessions)
     # This layout's directory; another layout's tier beside it is set aside, never touched.
     report.update(path=stats.get("root", str(root)), layout=stats.get("layout"),

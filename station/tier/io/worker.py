@@ -208,6 +208,9 @@ class Worker:
             error = str(exc) if isinstance(exc, StoreBusy) else f"{type(exc).__name__}: {exc}"
             self.send({"kind": "opened", "error": error, "stats": {}})
             return
+        expired = self.store.drop_expired()
+        if expired:
+            log.info("kv_tier_pins_expired", sessions=len(expired))
         records = [r.wire() for r in self.store.load_sessions()]
         with self._cond:  # the writer thread waits without a timeout until it knows
             self._scanned = time.monotonic()
@@ -289,7 +292,7 @@ class Worker:
             if job["op"] == "delete":
                 store.delete_session(job["session_id"])
             elif job["op"] == "touch":
-                store.touch_session(job["session_id"], job["last_used"])
+                store.touch_session(job["session_id"], job["last_used"], job.get("expires_at"))
             elif job["op"] == "write":
                 bs = store.layout.block_size
                 tokens = job["tokens"]
@@ -303,7 +306,8 @@ class Worker:
                     store.write_session(session["session_id"], session["tenant"],
                                         session["token_ids"],
                                         [BlockHash(h) for h in session["hashes"]],
-                                        session["last_used"])
+                                        session["last_used"], session.get("expires_at"),
+                                        session.get("ttl_s"))
                     reply["evicted"] = list(store.evict_to_budget(session["tenant"]).sessions)
             else:
                 raise ValueError(f"unknown job {job['op']!r}")

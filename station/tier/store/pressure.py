@@ -8,7 +8,8 @@ The victim is the writing tenant's own least recently used session when that ten
 over its share; else the least recently used session of any tenant over its share; only
 when none is over, the least recently used session of all. So one tenant's flood of new
 sessions evicts its own, and a tenant under its share never loses a session on disk to a
-tenant over it.
+tenant over it. A live TTL pin (a manifest's ``expires_at`` still ahead) is never a victim: it leaves the
+disk when it expires (the engine deletes it).
 
 **A full filesystem** (``ENOSPC``, or ``EDQUOT``: ``FULL_ERRNOS``) is budget pressure the
 budget did not foresee: the write's least recently used victim (by the same rule) is
@@ -45,10 +46,12 @@ class Victim:
 
 
 def choose_victim(index: StoreIndex, tenant: str | None, share: float, budget: int,
-                  keep: str | None = None) -> Victim | None:
+                  keep: str | None = None, now: float = 0.0) -> Victim | None:
     """The session to evict next for ``tenant``'s write (None: the store holds none but
-    ``keep``), by the rule in the module docstring, each tenant's share ``share * budget``."""
-    records = [r for r in index.sessions_lru() if r.session_id != keep]
+    ``keep`` and the pins live at ``now``), by the rule in the module docstring, each
+    tenant's share ``share * budget``."""
+    records = [r for r in index.sessions_lru() if r.session_id != keep
+               and (r.expires_at is None or r.expires_at <= now)]
     if not records:
         return None
     limit = share * budget

@@ -237,8 +237,10 @@ class KVStore:
         return True
 
     def write_session(self, session_id: str, tenant: str, token_ids: Sequence[int],
-                      block_hashes: Sequence[BlockHash], last_used: float) -> None:
-        """Write (or replace) a session's manifest; its blocks must be in the store."""
+                      block_hashes: Sequence[BlockHash], last_used: float,
+                      expires_at: float | None = None, ttl_s: float | None = None) -> None:
+        """Write (or replace) a session's manifest; its blocks must be in the store.
+        ``expires_at`` / ``ttl_s``: a TTL pin's, kept by the manifest."""
         if not isinstance(session_id, str) or not session_id or not isinstance(tenant, str):
             raise ValueError("a session needs a non-empty string id and a string tenant")
         hashes = tuple(block_hashes)
@@ -248,7 +250,7 @@ class KVStore:
         if len(tokens) != len(hashes) * self.layout.block_size:
             raise ValueError(f"{len(tokens)} tokens for {len(hashes)} full blocks")
         record = SessionRecord(session_id, tenant, tokens, hashes, float(last_used),
-                               float(self.clock()))
+                               float(self.clock()), expires_at, ttl_s)
         with self._mutate:
             missing = self.index.count_missing(hashes)
             if missing:
@@ -267,16 +269,30 @@ class KVStore:
         self.index.mark_dirty(self.sessions_dir)
         self.index.count(writes=1, bytes_written=size)
 
-    def touch_session(self, session_id: str, last_used: float) -> bool:
-        """Record a use (rewrites the small manifest); False if there is no such session."""
+    def touch_session(self, session_id: str, last_used: float,
+                      expires_at: float | None = None) -> bool:
+        """Record a use (rewrites the small manifest), and a pin's refreshed ``expires_at``;
+        False if there is no such session."""
         with self._mutate:
             record = self.index.session(session_id)
             if record is None:
                 return False
+            expires = record.expires_at if expires_at is None or record.ttl_s is None else expires_at
             self._put_session(SessionRecord(record.session_id, record.tenant, record.token_ids,
                                             record.block_hashes, float(last_used),
-                                            record.saved_at))
+                                            record.saved_at, expires, record.ttl_s))
         return True
+
+    def drop_expired(self) -> list[str]:
+        """Delete every session whose TTL pin has expired (the tier's open: a pin that ran
+        out while the station was down); -> their ids."""
+        now = self.clock()
+        with self._mutate:
+            expired = [r.session_id for r in self.index.sessions_lru()
+                       if r.expires_at is not None and r.expires_at <= now]
+            for session_id in expired:
+                self._drop_session(session_id)
+        return expired
 
     def delete_session(self, session_id: str) -> bool:
         """Remove a session and every block no other session names (tenant data goes)."""
@@ -361,7 +377,8 @@ class KVStore:
     def _evict_one(self, tenant: str | None, keep: str | None = None,
                    budget: int | None = None) -> tuple[str, list[BlockHash]] | None:
         victim = choose_victim(self.index, tenant, self.tenant_share,
-                               self.disk_budget_bytes if budget is None else budget, keep)
+                               self.disk_budget_bytes if budget is None else budget, keep,
+                               self.clock())
         if victim is None:
             return None
         blocks = self._drop_session(victim.session_id)

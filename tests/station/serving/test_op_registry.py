@@ -22,11 +22,11 @@ pytestmark = pytest.mark.usefixtures("few_threads")
 
 # What hello advertises today: the op flags, the paged engine's feature flags, then the
 # features of ops (kv_session_match: generate's match_session over kv_session's sessions;
-# structured_output: generate's grammar). These engines run without a disk tier, so
-# kv_persistence and kv_disk_tier are absent.
+# kv_session_pins: generate's TTL pins; structured_output: generate's grammar). These
+# engines run without a disk tier, so kv_persistence and kv_disk_tier are absent.
 STATION_FLAGS = {"generate", "kv_session", "forward", "decode_next", "embed",
                  "paged_kv", "prefix_cache", "continuous_batching", "kv_session_match",
-                 "structured_output"}
+                 "kv_session_pins", "structured_output"}
 
 
 def _parse_text(ctx: ops.OpContext, args: dict[str, Any]) -> str:
@@ -108,6 +108,8 @@ def test_a_feature_flag_is_advertised_only_with_every_op_flag_it_needs():
     assert "kv_session_match" not in STATION_OPS.advertised({}, frozenset({"kv_session_match"}))
     without_generate = OpRegistry(s for s in STATION_OPS if s.name != "generate")
     assert "kv_session_match" not in without_generate.advertised({}, frozenset())
+    assert full["kv_session_pins"] is True
+    assert "kv_session_pins" not in STATION_OPS.advertised({}, frozenset({"kv_session"}))
     with pytest.raises(ValueError, match="kv_session_match"):
         STATION_OPS.advertised({"kv_session_match": True}, frozenset())
 

@@ -73,7 +73,7 @@ async def test_hello_fields(station, tiny_dir):
     assert caps["generate"] is True and set(caps.values()) == {True}  # absent, never false
     assert set(caps) == {"generate", "forward", "decode_next", "embed", "kv_session", "paged_kv",
                          "prefix_cache", "continuous_batching", "kv_persistence", "kv_session_match",
-                         "kv_disk_tier", "structured_output"}
+                         "kv_session_pins", "kv_disk_tier", "structured_output"}
     assert hello["kv_pool"]["blocks_total"] > 0
     assert hello["kv_pool"]["block_size"] == 16
 
