@@ -54,8 +54,10 @@ class DiskTierSide:
 
     def adopt_disk_session(self, on_disk: DiskSession) -> None:
         """Index a session another replica wrote to the shared disk tier; the pool's copy of
-        that id (an older turn of it), if any, is deleted and its blocks unpinned."""
+        that id (an older turn of it), if any, is deleted and its blocks unpinned (its TTL pin
+        too: the caller pins it again when the other replica's manifest says so)."""
         self.sessions.delete(on_disk.session_id)
+        self.pins.drop(on_disk.session_id)
         self.disk.add(on_disk)
 
     def enable_disk_tier(self, sessions: Seq[DiskSession] = ()) -> None:

@@ -202,8 +202,11 @@ class KVCacheManager(DiskTierSide):
             self.pool.touch(taken)  # the tail too: allocating must not evict it before its copy
             seq.blocks, seq.num_registered_blocks, seq.num_computed_tokens = list(hits), len(hits), start
             if self.pins.num_pins and not seq.num_preemptions:  # what the prefill event reports
-                seq.num_pin_read_tokens = self.block_size * read_from_pins(
-                    self.pins, seq.tenant, hits, self.sessions.get)
+                n, read = read_from_pins(self.pins, seq.tenant, hits, self.sessions.get)
+                seq.num_pin_read_tokens = n * self.block_size
+                for pinned in filter(None, map(self.sessions.get, read)):
+                    if pinned.durable:  # the manifest learns of the later expiry
+                        self.to_touch[pinned.session_id] = pinned.last_used
         seq.blocks += self.pool.allocate(num_new)
         if tail is not None:
             assert self.copy_block is not None  # find_computed_blocks gives no tail without it

@@ -153,10 +153,10 @@ class Resident(Protocol):
 
 
 def read_from_pins(table: PinTable, tenant: str, hits: Sequence[KVBlock],
-                   resident: Callable[[str], Resident | None]) -> int:
+                   resident: Callable[[str], Resident | None]) -> tuple[int, list[str]]:
     """How many of a prompt's leading ``hits`` (the blocks admission took) ``tenant``'s live
-    pins in the pool hold (``resident``: the pool's session of an id, or None); each pin
-    they were read from is refreshed (a hit)."""
+    pins in the pool hold (``resident``: the pool's session of an id, or None), and the pins
+    they were read from, each refreshed (a hit)."""
     now = table.clock()
     held: set[int] = set()
     holders: list[tuple[str, list[KVBlock]]] = []
@@ -172,7 +172,7 @@ def read_from_pins(table: PinTable, tenant: str, hits: Sequence[KVBlock],
             break
         n += 1
     read = {b.block_id for b in hits[:n]}
-    for session_id, first in holders:
-        if first and first[0].block_id in read:
-            table.refresh(session_id)
-    return n
+    refreshed = [sid for sid, first in holders if first and first[0].block_id in read]
+    for session_id in refreshed:
+        table.refresh(session_id)
+    return n, refreshed

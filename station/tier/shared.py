@@ -43,6 +43,9 @@ def apply_discovered(kv: KVCacheManager, figures: TierFigures, writing: Writing,
             if writing(sid) or any(pending is resident for pending in kv.to_write):
                 continue  # saved here since (queued, in writing, or in to_write): ours wins
         kv.adopt_disk_session(on_disk)  # a resident copy: another replica saved a later turn
+        if record.expires_at is not None and record.ttl_s is not None:  # pinned over there
+            kv.pins.add(sid, record.tenant, record.ttl_s, len(record.block_hashes),
+                        expires_at=record.expires_at)
         figures.shared_added += 1
 
 

@@ -94,10 +94,10 @@ def test_prefix_cache_reads_of_pinned_blocks_count_and_refresh():
     blocks = save(kv, "pin", 0, 3, ttl_s=30.0)
     other = save(kv, "plain", 0, 1, tenant="u")
     clock.now += 10
-    assert read_from_pins(kv.pins, "t", blocks[:2], kv.sessions.get) == 2
+    assert read_from_pins(kv.pins, "t", blocks[:2], kv.sessions.get) == (2, ["pin"])
     assert kv.pins.get("pin").expires_at == 1040.0
-    assert read_from_pins(kv.pins, "t", [*other, *blocks], kv.sessions.get) == 0  # not a pin's
-    assert read_from_pins(kv.pins, "u", blocks, kv.sessions.get) == 0  # another tenant's
+    assert read_from_pins(kv.pins, "t", [*other, *blocks], kv.sessions.get) == (0, [])
+    assert read_from_pins(kv.pins, "u", blocks, kv.sessions.get) == (0, [])  # another tenant's
 
 
 def test_the_tenant_byte_bound_and_replacing_a_pin():
