@@ -136,3 +136,14 @@ def test_each_refusal_names_its_field(extra, field):
         parse_messages(body(messages=[{"role": "user", "content": "hi"}], **extra))
     assert refused.value.status == 400 and refused.value.param == field
     assert refused.value.message.startswith(f"{field}: ")
+
+
+def test_a_failure_mid_stream_is_anthropics_error_event():
+    from host.errors import internal
+    from host.messages import _error_event
+
+    raw = _error_event(ApiError(503, "The server is busy; retry shortly.", "service_unavailable"),
+                       "req-1")
+    assert raw == (b'event: error\ndata: {"type":"error","error":{"type":"overloaded_error",'
+                   b'"message":"The server is busy; retry shortly."},"request_id":"req-1"}\n\n')
+    assert b'"type":"api_error"' in _error_event(internal("boom"), "req-2")
