@@ -41,7 +41,7 @@ class Pin:
         for name, value in (("messages", self.messages), ("parts", self.parts)):
             if value is not None and value < 0:
                 raise bad(f"argument 'pins' {name} must be >= 0, got {value}")
-        if self.parts is not None and self.messages is None:
+        if self.parts and self.messages is None:
             raise bad("argument 'pins' parts needs messages (it cuts message[messages])")
 
     @classmethod

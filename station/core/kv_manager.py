@@ -202,11 +202,12 @@ class KVCacheManager(DiskTierSide):
             self.pool.touch(taken)  # the tail too: allocating must not evict it before its copy
             seq.blocks, seq.num_registered_blocks, seq.num_computed_tokens = list(hits), len(hits), start
             if self.pins.num_pins and not seq.num_preemptions:  # what the prefill event reports
-                n, read = read_from_pins(self.pins, seq.tenant, hits, self.sessions.get)
+                n, read = read_from_pins(self.pins, seq.tenant, hits, self._block_hashes)
                 seq.num_pin_read_tokens = n * self.block_size
-                for pinned in filter(None, map(self.sessions.get, read)):
-                    if pinned.durable:  # the manifest learns of the later expiry
-                        self.to_touch[pinned.session_id] = pinned.last_used
+                for sid in read:  # a durable pin's manifest learns of its later expiry
+                    pinned = self.sessions.get(sid) or self.disk.get(sid)
+                    if pinned is not None and (not isinstance(pinned, KVSession) or pinned.durable):
+                        self.to_touch[sid] = pinned.last_used
         seq.blocks += self.pool.allocate(num_new)
         if tail is not None:
             assert self.copy_block is not None  # find_computed_blocks gives no tail without it
@@ -307,6 +308,11 @@ class KVCacheManager(DiskTierSide):
         seq.num_registered_blocks = len(session.blocks)
         self._use(session)
         return session.num_tokens
+
+    def _block_hashes(self, session_id: str) -> Seq[BlockHash] | None:
+        """The block hashes of the session ``session_id`` names, in the pool or on disk."""
+        session = self.sessions.get(session_id) or self.disk.get(session_id)
+        return session.block_hashes if session is not None else None
 
     def _use(self, session: KVSession) -> None:
         self.sessions.use(session)

@@ -21,9 +21,8 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
 
-from station.core.block_pool import KVBlock
+from station.core.block_pool import BlockHash, KVBlock
 
 DOWNGRADED = "pin_budget"  # the reason a pin past the tenant's bytes reports
 
@@ -147,32 +146,27 @@ class PinTable:
 
 
 
-class Resident(Protocol):
-    @property
-    def blocks(self) -> list[KVBlock]: ...
-
-
 def read_from_pins(table: PinTable, tenant: str, hits: Sequence[KVBlock],
-                   resident: Callable[[str], Resident | None]) -> tuple[int, list[str]]:
-    """How many of a prompt's leading ``hits`` (the blocks admission took) ``tenant``'s live
-    pins in the pool hold (``resident``: the pool's session of an id, or None), and the pins
-    they were read from, each refreshed (a hit)."""
+                   hashes_of: Callable[[str], Sequence[BlockHash] | None]) -> tuple[int, list[str]]:
+    """How many of a prompt's leading ``hits`` (the cached blocks admission took) hold KV of
+    ``tenant``'s live pins, in either tier (``hashes_of``: the block hashes of the session of
+    an id; a hash names its whole prefix), and the pins they were read from, each refreshed
+    (a hit)."""
     now = table.clock()
-    held: set[int] = set()
-    holders: list[tuple[str, list[KVBlock]]] = []
+    held: set[BlockHash] = set()
+    holders: list[tuple[str, BlockHash]] = []
     for session_id in table.ids():
-        pin = table.get(session_id)
-        session = resident(session_id)
-        if pin is not None and pin.tenant == tenant and pin.expires_at > now and session:
-            held.update(b.block_id for b in session.blocks)
-            holders.append((session_id, session.blocks[:1]))
+        pin, hashes = table.get(session_id), hashes_of(session_id)
+        if pin is not None and pin.tenant == tenant and pin.expires_at > now and hashes:
+            held.update(hashes)
+            holders.append((session_id, hashes[0]))
     n = 0
     for block in hits:
-        if block.block_id not in held:
+        if block.block_hash is None or block.block_hash not in held:
             break
         n += 1
-    read = {b.block_id for b in hits[:n]}
-    refreshed = [sid for sid, first in holders if first and first[0].block_id in read]
+    read = {b.block_hash for b in hits[:n]}
+    refreshed = [sid for sid, first in holders if first in read]
     for session_id in refreshed:
         table.refresh(session_id)
     return n, refreshed

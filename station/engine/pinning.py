@@ -44,7 +44,7 @@ def _save(kv: KVCacheManager, seq: Sequence, plan: PinPlan) -> PinReport:
     def report(num_tokens: int, pinned: bool, reason: str | None) -> PinReport:
         pin = kv.pins.get(plan.session_id) if pinned else None
         return PinReport(session_id=plan.session_id, num_tokens=num_tokens,
-                         read_tokens=min(seq.num_pin_read_tokens, num_tokens) if pinned else 0,
+                         read_tokens=min(seq.num_pin_read_tokens, num_tokens),
                          ttl_s=plan.ttl_s, expires_at=pin.expires_at if pin else None,
                          pinned=pin is not None, reason=reason)
 

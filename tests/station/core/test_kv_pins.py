@@ -92,12 +92,22 @@ def test_a_load_refreshes_a_live_pin():
 def test_prefix_cache_reads_of_pinned_blocks_count_and_refresh():
     kv, clock = manager()
     blocks = save(kv, "pin", 0, 3, ttl_s=30.0)
-    other = save(kv, "plain", 0, 1, tenant="u")
+    for block, block_hash in zip(blocks, kv.get_session("pin").block_hashes):  # as prefill does
+        kv.pool.cache_full_block(block, block_hash, [0] * BS)
+    other = save(kv, "plain", 100, 1, tenant="u")
+    kv.pool.cache_full_block(other[0], kv.get_session("plain").block_hashes[0], [1] * BS)
     clock.now += 10
-    assert read_from_pins(kv.pins, "t", blocks[:2], kv.sessions.get) == (2, ["pin"])
+    hashes = kv._block_hashes
+    assert read_from_pins(kv.pins, "t", blocks[:2], hashes) == (2, ["pin"])
     assert kv.pins.get("pin").expires_at == 1040.0
-    assert read_from_pins(kv.pins, "t", [*other, *blocks], kv.sessions.get) == (0, [])
-    assert read_from_pins(kv.pins, "u", blocks, kv.sessions.get) == (0, [])  # another tenant's
+    assert read_from_pins(kv.pins, "t", [*other, *blocks], hashes) == (0, [])  # not a pin's first
+    assert read_from_pins(kv.pins, "u", blocks, hashes) == (0, [])  # another tenant's pin
+    # On disk (evicted while durable, its blocks still cached): its reads count as well.
+    kv.enable_disk_tier()
+    kv.get_session("pin").durable = True
+    kv.sessions._expire("pin")
+    kv._take_evictions()
+    assert "pin" in kv.disk and read_from_pins(kv.pins, "t", blocks, hashes) == (3, ["pin"])
 
 
 def test_the_tenant_byte_bound_and_replacing_a_pin():
