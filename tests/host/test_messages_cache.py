@@ -2,12 +2,15 @@
 a tiny random model): a breakpoint on a long system prompt is created on turn 1 and read on
 turn 2, counted in whole KV blocks, with greedy output equal to ``model.generate``'s; after
 its TTL (a host with a shortened ``cache_ttl_5m_s``) the next request creates it again; a
-5m pin outlives another tenant's burst that drops an unpinned session of the same shape;
-a pin past the tenant's pin budget is downgraded and says so, as is a breakpoint on a host
-without liquid memory."""
+5m pin outlives another tenant's burst that drops an unpinned session of the same shape,
+and a station SIGKILL and restart within its TTL (read back from the disk tier); a pin past
+the tenant's pin budget is downgraded and says so, as is a breakpoint on a host without
+liquid memory."""
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 
 import anthropic
@@ -20,7 +23,7 @@ from gnosis_daemon.client import open_station_client
 from tests.host.conftest import spawn
 from tests.host.liquid_support import wait_health
 from tests.support.metrics import scrape, value
-from tests.support.procs import free_port, stop_process
+from tests.support.procs import free_port, stop_process, wait_for
 from tests.support.tiny_models import reference_generate
 
 KEY, OTHER = "cache-key-a", "cache-key-b"
@@ -188,6 +191,23 @@ def test_after_its_ttl_the_next_request_creates_the_pin_again(stack, model):
             for outcome in ("created", "read", "downgraded", "refused")} == \
         {"created": 2, "read": 1, "downgraded": 0, "refused": 0}
     assert value(samples, "gnosis_requests_by_dialect_total", dialect="messages") == 3
+
+
+def test_a_pin_survives_a_station_sigkill_and_restart_within_its_ttl(stack, url, model):
+    c = client(url)
+    blocks, turns = system("Delta"), [{"role": "user", "content": "Name a mountain."}]
+    made = ask(c, model, blocks, turns).usage.cache_creation_input_tokens
+    assert made > 0
+
+    time.sleep(2.0)  # past kv_write_behind_s: the pin's blocks are on the disk tier
+    os.kill(stack.station.pid, signal.SIGKILL)
+    stack.station.wait(10)
+    stack.station = stack.spawn_station()
+    wait_for(lambda: httpx.get(url + "/health").json().get("station_pid") == stack.station.pid,
+             90, "the host on the new station", stack.station)
+    after = ask(c, model, blocks, turns)
+    assert after.usage.cache_read_input_tokens == made
+    assert after.model_dump()["_gnosis"]["tier"] == "disk"
 
 
 @pytest.fixture(scope="module")
