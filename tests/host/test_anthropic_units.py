@@ -97,7 +97,7 @@ def test_usage_counts_reads_and_creations_by_ttl_and_names_each_outcome():
     got = cache_pins.usage(points, plan, (report(32, 32), report(64, 32),
                                           report(96, 0, False, "pin_budget")), None)
     assert (got.read, got.creation_1h, got.creation_5m) == (32, 0, 32)
-    assert got.outcomes == [("1h", "read"), ("5m", "created"), ("5m", "downgraded")]
+    assert got.outcomes == [("1h", "read"), ("5m", "read"), ("5m", "downgraded")]
     assert got.cache_pins[2] == {"ttl": "5m", "tokens": 96, "pinned": False, "reason": "pin_budget"}
     assert usage(100, 5, got) == {
         "input_tokens": 36, "output_tokens": 5, "cache_creation_input_tokens": 32,
@@ -106,6 +106,7 @@ def test_usage_counts_reads_and_creations_by_ttl_and_names_each_outcome():
     first = cache_pins.usage(points[:2], cache_pins.PinPlan(({}, {}), (0, 1)),
                              (report(32, 0), report(64, 0)), None)
     assert (first.read, first.creation_1h, first.creation_5m) == (0, 32, 32)
+    assert first.outcomes == [("1h", "created"), ("5m", "created")]
     off = cache_pins.usage(points[:1], None, (), "liquid memory is off")
     assert off.cache_pins == [{"ttl": "1h", "tokens": 0, "pinned": False,
                                "reason": "liquid memory is off"}]
