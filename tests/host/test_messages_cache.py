@@ -91,6 +91,14 @@ def block_size(socket) -> int:
     return trio.run(hello)["kv_pool"]["block_size"]
 
 
+def station_sessions(socket) -> list[dict]:
+    async def listing():
+        async with open_station_client(socket) as conn:
+            return await conn.request("kv_session.list", {})
+
+    return trio.run(listing)["sessions"]
+
+
 def client(url, key=KEY) -> anthropic.Anthropic:
     return anthropic.Anthropic(api_key=key, base_url=url, max_retries=0)
 
@@ -199,7 +207,8 @@ def test_a_pin_survives_a_station_sigkill_and_restart_within_its_ttl(stack, url,
     made = ask(c, model, blocks, turns).usage.cache_creation_input_tokens
     assert made > 0
 
-    time.sleep(2.0)  # past kv_write_behind_s: the pin's blocks are on the disk tier
+    wait_for(lambda: all(s["durable"] for s in station_sessions(stack.run / "station.sock")),
+             30, "every session (the pin too) on the disk tier")
     os.kill(stack.station.pid, signal.SIGKILL)
     stack.station.wait(10)
     stack.station = stack.spawn_station()
