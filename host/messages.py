@@ -78,6 +78,9 @@ def register(app: QuartTrio, settings: Settings, link: StationLink, memory: Liqu
         error = body.get("error") if isinstance(body, dict) else None
         if isinstance(error, dict) and body.get("type") != "error":
             message = str(error.get("message") or "")
+            param = error.get("param")
+            if isinstance(param, str) and param and not message.startswith(f"{param}: "):
+                message = f"{param}: {message}"  # the field first, as Anthropic names it
             if response.status_code == 401:  # Anthropic's words for its key header
                 message = "invalid x-api-key" if _key_given() else "x-api-key header is required"
             response.set_data(sse.encode_json(error_body(response.status_code, message,

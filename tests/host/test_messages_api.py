@@ -182,6 +182,7 @@ def test_a_stop_sequence_is_named_when_it_ends_the_answer(client, model):
     ({"max_tokens": 5, "messages": [{"role": "user", "content": "hi"}],
       "thinking": {"type": "enabled", "budget_tokens": 1024}}, "thinking"),
     ({"max_tokens": 5, "messages": [{"role": "system", "content": "hi"}]}, "messages.0.role"),
+    ({"max_tokens": 5, "messages": [{"role": "user", "content": "long " * 40000}]}, "messages"),
     ({"max_tokens": 5, "messages": [{"role": "user", "content": "hi"}], "tools": [
         {"name": "t", "input_schema": {"type": "object"}}], "tool_choice": {"type": "maybe"}},
      "tool_choice.type"),
