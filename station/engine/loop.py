@@ -19,9 +19,11 @@ Liquid memory: the KV cache manager (``station.core.kv_manager``) pins blocks un
 session ids. A request with ``load_session`` starts from the session's blocks for the
 prefix it shares with the prompt (found at admission); ``save_session`` pins the prompt's
 full blocks when its prefill ends, ``save_final_session`` pins prompt+completion when it
-finishes. Socket ops other than ``generate`` arrive through ``call`` and run on this thread
-at a step boundary (``station.engine.calls``); held sequences decode in the same
-batched forward as every generate. ``embed`` is stepped: each loop iteration embeds a
+finishes; generate's TTL ``pins`` are saved with the prefill too, and the loop wakes at a
+pin's expiry to delete it from every tier (``station.engine.pinning``). Socket ops other
+than ``generate`` arrive through ``call`` and run on this thread at a step boundary
+(``station.engine.calls``); held sequences decode in the same batched forward as every
+generate. ``embed`` is stepped: each loop iteration embeds a
 bounded share of one call's inputs after the batched step. ``cancel_call`` drops a call
 (queued, in progress, or waiting for its sequence's step).
 
