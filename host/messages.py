@@ -44,9 +44,13 @@ from host.metrics import RequestRecord
 from host.request_scope import Admission, current
 from host.sse_body import gnosis, max_calls, next_event, note_result, result_of, station_error
 from host.station_link import StationLink
+from host.tokenize_api import station_tokens
 from host.tool_calls import ToolCallParser, parse_tool_calls
 
 ROUTE = "/v1/messages"
+# What /v1/messages/count_tokens takes: the prompt's fields, nothing about sampling.
+COUNT_FIELDS = frozenset({"model", "messages", "system", "tools", "tool_choice", "thinking",
+                          "cache_control"})
 
 
 def register(app: QuartTrio, settings: Settings, link: StationLink, memory: LiquidMemory,
@@ -62,6 +66,28 @@ def register(app: QuartTrio, settings: Settings, link: StationLink, memory: Liqu
                                               request.headers.get(openai_api.SESSION_HEADER))
         return await answer(settings, link, memory, replace(req, chat=chat), current(),
                             g.tenant)
+
+    @app.post(ROUTE + "/count_tokens")
+    async def count_tokens() -> Response:
+        """Anthropic's token count: the prompt's tokens as the message would prefill them."""
+        body = await read_body()
+        if isinstance(body, dict):
+            for key in body:
+                if key not in COUNT_FIELDS:
+                    raise anthropic_api.bad(key[:64], "Extra inputs are not permitted")
+        req = anthropic_api.parse_messages({**body, "max_tokens": 1}
+                                           if isinstance(body, dict) else body)
+        try:
+            link.current()
+        except StationError as exc:
+            raise errors.from_station(exc, "messages") from None
+        if req.chat.model != link.model_id:
+            raise errors.model_not_found(str(req.chat.model))
+        args = {"messages": req.chat.station_args["messages"], "add_generation_prompt": True}
+        if "tools" in req.chat.station_args:
+            args["tools"] = req.chat.station_args["tools"]
+        tokens = await station_tokens(link, args, "messages", current().request_id)
+        return json_response({"input_tokens": len(tokens)})
 
     @app.after_request
     async def _anthropic_errors(response: Response) -> Response:

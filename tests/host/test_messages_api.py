@@ -238,3 +238,14 @@ def test_an_answer_carries_the_liquid_headers_and_gnosis_block(host, model):
     assert again.json()["_gnosis"]["liquid_memory"] == "hit"
     assert again.json()["content"] == first.json()["content"]
     assert json.loads(again.text)["_gnosis"]["cached_tokens"] > 0
+
+
+def test_count_tokens_is_the_prompt_a_message_prefills(client, model):
+    turns = [{"role": "user", "content": "How many tokens is this?"}]
+    counted = client.messages.count_tokens(model=model, system="Be brief.", messages=turns,
+                                           tools=TOOLS)
+    asked = ask(client, model, system="Be brief.", messages=turns, tools=TOOLS)
+    assert counted.input_tokens == asked.usage.input_tokens > 0
+    with pytest.raises(anthropic.BadRequestError) as bad:
+        client.messages.count_tokens(model=model, messages=turns, extra_body={"max_tokens": 4})
+    assert bad.value.body["error"]["message"].startswith("max_tokens: ")
