@@ -36,7 +36,8 @@ ARG_NAMES = ("tokens", "prompt", "messages", "text", "texts", "max_tokens", "tem
              "save_session", "save_final_session", "add_special_tokens", "add_generation_prompt",
              "skip_special_tokens", "target", "session_id", "prefix_len", "seq_id", "release",
              "include_tokens", "role", "content", "min_p", "presence_penalty", "frequency_penalty",
-             "repetition_penalty", "logit_bias", "min_tokens", "grammar", "tools")
+             "repetition_penalty", "logit_bias", "min_tokens", "grammar", "tools", "pins",
+             "match_session", "forget", "all")
 INT_EDGES = (0, 1, -1, 258, 259, 2**31, 2**32, 2**53 + 1, 2**63 - 1, 2**63, 2**64 - 1, -2**63)
 FLOAT_EDGES = (math.nan, math.inf, -math.inf, -0.0, 1e308, 5e-324, 1e-300)
 
@@ -87,6 +88,12 @@ def _plausible(name: str) -> st.SearchStrategy[Any]:
                       st.dictionaries(st.sampled_from(("type", "enum", "not", "items", "$ref",
                                                        "properties", "format")), VALUES,
                                       max_size=3)))
+    if name == "pins":
+        return st.lists(st.one_of(VALUES, st.fixed_dictionaries(
+            {"session_id": st.one_of(st.text(max_size=8), st.sampled_from(("fuzz-pin", ""))),
+             "ttl_s": st.one_of(st.floats(-1, 3e6), st.sampled_from(FLOAT_EDGES), ints())},
+            optional={"messages": st.one_of(st.integers(-1, 4), ints()),
+                      "parts": st.one_of(st.integers(-1, 2), ints())})), max_size=9)
     if name == "tools":
         return st.lists(st.one_of(VALUES, st.builds(
             lambda name, params: {"type": "function",
