@@ -65,6 +65,13 @@ def test_a_pin_survives_a_restart_within_its_ttl_and_is_read_back(tiny, tmp_path
         kv = t.engine.kv
         assert t.report["start_sessions"] == 2 and kv.pins.ids() == ["alice.pin"]
         assert kv.pins.get("alice.pin").expires_at == expires_at
+        done = {}
+        t.engine.call(EngineCalls.kv_list, "c", lambda r, e: done.update(r=r), tenant="alice")
+        wait_for(lambda: "r" in done, "the listing")
+        assert sorted((s["session_id"], s["tier"], s["pinned"], s["ttl_s"], s["expires_at"])
+                      for s in done["r"]["sessions"]) == [
+            ("alice.pin", "disk", True, 600.0, expires_at),
+            ("alice.plain", "disk", False, None, None)]
         again = pinned(t, prompt + more, "alice.pin", 600.0, n=4, match_session=True)
         pre = again.one(Prefill)
         assert (pre.session_loaded, pre.session_id, pre.session_tier) == (True, "alice.pin", "disk")
