@@ -38,6 +38,7 @@ from station.core.kv_results import ComputedBlocks, SessionOutcome
 from station.core.pins import PinTable, read_from_pins
 from station.core.sequence import Sequence
 from station.core.sessions import KVSession, SessionRegistry
+from station.core.prompt_ends import PromptEnds
 from station.core.tails import find_tail, leave_tail, tail_of
 
 log = get_logger(__name__)
@@ -53,6 +54,7 @@ class KVCacheManager(DiskTierSide):
         # (src, dst) block ids: the KV tensors' copy, for forks and tails (none: no tails)
         self.copy_block = copy_block
         self.pins = PinTable(clock, bytes_per_block, pin_tenant_bytes)  # TTL pins, both tiers
+        self.ends = PromptEnds()  # the logits after cached prompt ends (with copy_block only)
         self.sessions = SessionRegistry(self.pool, session_budget, clock=clock,
                                         tenant_share=tenant_share, pins=self.pins)
         self.sessions.offload_pins = lambda session: self.disk_tier and session.durable
@@ -88,7 +90,8 @@ class KVCacheManager(DiskTierSide):
                 "kv_sessions_offloaded": self.num_offloaded, "kv_sessions_lost": self.num_lost,
                 "kv_disk_loads": self.num_disk_loads,
                 "kv_disk_quarantined_loads": self.num_quarantined_loads,
-                "kv_disk_unreadable_loads": self.num_unreadable_loads}
+                "kv_disk_unreadable_loads": self.num_unreadable_loads,
+                "prompt_ends_kept": len(self.ends), "prompt_ends_served": self.ends.num_served}
 
     def extra_keys(self, tenant: str) -> ExtraKeys:
         """The extra keys of every block hash of ``tenant`` (model and salted tenant)."""
@@ -101,7 +104,7 @@ class KVCacheManager(DiskTierSide):
         computed = self._find_blocks(seq, load_session)
         if self.copy_block is None or computed.session_outcome is SessionOutcome.ON_DISK:
             return computed  # (a disk read comes first: the sequence asks again after it)
-        return find_tail(self.pool, seq, computed)
+        return find_tail(self.pool, seq, computed, self.ends)
 
     def _find_blocks(self, seq: Sequence, load_session: str | None) -> ComputedBlocks:
         """The full blocks of ``find_computed_blocks``: a session's, then cache hits."""
@@ -213,6 +216,10 @@ class KVCacheManager(DiskTierSide):
             assert self.copy_block is not None  # find_computed_blocks gives no tail without it
             self.copy_block(tail.block_id, seq.blocks[len(hits)].block_id)
             self.pool.free([tail])  # back in the queue as it was, its LRU place refreshed
+            assert computed is not None
+            if computed.end_logits is not None:  # every prompt token's KV: its first step computes nothing
+                seq.start_logits = computed.end_logits
+                self.ends.num_served += 1
         return True
 
     def cache_full_blocks(self, seq: Sequence) -> None:
@@ -235,10 +242,11 @@ class KVCacheManager(DiskTierSide):
         one (its computed tokens past the full blocks) in the tail index, all evictable."""
         self.cache_full_blocks(seq)
         if self.copy_block is not None:  # (without one, no tail is ever served)
-            leave_tail(self.pool, seq)
+            leave_tail(self.pool, seq, self.ends)
         self.pool.free(seq.blocks)
         seq.blocks = []
         seq.num_registered_blocks = 0
+        seq.start_logits = seq.end_logits = None
 
     def fork(self, parent: Sequence, child: Sequence) -> bool:
         """Give ``child`` (holding nothing) the KV of ``parent``'s computed prompt: a reference

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Sequence
 
 from station.core.block_pool import KVBlock
 from station.core.disk_sessions import DiskSession
@@ -30,7 +30,7 @@ class ComputedBlocks:
 
     blocks: tuple[KVBlock, ...]  # a loaded session's blocks, then prefix-cache hits
     # Tokens whose KV is there: the blocks' and the tail's first tokens (any count past the
-    # blocks, less than a block; never the last prompt token)
+    # blocks, less than a block; the last prompt token only with ``end_logits``)
     num_cached_tokens: int
     session: KVSession | None = None  # the session loaded from, when one was
     session_outcome: SessionOutcome | None = None  # None: no session was asked for
@@ -42,6 +42,9 @@ class ComputedBlocks:
     # A cached block (full or partial) after ``blocks`` whose first tokens are the prompt's
     # next ones: copied into the sequence's own fresh block, never shared
     tail: KVBlock | None = None
+    # The tail ends the prompt (it holds its last token too), and these are the logits after
+    # it (``station.core.prompt_ends``): nothing of the prompt is computed again
+    end_logits: Any = None
 
     def __post_init__(self) -> None:
         loaded = self.session is not None or self.cached_disk_session is not None

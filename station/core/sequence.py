@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from station.core.block_pool import BlockHash, ExtraKeys, KVBlock
 from station.core.disk_sessions import DiskSession
@@ -92,6 +92,12 @@ class Sequence:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     forks: list[Sequence] = field(default_factory=list)
+    # The logits after the prompt's last token (a copy of its prefill's row), kept with the
+    # block that ends the prompt when it leaves the pool (``station.core.prompt_ends``);
+    # ``start_logits``: admission took every prompt token's KV and these logits after the
+    # last one, so its first step samples them and computes nothing.
+    end_logits: Any = None
+    start_logits: Any = None
     _status: SequenceStatus = field(default=SequenceStatus.WAITING, init=False, repr=False)
 
     def __post_init__(self) -> None:

@@ -20,6 +20,8 @@ exactly what the scheduler handed it, the way the plan says.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from gnosis_daemon.logs import get_logger
@@ -153,7 +155,45 @@ class ModelRunner:
 
     def run(self, batch: SchedulerOutput) -> tuple[torch.Tensor | None, list[Sequence]]:
         """One forward for the step -> (logits [K, V] float32, the K sequences to sample);
-        rows past K: the prompt rows of ``prompt_logprobs`` sequences (``self.prompt_rows``)."""
+        rows past K: the prompt rows of ``prompt_logprobs`` sequences (``self.prompt_rows``).
+
+        A prefill of no rows is a sequence admission gave every prompt token's KV and the
+        logits after them (``Sequence.start_logits``, ``station.core.prompt_ends``): it is
+        sampled from those, and when nothing else is scheduled no forward runs at all. Each
+        sequence whose prompt's last row this step computed keeps a copy of it
+        (``end_logits``), kept with the block that ends its prompt when it leaves the pool."""
+        ready = [seq for seq, n in batch.prefills if n == 0]
+        if ready:
+            batch = replace(batch, prefills=[(s, n) for s, n in batch.prefills if n])
+        if batch.decodes or batch.prefills:
+            logits, sampled = self._forward(batch)
+        else:
+            logits, sampled, self.prompt_rows = None, [], []
+        if ready:
+            logits, sampled = self._with_ready(logits, sampled, ready)
+        for i, seq in enumerate(sampled):
+            if seq.num_tokens == seq.num_prompt_tokens and seq.end_logits is None:
+                assert logits is not None
+                seq.end_logits = logits[i].clone()
+        return logits, sampled
+
+    def _with_ready(self, logits: torch.Tensor | None, sampled: list[Sequence],
+                    ready: list[Sequence]) -> tuple[torch.Tensor, list[Sequence]]:
+        """The step's logits with the ready sequences' kept rows after the sampled ones
+        (before any prompt rows, whose row numbers move up by as many)."""
+        rows = torch.stack([seq.start_logits for seq in ready])
+        for seq in ready:
+            assert seq.num_uncomputed_tokens == 0, "a row-less prefill with tokens to compute"
+            seq.end_logits, seq.start_logits = seq.start_logits, None
+        if logits is None:
+            return rows, ready
+        k = len(sampled)
+        logits = torch.cat([logits[:k], rows.to(logits.device, logits.dtype), logits[k:]])
+        self.prompt_rows = [(s, start, row + len(ready), n) for s, start, row, n in self.prompt_rows]
+        return logits, sampled + ready
+
+    def _forward(self, batch: SchedulerOutput) -> tuple[torch.Tensor | None, list[Sequence]]:
+        """``run``'s forward over the rows scheduled (every prefill has at least one)."""
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []

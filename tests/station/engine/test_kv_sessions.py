@@ -155,8 +155,9 @@ def test_save_then_load_hits_with_greedy_parity(tiny):
         again = e.generate(prompt, 6, load_session="s1")
         pre = again.one(Prefill)
         assert pre.session_loaded is True and pre.session_error is None
-        # The session's 7 full blocks, then the first's block 7 (its tail) up to the last token.
-        assert (pre.session_tokens, pre.cached_tokens) == (28, len(prompt) - 1)
+        # The session's 7 full blocks, then the first's block 7 (its tail) with the logits
+        # kept after the prompt's last token: nothing is computed again.
+        assert (pre.session_tokens, pre.cached_tokens) == (28, len(prompt))
         assert again.tokens == first.tokens == reference(path, prompt, 6)
         hit = e.generate(follow, 12, load_session="s1")
         pre = hit.one(Prefill)

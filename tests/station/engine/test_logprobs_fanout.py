@@ -73,7 +73,7 @@ def test_prompt_logprobs_take_no_prefix_hit(tiny):
         run(engine, "a", PROMPT, temperature=0).wait()
         hit = run(engine, "b", PROMPT, temperature=0).wait()
         again = run(engine, "c", PROMPT, temperature=0, prompt_logprobs=0).wait()
-    assert hit.one(Prefill).cached_tokens == 9  # 2 full blocks, then 1 of the tail's 2 prompt tokens
+    assert hit.one(Prefill).cached_tokens == 10  # 2 full blocks, the tail's 2 and its kept logits
     assert again.one(Prefill).cached_tokens == 0
     assert all(x is not None for x in again.one(Prefill).prompt_logprobs[1:])
 
@@ -102,7 +102,7 @@ def test_n_choices_share_one_prefill(tiny):
     greedy = by_choice(again)
     ref = reference(path, PROMPT, 5)
     assert [t.token_id for t in greedy["h"]] == ref == [t.token_id for t in greedy["h#1"]]
-    assert again.one(Prefill).cached_tokens == 9  # all but the last prompt token
+    assert again.one(Prefill).cached_tokens == 10  # all of it, and the logits kept after it
 
 
 def test_seeded_choices_reproducible(tiny):

@@ -114,13 +114,14 @@ def test_greedy_parity_alone_then_prefix_hit(tiny, family):
         before = engine.stats()["prefill_tokens"]
         second = submit(engine, "b", prompt, 16).wait()
         assert second.tokens == expected
-        # 6 full blocks, then 2 tokens of the first's block 6 (cached full: 3 prompt tokens
-        # and its first answer token): only the last prompt token is computed again.
-        assert second.one(Prefill).cached_tokens == len(prompt) - 1 == 26
+        # 6 full blocks, then the 3 prompt tokens of the first's block 6 (cached full: 3
+        # prompt tokens and its first answer token), and the logits the first kept after
+        # them: no prompt row is computed again.
+        assert second.one(Prefill).cached_tokens == len(prompt) == 27
         assert second.one(Finished).finish_reason in {"stop", "length"}
         stats = engine.stats()
-        assert stats["prefill_tokens"] - before == 1
-        assert (stats["prefix_cache_queries_tokens"], stats["prefix_cache_hits_tokens"]) == (54, 26)
+        assert stats["prefill_tokens"] - before == 0
+        assert (stats["prefix_cache_queries_tokens"], stats["prefix_cache_hits_tokens"]) == (54, 27)
         assert_pool_clean(engine)
 
 

@@ -1,6 +1,7 @@
 """Reuse inside a block, end to end on a tiny real model (no socket): the same prompt again
-computes one row, a prompt that extends an earlier one mid-block computes from the first
-token it does not share, and every hit answers the tokens a fresh computation does."""
+computes no row (its first token is sampled from the logits its first computation kept), a
+prompt that extends an earlier one mid-block computes from the first token it does not
+share, and every hit answers the tokens a fresh computation does."""
 
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ def generate(engine, rid: str, prompt: list[int], n: int, *, choices: int = 1,
 
 @pytest.mark.parametrize("family", ["llama", "mistral"])
 @pytest.mark.parametrize("length", [27, 28])  # a partial last block, and none
-def test_the_same_prompt_again_computes_only_its_last_token(tiny, family, length):
+def test_the_same_prompt_again_computes_no_row(tiny, family, length):
     path, loaded = tiny(family)
     prompt = prompt_of(40 + length, length)
     expected = reference(path, prompt, 12)
@@ -41,11 +42,28 @@ def test_the_same_prompt_again_computes_only_its_last_token(tiny, family, length
         second = submit(engine, "b", prompt, 12).wait()
         after = engine.stats()
         assert second.tokens == expected
-        assert second.one(Prefill).cached_tokens == second.one(Finished).cached_tokens == length - 1
-        assert after["prefill_tokens"] - before["prefill_tokens"] == 1  # the rows the model ran
-        assert after["steps"] - before["steps"] == len(expected)  # that row's step, then decodes
-        assert after["prefix_cache_hits_tokens"] - before["prefix_cache_hits_tokens"] == length - 1
+        assert second.one(Prefill).cached_tokens == second.one(Finished).cached_tokens == length
+        assert after["prefill_tokens"] - before["prefill_tokens"] == 0  # the model ran no prompt row
+        assert after["prompt_ends_served"] - before["prompt_ends_served"] == 1
+        # The first token's step samples the kept row (no forward), then the decodes.
+        assert after["steps"] - before["steps"] == len(expected)
+        assert after["prefix_cache_hits_tokens"] - before["prefix_cache_hits_tokens"] == length
         assert_pool_clean(engine)
+
+
+def test_a_prompt_ending_where_another_ended_early_computes_its_last_row(tiny):
+    """A cached block holding the prompt's tokens and more, whose kept row follows other
+    tokens, serves all but the last token: that row is computed."""
+    path, loaded = tiny("llama")
+    prompt = prompt_of(60, 26)
+    with engine_for(loaded) as engine:
+        submit(engine, "a", prompt, 4).wait()  # its end row follows token 26
+        shorter = prompt[:25]
+        before = engine.stats()
+        hit = submit(engine, "b", shorter, 6).wait()
+        assert hit.one(Prefill).cached_tokens == 24
+        assert engine.stats()["prefill_tokens"] - before["prefill_tokens"] == 1
+        assert hit.tokens == reference(path, shorter, 6)
 
 
 def test_a_turn_reuses_the_answer_tokens_of_a_partial_block(tiny):
@@ -81,7 +99,7 @@ def test_another_tenants_identical_prompt_reuses_nothing(tiny):
         bob = generate(engine, "b", prompt, 6, tenant="bob")
         assert bob.one(Prefill).cached_tokens == 0 and bob.tokens == alice.tokens
         again = generate(engine, "c", prompt, 6, tenant="alice")
-        assert again.one(Prefill).cached_tokens == 26 and again.tokens == alice.tokens
+        assert again.one(Prefill).cached_tokens == 27 and again.tokens == alice.tokens
         assert alice.tokens == reference(path, prompt, 6)
 
 
@@ -92,8 +110,8 @@ def test_n_choices_fork_from_a_tail_hit(tiny):
         submit(engine, "a", prompt, 5).wait()
         before = engine.stats()["prefill_tokens"]
         both = generate(engine, "b", prompt, 5, choices=2)
-        assert engine.stats()["prefill_tokens"] - before == 1  # one row, for both choices
-        assert both.one(Prefill).cached_tokens == 26
+        assert engine.stats()["prefill_tokens"] - before == 0  # the kept row, for both choices
+        assert both.one(Prefill).cached_tokens == 27
         per_choice: dict[str, list[int]] = {}
         for e in both.events:
             if isinstance(e, Token):
@@ -110,11 +128,11 @@ def test_a_session_saved_and_loaded_after_a_tail_hit(tiny):
         submit(engine, "a", prompt, 6).wait()
         saved = generate(engine, "b", prompt, 6, save_session="s")
         pre = saved.one(Prefill)
-        assert (pre.cached_tokens, pre.saved) == (26, True) and saved.tokens == expected
+        assert (pre.cached_tokens, pre.saved) == (27, True) and saved.tokens == expected
         assert engine.kv.sessions.get("s").num_tokens == 24  # sessions hold full blocks only
         loaded_hit = generate(engine, "c", prompt, 6, load_session="s")
         pre = loaded_hit.one(Prefill)
-        assert (pre.session_loaded, pre.session_tokens, pre.cached_tokens) == (True, 24, 26)
+        assert (pre.session_loaded, pre.session_tokens, pre.cached_tokens) == (True, 24, 27)
         assert loaded_hit.tokens == expected
 
 

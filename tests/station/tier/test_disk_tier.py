@@ -236,8 +236,9 @@ def test_an_evicted_session_whose_blocks_are_still_cached_is_a_pool_hit(tiny, tm
         matched = t.generate(prompts[0], 4, match_session=True)
         named = t.generate(prompts[0] + prompt_of(9, 3), 4, load_session="alice.p.0")
         # The session's 20 tokens, then the first run's block 5 (3 prompt tokens, 1 answer
-        # token) up to the prompt's last token (matched), or all 3 it shares (named).
-        for got, prompt, cached in ((matched, prompts[0], 22), (named, prompts[0] + prompt_of(9, 3), 23)):
+        # token): all 3, with the logits it kept after them (matched), or all 3 it shares
+        # (named, a longer prompt).
+        for got, prompt, cached in ((matched, prompts[0], 23), (named, prompts[0] + prompt_of(9, 3), 23)):
             pre = got.one(Prefill)
             assert (pre.session_loaded, pre.session_id, pre.session_tokens, pre.session_tier,
                     pre.session_error) == (True, "alice.p.0", 20, "pool", None), pre
