@@ -52,9 +52,8 @@ class KVCacheManager(DiskTierSide):
                  copy_block: Callable[[int, int], None] | None = None) -> None:
         self.pool = BlockPool(num_blocks, block_size)
         # (src, dst) block ids: the KV tensors' copy, for forks and tails (none: no tails)
-        self.copy_block = copy_block
+        self.copy_block, self.ends = copy_block, PromptEnds()  # ends: kept only with tails
         self.pins = PinTable(clock, bytes_per_block, pin_tenant_bytes)  # TTL pins, both tiers
-        self.ends = PromptEnds()  # the logits after cached prompt ends (with copy_block only)
         self.sessions = SessionRegistry(self.pool, session_budget, clock=clock,
                                         tenant_share=tenant_share, pins=self.pins)
         self.sessions.offload_pins = lambda session: self.disk_tier and session.durable
@@ -88,10 +87,8 @@ class KVCacheManager(DiskTierSide):
         return {**self.pool.stats(), **self.sessions.stats(), **self.pins.stats(),
                 "kv_disk_sessions": len(self.disk),
                 "kv_sessions_offloaded": self.num_offloaded, "kv_sessions_lost": self.num_lost,
-                "kv_disk_loads": self.num_disk_loads,
-                "kv_disk_quarantined_loads": self.num_quarantined_loads,
-                "kv_disk_unreadable_loads": self.num_unreadable_loads,
-                "prompt_ends_kept": len(self.ends), "prompt_ends_served": self.ends.num_served}
+                "kv_disk_loads": self.num_disk_loads, "kv_disk_quarantined_loads": self.num_quarantined_loads,
+                "kv_disk_unreadable_loads": self.num_unreadable_loads, **self.ends.stats()}
 
     def extra_keys(self, tenant: str) -> ExtraKeys:
         """The extra keys of every block hash of ``tenant`` (model and salted tenant)."""
@@ -216,10 +213,6 @@ class KVCacheManager(DiskTierSide):
             assert self.copy_block is not None  # find_computed_blocks gives no tail without it
             self.copy_block(tail.block_id, seq.blocks[len(hits)].block_id)
             self.pool.free([tail])  # back in the queue as it was, its LRU place refreshed
-            assert computed is not None
-            if computed.end_logits is not None:  # every prompt token's KV: its first step computes nothing
-                seq.start_logits = computed.end_logits
-                self.ends.num_served += 1
         return True
 
     def cache_full_blocks(self, seq: Sequence) -> None:
@@ -246,7 +239,6 @@ class KVCacheManager(DiskTierSide):
         self.pool.free(seq.blocks)
         seq.blocks = []
         seq.num_registered_blocks = 0
-        seq.start_logits = seq.end_logits = None
 
     def fork(self, parent: Sequence, child: Sequence) -> bool:
         """Give ``child`` (holding nothing) the KV of ``parent``'s computed prompt: a reference

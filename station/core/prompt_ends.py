@@ -70,6 +70,9 @@ class PromptEnds:
         self._rows.move_to_end(block.block_id)
         return row
 
+    def stats(self) -> dict[str, int]:
+        return {"prompt_ends_kept": len(self._rows), "prompt_ends_served": self.num_served}
+
     def clear(self) -> None:
         self._rows.clear()
         self.num_bytes = 0

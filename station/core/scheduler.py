@@ -234,6 +234,9 @@ class Scheduler:
             return False
         seq.change_status(SequenceStatus.RUNNING)
         seq.num_admitted_cached_tokens = seq.num_computed_tokens
+        if computed.end_logits is not None and seq.num_computed_tokens == seq.num_tokens:
+            seq.start_logits = computed.end_logits  # its first step samples these, computing nothing
+            self.kv.ends.num_served += 1
         if first_admission:
             seq.num_cached_tokens = seq.num_computed_tokens
             self.prefix_cache_queries_tokens += seq.num_tokens

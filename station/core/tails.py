@@ -60,6 +60,7 @@ def leave_tail(pool: BlockPool, seq: Sequence, ends: PromptEnds | None = None) -
     _file_partial(pool, seq)
     if ends is not None and seq.end_logits is not None:
         keep_end(pool, seq, ends)
+    seq.start_logits = seq.end_logits = None
 
 
 def _file_partial(pool: BlockPool, seq: Sequence) -> None:
