@@ -38,6 +38,7 @@ from bench.common import (
     stop_station,
 )
 from bench.grammar import grammar_figures
+from bench.dialects import dialect_figures
 from bench.liquid import decode_next_figures, liquid_figures, start_host
 from bench.peers.figures import add_arguments as add_peer_arguments
 from bench.peers.figures import peer_figures
@@ -115,6 +116,7 @@ def main(argv: list[str] | None = None) -> int:
                                     liquid=False))
             liquid_figures(report, liquid_port, native_port, args.decode_tokens, args.rounds,
                            args.prompt_tokens)
+            dialect_figures(report, liquid_port, args.prompt_tokens)
             grammar_figures(report, liquid_port, args.rounds, 2 * args.decode_tokens + 32)
         finally:
             for host in hosts:

@@ -46,6 +46,8 @@ FIGURES = [
     "decode tok/s liquid path / native path",
     "A/A control: slowest / fastest native round",
     "second-turn TTFT / first-turn TTFT (96-token first turn)",
+    "/v1/messages turn-2 TTFT / turn-1 TTFT (cache_control on a 96-token system prompt)",
+    "/v1/responses turn-2 TTFT / turn-1 TTFT (previous_response_id after a 96-token turn)",
     "decode tok/s grammar-constrained (json_schema) / unconstrained",
     "disk-tier hit TTFT / cold-prefill TTFT (96-token prompt)",
     "station start with a 10x-pool disk tier / with an empty tier",
@@ -88,8 +90,8 @@ def test_bench_runs_every_figure_on_a_tiny_model(tmp_path):
     assert len(shares) == 2
     assert all(value > 0 for name, (value, _) in rows.items() if name not in shares)
     assert all(0 <= rows[name][0] <= 1 for name in shares)
-    # 96 prompt tokens: every one but the last is reused (the last is always recomputed)
-    assert "(cached 95)" in rows[FIGURES[0]][1]
+    # 96 prompt tokens: every one is reused (the first token from the logits kept after the last)
+    assert "(cached 96)" in rows[FIGURES[0]][1]
     # the prefill rows: every plain forward measured, the fastest named; the turn adds 20
     # tokens to the 96 its conversation's miss left cached
     for name in FIGURES[3:5]:
@@ -98,9 +100,15 @@ def test_bench_runs_every_figure_on_a_tiny_model(tmp_path):
     assert rows[FIGURES[5]][1].endswith("; 116 prompt tokens, cached 96"), rows[FIGURES[5]][1]
     assert "(hit, cached" in rows[FIGURES[11]][1]
     # the disk tier's figures: a hit read back from disk after a restart, a tier of 10x the pool
-    assert "(session_tier disk, cached 95," in rows[FIGURES[13]][1]
-    assert re.search(r"= (\d+\.\d)x the", rows[FIGURES[14]][1])
-    assert float(re.search(r"= (\d+\.\d)x the", rows[FIGURES[14]][1])[1]) >= 10
+    assert "(session_tier disk, cached 95," in rows[FIGURES[15]][1]
+    assert re.search(r"= (\d+\.\d)x the", rows[FIGURES[16]][1])
+    assert float(re.search(r"= (\d+\.\d)x the", rows[FIGURES[16]][1])[1]) >= 10
+    # the dialects' second turns: read from the breakpoint's pin, and from the stored response
+    m = re.search(r"cache_read_input_tokens (\d+)\), turn 1 .*cache_creation_input_tokens (\d+)",
+                  rows[FIGURES[12]][1])
+    assert m and int(m[1]) == int(m[2]) > 0, rows[FIGURES[12]][1]
+    m = re.search(r"turn 2 \d+ ms \(cached (\d+) of (\d+)\)", rows[FIGURES[13]][1])
+    assert m and 0 < int(m[1]) < int(m[2]), rows[FIGURES[13]][1]
     # the prefill plot: drawn beside the docs, its figures in a table, every length a row
     assert (out.parent / "img" / "prefill_by_prompt.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     text = out.read_text()
@@ -111,8 +119,8 @@ def test_bench_runs_every_figure_on_a_tiny_model(tmp_path):
     # the grammar row: the unconstrained side is asked for exactly as many tokens as the
     # grammar produced (bench.grammar runs alone too: python -m bench.grammar)
     m = re.search(r"json_schema [\d.]+ tok/s \((\d+) tokens, finish (\w+), .*unconstrained "
-                  r"[\d.]+ tok/s \((\d+) tokens\)", rows[FIGURES[12]][1])
-    assert m and m[1] == m[3] and int(m[1]) > 1 and m[2] in ("stop", "length"), rows[FIGURES[12]][1]
+                  r"[\d.]+ tok/s \((\d+) tokens\)", rows[FIGURES[14]][1])
+    assert m and m[1] == m[3] and int(m[1]) > 1 and m[2] in ("stop", "length"), rows[FIGURES[14]][1]
     # a float checkpoint's quantized side is int4 at load: all 14 of the tiny model's linears
     assert "weights int4: 14 int4 layers (load)" in rows[shares[0]][1]
     # the start check's cost, from the station's hello (a probe of 4 blocks and a few tokens)
