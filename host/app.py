@@ -84,6 +84,8 @@ def create_app(settings: Settings, link: StationLink,
     app.asgi_http_class = RequestConnection
     app.config["MAX_CONTENT_LENGTH"] = settings.max_request_bytes
     host_metrics = Metrics(settings.max_model_len)
+    ttl_names = {settings.cache_ttl_5m_s: "5m", settings.cache_ttl_1h_s: "1h",
+                 settings.cache_retention_24h_s: "24h"}  # /metrics' ttl label of a pin's seconds
     app.gnosis_metrics = host_metrics  # type: ignore[attr-defined]
     link.on_overflow = host_metrics.overflows.inc
     tenants = len({tenant for _, tenant in keyring.entries})
@@ -234,7 +236,7 @@ def create_app(settings: Settings, link: StationLink,
         if model_name is not None:
             host_metrics.touch(model_name)
         scraped = ScrapeCollector(gauges, station, model_name,
-                                  supervisor_restarts(settings.status_file))
+                                  supervisor_restarts(settings.status_file), ttl_names)
         return Response(host_metrics.render(scraped), 200, content_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")

@@ -9,6 +9,10 @@ absent, never a stale or invented value.
   in the station, and the KV pool's usage, under ``gnosis_*`` names and the ``vllm:*`` names
   that autoscalers and routers read (``vllm:num_requests_running``,
   ``vllm:num_requests_waiting``, ``vllm:kv_cache_usage_perc``, label ``model_name``).
+- TTL pins (``station.core.pins``) by TTL class, ``ttl`` the dialects' name of its seconds
+  (``5m``, ``1h``, ``24h``; another TTL as its seconds): ``gnosis_kv_pins{ttl}``,
+  ``gnosis_kv_pinned_bytes{ttl}``, ``gnosis_kv_pins_expired_total{ttl}``,
+  ``gnosis_kv_pins_downgraded_total{ttl}`` (saved unpinned past ``kv_pin_tenant_bytes``).
 - ``gnosis_child_restarts_total{child}``: the restarts the supervisor counts, from its status
   file, only when that supervisor is this host's parent (a status file left behind by
   another run says nothing about this one).
@@ -69,16 +73,26 @@ _LOAD_GAUGES = (
 )
 
 
+_PIN_METRICS = (
+    ("gnosis_kv_pins", "Live TTL pins in the station, by TTL class"),
+    ("gnosis_kv_pinned_bytes", "KV bytes the live TTL pins hold, by TTL class"),
+    ("gnosis_kv_pins_expired", "TTL pins that expired (deleted from every tier), by TTL class"),
+    ("gnosis_kv_pins_downgraded", "TTL pins saved unpinned past kv_pin_tenant_bytes, by TTL class"),
+)
+
+
 class ScrapeCollector(Collector):
     """``gauges``: host gauges (``gnosis_<name>``); ``stats``: the station's ``stats``
     answer or None; ``model_name``: the served model id; ``restarts``: child -> restarts."""
 
     def __init__(self, gauges: dict[str, float], stats: dict[str, Any] | None,
-                 model_name: str | None, restarts: dict[str, int] | None = None) -> None:
+                 model_name: str | None, restarts: dict[str, int] | None = None,
+                 ttl_names: dict[float, str] | None = None) -> None:
         self.gauges = gauges
         self.stats = stats
         self.model_name = model_name
         self.restarts = restarts
+        self.ttl_names = ttl_names or {}  # a TTL's seconds -> its class name (label ``ttl``)
 
     def collect(self) -> Iterator[Metric]:
         for name, value in sorted(self.gauges.items()):
@@ -86,12 +100,29 @@ class ScrapeCollector(Collector):
         if self.stats is not None:
             yield from tier_families(self.stats)
             yield from self._load(self.stats)
+            yield from self._pins(self.stats.get("kv_pins_by_ttl"))
         if self.restarts:
             family = CounterMetricFamily("gnosis_child_restarts", "Restarts of each child by "
                                          "the supervisor", labels=("child",))
             for child, count in sorted(self.restarts.items()):
                 family.add_metric((child,), count)
             yield family
+
+    def _pins(self, by_ttl: Any) -> Iterator[Metric]:
+        if not isinstance(by_ttl, dict):
+            return  # a station without pins
+        families = [(GaugeMetricFamily if i < 2 else CounterMetricFamily)(name, doc, labels=("ttl",))
+                    for i, (name, doc) in enumerate(_PIN_METRICS)]
+        for ttl, counts in sorted(by_ttl.items()):
+            try:
+                label = self.ttl_names.get(float(ttl), str(ttl))
+            except (TypeError, ValueError):
+                label = str(ttl)
+            for family, key in zip(families, ("pins", "bytes", "expired", "downgraded")):
+                value = _number(counts.get(key)) if isinstance(counts, dict) else None
+                if value is not None:
+                    family.add_metric((label,), value)
+        yield from families
 
     def _load(self, stats: dict[str, Any]) -> Iterator[Metric]:
         figures = [(gnosis, vllm, doc, _number(stats.get(key)))

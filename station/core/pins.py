@@ -21,6 +21,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from station.core.block_pool import BlockHash, KVBlock
 
@@ -63,6 +64,8 @@ class PinTable:
         self.num_pins = 0
         self.num_expired = 0
         self.num_downgraded = 0
+        # ttl_s -> [live pins, their bytes, expired, downgraded]: ``/metrics`` by TTL class
+        self.by_ttl: dict[float, list[int]] = {}
         # At most the earliest expires_at in the table (a drop or a refresh leaves it early:
         # ``due`` then finds nothing and sets it again), so the engine looks only then.
         self.next_at: float | None = None
@@ -81,9 +84,20 @@ class PinTable:
     def ids(self) -> list[str]:
         return list(self._pins)
 
-    def stats(self) -> dict[str, int]:
+    def stats(self) -> dict[str, Any]:
+        by_ttl = dict(self.by_ttl)  # one C-level copy: the engine thread may add a class
         return {"kv_pins": self.num_pins, "kv_pinned_bytes": self.pinned_bytes,
-                "kv_pins_expired": self.num_expired, "kv_pins_downgraded": self.num_downgraded}
+                "kv_pins_expired": self.num_expired, "kv_pins_downgraded": self.num_downgraded,
+                "kv_pins_by_ttl": {f"{ttl:g}": dict(zip(("pins", "bytes", "expired", "downgraded"), c))
+                                   for ttl, c in by_ttl.items()}}
+
+    def _class(self, ttl_s: float) -> list[int]:
+        return self.by_ttl.setdefault(ttl_s, [0, 0, 0, 0])
+
+    def downgraded(self, ttl_s: float) -> None:
+        """A pin of ``ttl_s`` was saved unpinned: its tenant's bytes were spent."""
+        self.num_downgraded += 1
+        self._class(ttl_s)[3] += 1
 
     def bytes_of(self, num_blocks: int) -> int:
         return num_blocks * self.bytes_per_block
@@ -109,6 +123,9 @@ class PinTable:
         self.next_at = pin.expires_at if self.next_at is None else min(self.next_at, pin.expires_at)
         self.num_pins += 1
         self.pinned_bytes += pin.num_bytes
+        counts = self._class(ttl_s)
+        counts[0] += 1
+        counts[1] += pin.num_bytes
         return pin
 
     def drop(self, session_id: str) -> bool:
@@ -118,6 +135,9 @@ class PinTable:
             return False
         self.num_pins -= 1
         self.pinned_bytes -= pin.num_bytes
+        counts = self._class(pin.ttl_s)
+        counts[0] -= 1
+        counts[1] -= pin.num_bytes
         return True
 
     def refresh(self, session_id: str) -> float | None:
@@ -135,6 +155,7 @@ class PinTable:
         now = self.clock()
         expired = [sid for sid, pin in self._pins.items() if pin.expires_at <= now]
         for session_id in expired:
+            self._class(self._pins[session_id].ttl_s)[2] += 1
             self.drop(session_id)
         self.num_expired += len(expired)
         self.next_at = min((p.expires_at for p in self._pins.values()), default=None)

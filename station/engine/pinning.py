@@ -58,7 +58,7 @@ def _save(kv: KVCacheManager, seq: Sequence, plan: PinPlan) -> PinReport:
         log.exception("kv_pin_save_failed", session_id=plan.session_id)
         return report(0, False, f"{type(exc).__name__}: {exc}")
     if not fits:
-        kv.pins.num_downgraded += 1
+        kv.pins.downgraded(plan.ttl_s)
         log.info("kv_pin_downgraded", session_id=plan.session_id, tenant=seq.tenant,
                  tokens=num, limit_bytes=kv.pins.tenant_bytes)
         return report(num, False, DOWNGRADED)

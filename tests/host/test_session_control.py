@@ -128,4 +128,11 @@ def test_retention_24h_makes_a_pin_that_expires_a_day_ahead(stack, route):
     assert pin["id"].startswith(stack.tenant_of(rs.KEY_B) + ".t.")
     assert before + DAY_S - 5 <= pin["expires_at"] <= time.time() + DAY_S + 5
     assert pins_created(stack) == created + 1
+    # The station's pins by TTL class: this one, its bytes those the listing gives.
+    samples = scrape(stack.http("GET", "/metrics").text)
+    assert value(samples, "gnosis_kv_pins", ttl="24h") == 1
+    assert value(samples, "gnosis_kv_pinned_bytes", ttl="24h") == pin["bytes"] > 0
     stack.http("DELETE", f"/v1/sessions/{pin['id']}", rs.KEY_B)
+    samples = scrape(stack.http("GET", "/metrics").text)
+    assert value(samples, "gnosis_kv_pins", ttl="24h") == 0
+    assert value(samples, "gnosis_kv_pins_expired_total", ttl="24h") == 0  # deleted, not expired

@@ -137,3 +137,20 @@ def test_an_ordinary_save_of_a_pinned_id_unpins_it():
     save(kv, "s", 0, 1, ttl_s=60.0)
     save(kv, "s", 0, 1)
     assert "s" not in kv.pins and kv.stats()["kv_pins"] == 0
+
+
+def test_the_pins_figures_by_ttl_class_follow_saves_expiries_and_downgrades():
+    kv, clock = manager(num_blocks=16, budget=8)
+    save(kv, "a", 0, 2, ttl_s=300)
+    save(kv, "b", 100, 1, ttl_s=300)
+    save(kv, "c", 200, 3, ttl_s=3600)
+    kv.pins.downgraded(3600)
+    by_ttl = kv.pins.stats()["kv_pins_by_ttl"]
+    assert by_ttl == {"300": {"pins": 2, "bytes": 300, "expired": 0, "downgraded": 0},
+                      "3600": {"pins": 1, "bytes": 300, "expired": 0, "downgraded": 1}}
+    clock.now += 301
+    assert sorted(kv.pins.due()) == ["a", "b"]
+    kv.pins.drop("c")  # deleted: gone, not expired
+    assert kv.pins.stats()["kv_pins_by_ttl"] == {
+        "300": {"pins": 0, "bytes": 0, "expired": 2, "downgraded": 0},
+        "3600": {"pins": 0, "bytes": 0, "expired": 0, "downgraded": 1}}
