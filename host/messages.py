@@ -251,6 +251,11 @@ class _Run:
         tools = ToolCallParser(self.parser, max_calls(self.chat)) if self.parser else None
         calls = 0
         output = 0
+
+        def blocks(text: str, found: list) -> list[bytes]:
+            """The events of newly known text, then of each tool call found complete."""
+            return [*fmt.text(text), *(chunk for call in found for chunk in fmt.call(call))]
+
         yield fmt.start(self.usage(1))
         try:
             while (item := await next_event(stream)) is not None:
@@ -260,21 +265,15 @@ class _Run:
                 output += len(item.token_ids)
                 self.record.completion_tokens = output
                 text, found = tools.feed(item.text) if tools else (item.text, [])
-                for chunk in fmt.text(text):
+                calls += len(found)
+                for chunk in blocks(text, found):
                     yield chunk
-                for call in found:
-                    calls += 1
-                    for chunk in fmt.call(call):
-                        yield chunk
             result = result_of(stream)
             if tools is not None:
                 text, found = tools.finish()
-                for chunk in fmt.text(text):
+                calls += len(found)
+                for chunk in blocks(text, found):
                     yield chunk
-                for call in found:
-                    calls += 1
-                    for chunk in fmt.call(call):
-                        yield chunk
             stop_sequence = await self.finish(result)
         except StationError as exc:
             # The headers are gone: the error travels as Anthropic's error event.
