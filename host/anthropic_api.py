@@ -60,12 +60,15 @@ OTHER_BLOCKS = frozenset({"image", "document", "search_result", "thinking", "red
 class Breakpoint:
     """A ``cache_control`` block: its TTL class, the field that carries it, and where its
     prefix ends in the station's messages (``message`` None: after the tools; else the
-    message its block lands in, ``ends`` True when the block is that message's last)."""
+    message its block lands in, ``ends`` True when the block is that message's last, else
+    ``chars``: that message's content characters up to the block's end, when its blocks are
+    text joined into one string)."""
 
     ttl: str
     where: str
     message: int | None
     ends: bool = True
+    chars: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,10 +85,12 @@ class _Builder:
     messages: list[dict[str, Any]] = field(default_factory=list)
     breakpoints: list[Breakpoint] = field(default_factory=list)
 
-    def cache(self, block: dict[str, Any], where: str, message: int | None, ends: bool) -> None:
+    def cache(self, block: dict[str, Any], where: str, message: int | None, ends: bool,
+              chars: int | None = None) -> None:
         ttl = cache_control(block.get("cache_control"), f"{where}.cache_control")
         if ttl is not None:
-            self.breakpoints.append(Breakpoint(ttl, f"{where}.cache_control", message, ends))
+            self.breakpoints.append(Breakpoint(ttl, f"{where}.cache_control", message, ends,
+                                               None if ends else chars))
 
 
 def parse_messages(body: Any) -> AnthropicRequest:
@@ -240,7 +245,7 @@ def _system(value: Any, built: _Builder) -> None:
     texts = []
     for j, block in enumerate(value):
         texts.append(_text_block(block, f"system.{j}"))
-        built.cache(block, f"system.{j}", at, j == len(value) - 1)
+        built.cache(block, f"system.{j}", at, j == len(value) - 1, sum(map(len, texts)))
     built.messages.append({"role": "system", "content": "".join(texts)})
 
 
@@ -304,7 +309,8 @@ def _user(blocks: list[Any], where: str, built: _Builder, plain: bool) -> None:
     if texts:
         built.messages.append({"role": "user", "content": "".join(t for t, _, _ in texts)})
         for k, (_, block, at) in enumerate(texts):
-            built.cache(block, at, len(built.messages) - 1, k == len(texts) - 1)
+            built.cache(block, at, len(built.messages) - 1, k == len(texts) - 1,
+                        sum(len(t) for t, _, _ in texts[:k + 1]))
 
 
 def _assistant(blocks: list[Any], where: str, built: _Builder, plain: bool) -> None:

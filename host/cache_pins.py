@@ -4,9 +4,11 @@
 Each breakpoint names a prefix of the prompt: after the tools (``messages: 0, parts: 0``,
 the template's preamble with the tools), or after a message (``messages: k + 1``). The
 station's messages hold each message's content as one string (what ``/v1/chat/completions``
-sends, so both dialects share sessions), so a breakpoint on a block that does not end its
-message pins the prefix before that message (``messages: k``): less than Anthropic caches,
-never more, and the answer's counts say what was pinned. Breakpoints that name one prefix
+sends, so both dialects share sessions), so a breakpoint on a text block that does not end
+its message cuts that string where the block ends (``messages: k, chars: n``: message ``k``
+rendered with its first ``n`` characters); on another block (a tool result, an assistant's
+text before its calls) it pins the prefix before that message (``messages: k``): less than
+Anthropic caches, never more, and the answer's counts say what was pinned. Breakpoints that name one prefix
 share one pin (the longest TTL, the first in the prompt). Pin ids digest the tenant and the
 prefix (``host.session_names.pin_session``), so a repeated breakpoint finds its pin.
 
@@ -43,19 +45,28 @@ def plan(breakpoints: tuple[Breakpoint, ...], messages: list[dict[str, Any]],
     ``shift``: the messages put before the request's own, a system message holding the
     tools)."""
     pins: list[dict[str, Any]] = []
-    by_cut: dict[int, int] = {}
+    by_cut: dict[tuple[int, int | None], int] = {}
     of_breakpoint = []
     for point in breakpoints:
+        chars = None
         if point.message is None:
             cut = 0
+        elif point.ends:
+            cut = point.message + shift + 1
         else:
-            cut = point.message + shift + (1 if point.ends else 0)
-        if cut not in by_cut:
-            prefix = (tools, messages[:cut])
-            by_cut[cut] = len(pins)
-            pins.append({"session_id": pin_session(tenant, prefix), "ttl_s": ttl_s[point.ttl],
-                         "messages": cut, "parts": 0})
-        of_breakpoint.append(by_cut[cut])
+            cut, chars = point.message + shift, point.chars
+        if (cut, chars) not in by_cut:
+            kept = messages[:cut]
+            if chars is not None:
+                kept = [*kept, {**messages[cut], "content": str(messages[cut]["content"])[:chars]}]
+            by_cut[cut, chars] = len(pins)
+            pin: dict[str, Any] = {"session_id": pin_session(tenant, (tools, kept)),
+                                   "ttl_s": ttl_s[point.ttl], "messages": cut, "parts": 0}
+            if chars is not None:
+                pin = {**pin, "chars": chars}
+                del pin["parts"]
+            pins.append(pin)
+        of_breakpoint.append(by_cut[cut, chars])
     return PinPlan(tuple(pins), tuple(of_breakpoint))
 
 

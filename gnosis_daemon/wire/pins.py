@@ -1,7 +1,8 @@
 """TTL pins: ``generate``'s ``pins`` argument and what the ``prefill`` event reports of each.
 
 A pin names a prefix of the prompt (the whole prompt, or the chat-template rendering of its
-first ``messages`` messages and ``parts`` content parts of the next) that the station keeps as
+first ``messages`` messages and ``parts`` content parts, or the first ``chars`` characters of
+the content, of the next) that the station keeps as
 a KV session of the tenant until ``ttl_s`` passes without a hit: the budgets that evict
 ordinary sessions do not drop it. The host builds these from Anthropic's ``cache_control``
 breakpoints and OpenAI's ``prompt_cache_retention``; the station honours them
@@ -25,12 +26,15 @@ from gnosis_daemon.wire.read import WireMap, bad
 class Pin:
     """One pin. ``messages`` None: the prefix is the whole prompt; else (a ``messages``
     prompt only) the rendering of the first ``messages`` messages, then ``parts`` content
-    parts of message[``messages``], without a generation prompt."""
+    parts of message[``messages``] (or, with ``chars``, that message with its content cut to
+    its first ``chars`` characters: a breakpoint inside a message), without a generation
+    prompt."""
 
     session_id: str
     ttl_s: float
     messages: int | None = None
     parts: int | None = None
+    chars: int | None = None
 
     def __post_init__(self) -> None:
         if not self.session_id:
@@ -38,11 +42,14 @@ class Pin:
         if not 0 < self.ttl_s <= PIN_TTL_MAX_S or math.isnan(self.ttl_s):
             raise bad(f"argument 'pins' ttl_s must be in (0, {PIN_TTL_MAX_S}], "
                       f"got {self.ttl_s!r}")
-        for name, value in (("messages", self.messages), ("parts", self.parts)):
+        for name, value in (("messages", self.messages), ("parts", self.parts),
+                            ("chars", self.chars)):
             if value is not None and value < 0:
                 raise bad(f"argument 'pins' {name} must be >= 0, got {value}")
-        if self.parts and self.messages is None:
-            raise bad("argument 'pins' parts needs messages (it cuts message[messages])")
+        if (self.parts or self.chars is not None) and self.messages is None:
+            raise bad("argument 'pins' parts and chars need messages (they cut message[messages])")
+        if self.parts and self.chars is not None:
+            raise bad("argument 'pins' takes parts or chars, not both")
 
     @classmethod
     def from_wire(cls, value: object) -> Pin:
@@ -56,7 +63,8 @@ class Pin:
         return cls(session_id=session_id,
                    ttl_s=_named(lambda: read.number(value, "ttl_s", 0.0)),
                    messages=_named(lambda: read.optional(value, "messages", int)),
-                   parts=_named(lambda: read.optional(value, "parts", int)))
+                   parts=_named(lambda: read.optional(value, "parts", int)),
+                   chars=_named(lambda: read.optional(value, "chars", int)))
 
     def to_wire(self) -> dict[str, object]:
         out: dict[str, object] = {"session_id": self.session_id, "ttl_s": self.ttl_s}
@@ -64,6 +72,8 @@ class Pin:
             out["messages"] = self.messages
         if self.parts is not None:
             out["parts"] = self.parts
+        if self.chars is not None:
+            out["chars"] = self.chars
         return out
 
 

@@ -23,16 +23,19 @@ def test_pins_round_trip():
     wired = {"messages": CHAT, "tenant": "t",
              "pins": [{"session_id": "a", "ttl_s": 300.0},
                       {"session_id": "b", "ttl_s": 0.5, "messages": 1, "parts": 0},
-                      {"session_id": "c", "ttl_s": 2592000, "messages": 0}]}
+                      {"session_id": "c", "ttl_s": 2592000, "messages": 0},
+                      {"session_id": "d", "ttl_s": 60, "messages": 0, "chars": 3}]}
     args = GenerateArgs.from_wire(wired)
     assert args.sessions.pins == (Pin(session_id="a", ttl_s=300.0),
                                   Pin(session_id="b", ttl_s=0.5, messages=1, parts=0),
-                                  Pin(session_id="c", ttl_s=2592000.0, messages=0))
+                                  Pin(session_id="c", ttl_s=2592000.0, messages=0),
+                                  Pin(session_id="d", ttl_s=60.0, messages=0, chars=3))
     assert args.sessions.asked
     assert args.to_wire() == wired | {"pins": [
         {"session_id": "a", "ttl_s": 300.0},
         {"session_id": "b", "ttl_s": 0.5, "messages": 1, "parts": 0},
-        {"session_id": "c", "ttl_s": 2592000.0, "messages": 0}]}
+        {"session_id": "c", "ttl_s": 2592000.0, "messages": 0},
+        {"session_id": "d", "ttl_s": 60.0, "messages": 0, "chars": 3}]}
     assert GenerateArgs.from_wire(msgpack.unpackb(msgpack.packb(args.to_wire()))) == args
 
 
@@ -65,7 +68,12 @@ PIN = {"session_id": "p", "ttl_s": 5}
     ([PIN | {"messages": -1}], "argument 'pins' messages must be >= 0, got -1"),
     ([PIN | {"messages": 1, "parts": -2}], "argument 'pins' parts must be >= 0, got -2"),
     ([PIN | {"messages": 1.5}], "argument 'pins': argument 'messages' must be int, got float"),
-    ([PIN | {"parts": 1}], "argument 'pins' parts needs messages (it cuts message[messages])"),
+    ([PIN | {"parts": 1}],
+     "argument 'pins' parts and chars need messages (they cut message[messages])"),
+    ([PIN | {"chars": 3}],
+     "argument 'pins' parts and chars need messages (they cut message[messages])"),
+    ([PIN | {"messages": 0, "chars": -1}], "argument 'pins' chars must be >= 0, got -1"),
+    ([PIN | {"messages": 0, "parts": 1, "chars": 2}], "argument 'pins' takes parts or chars, not both"),
 ], ids=lambda v: str(v)[:40] if isinstance(v, str) else None)
 def test_each_pin_bound_refuses_naming_pins(pins, message):
     assert refusal({"messages": CHAT, "pins": pins}) == message

@@ -174,6 +174,33 @@ def test_turn_one_creates_the_system_prefix_and_turn_two_reads_it(stack, url, mo
     assert theirs.usage.cache_creation_input_tokens == expected
 
 
+def test_a_breakpoint_inside_the_system_prompt_pins_up_to_its_block(stack, url, model,
+                                                                    tokenizer):
+    """Two system blocks, the breakpoint on the first: the pin ends where that block's text
+    ends in the joined system message (its rendering cut there), not at the message's end
+    and not before the message; turn 2, whose second block differs, reads it."""
+    c = client(url)
+    head = f"Zeta. {SYSTEM}"
+    blocks = [{"type": "text", "text": head, "cache_control": {"type": "ephemeral"}},
+              {"type": "text", "text": " Today the answer must mention the sea."}]
+    turns = [{"role": "user", "content": "What is a lighthouse?"}]
+    first = ask(c, model, blocks, turns)
+    bs = block_size(stack.run / "station.sock")
+    cut = tokenizer.apply_chat_template([{"role": "system", "content": head}],
+                                        tokenize=True)["input_ids"]
+    whole = prompt_ids(tokenizer, head + blocks[1]["text"], turns)
+    common = next(i for i, (a, b) in enumerate(zip(cut, whole)) if a != b)
+    expected = common // bs * bs  # the cut rendering's shared tokens, in whole blocks
+    assert expected >= 32 and common < len(cut)  # it stops inside the system turn
+    assert first.usage.cache_creation_input_tokens == expected
+    assert first.model_dump()["_gnosis"]["cache_pins"] == [
+        {"ttl": "5m", "tokens": expected, "pinned": True, "reason": None}]
+    other = [blocks[0], {"type": "text", "text": " Today the answer must mention the hills."}]
+    second = ask(c, model, other, turns)
+    assert second.usage.cache_read_input_tokens == expected
+    assert second.usage.cache_creation_input_tokens == 0
+
+
 def test_a_1h_breakpoint_counts_as_1h_creation(url, model):
     c = client(url)
     blocks = system("Beta", "1h")

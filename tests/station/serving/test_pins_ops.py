@@ -70,6 +70,30 @@ async def test_chat_pins_are_saved_reported_and_read_on_the_next_turn(station):
         assert (await conn.request("stats"))["kv_pins"] == 0
 
 
+async def test_a_chars_pin_ends_inside_a_message(station):
+    """``chars``: message[messages] rendered with its content cut there; the pin keeps the
+    tokens that rendering shares with the prompt (up to the cut, not the message's end)."""
+    system = CHAT[0]["content"] + " Always name the colour first, then the reason for it."
+    chat = [{"role": "system", "content": system}, *CHAT[1:]]
+    keep = len(CHAT[0]["content"])
+    pins = [{"session_id": "c.cut", "ttl_s": 300, "messages": 0, "chars": keep}]
+    async with open_station_client(station.socket) as conn:
+        prompt = await tokens(conn, chat)
+        cut = await tokens(conn, [{"role": "system", "content": system[:keep]}], False)
+        whole_turn = await tokens(conn, chat[:1], False)
+        pre, _ = await generate(conn, messages=chat, max_tokens=2, tenant="c", pins=pins)
+        expected = common_prefix_len(cut, prompt) // BS * BS
+        assert expected > 0 and common_prefix_len(cut, prompt) < len(whole_turn)
+        assert [(p["num_tokens"], p["pinned"], p["reason"]) for p in pre["pins"]] == [
+            (expected, True, None)]
+        bad = [{"session_id": "c.bad", "ttl_s": 300, "messages": len(chat), "chars": 1}]
+        pre, _ = await generate(conn, messages=chat, max_tokens=2, tenant="c", pins=bad)
+        assert (pre["pins"][0]["pinned"], pre["pins"][0]["num_tokens"]) == (False, 0)
+        assert pre["pins"][0]["reason"].startswith(f"the pin cuts at message {len(chat)}")
+        assert await conn.request("kv_session.delete", {"all": True, "tenant": "c"}) == {
+            "deleted": 1}
+
+
 @pytest.mark.parametrize(("args", "message"), [
     ({"messages": CHAT, "pins": [{"session_id": "p", "ttl_s": 0}]},
      "argument 'pins' ttl_s must be in (0, 2592000], got 0.0"),
