@@ -53,8 +53,9 @@ def plan(breakpoints: tuple[Breakpoint, ...], messages: list[dict[str, Any]],
             cut = 0
         elif point.ends:
             cut = point.message + shift + 1
-        else:
-            cut, chars = point.message + shift, point.chars
+        else:  # inside message ``cut``: where its block ends, when that is known
+            cut = point.message + shift
+            chars = point.chars if cut < len(messages) else None
         if (cut, chars) not in by_cut:
             kept = messages[:cut]
             if chars is not None:

@@ -55,7 +55,7 @@ def test_breakpoints_are_found_in_prompt_order_with_where_their_prefix_ends():
         messages=[{"role": "user", "content": [{"type": "text", "text": "Q", "cache_control": EPHEMERAL}]}]))
     assert req.breakpoints == (
         Breakpoint("1h", "tools.0.cache_control", None),
-        Breakpoint("1h", "system.0.cache_control", 0, False),
+        Breakpoint("1h", "system.0.cache_control", 0, False, 2),  # "S1": 2 characters
         Breakpoint("5m", "system.1.cache_control", 0, True),
         Breakpoint("5m", "messages.0.content.0.cache_control", 1, True))
     auto = parse_messages(body(cache_control=EPHEMERAL, messages=[{"role": "user", "content": "Q"}]))
@@ -70,18 +70,19 @@ def test_each_prefix_is_one_pin_whose_id_digests_the_tenant_and_the_prefix():
                                                {"type": "text", "text": "R", "cache_control": EPHEMERAL}]}]))
     messages = req.chat.station_args["messages"]
     plan = cache_pins.plan(req.breakpoints, messages, None, 0, "t", TTL_S)
-    # A block that does not end its message pins the prefix before that message: system.0
-    # the preamble (messages 0), the user's first block what system.1 pins (messages 1).
-    assert [(p["messages"], p["parts"], p["ttl_s"]) for p in plan.pins] == \
-        [(0, 0, 3600.0), (1, 0, 300.0), (2, 0, 300.0)]
-    assert plan.of_breakpoint == (0, 1, 1, 2)
+    # A text block that does not end its message cuts that message's joined text where the
+    # block ends: system.0 at "S1" (chars 2), the user's first block at "Q" (chars 1).
+    assert [(p["messages"], p.get("parts"), p.get("chars"), p["ttl_s"]) for p in plan.pins] == \
+        [(0, None, 2, 3600.0), (1, 0, None, 300.0), (1, None, 1, 300.0), (2, 0, None, 300.0)]
+    assert plan.of_breakpoint == (0, 1, 2, 3)
     again = cache_pins.plan(req.breakpoints, messages, None, 0, "t", TTL_S)
     other = cache_pins.plan(req.breakpoints, messages, None, 0, "u", TTL_S)
     assert again.pins == plan.pins
     assert {p["session_id"] for p in other.pins}.isdisjoint(p["session_id"] for p in plan.pins)
     assert all(p["session_id"].startswith("t.") for p in plan.pins)
-    shifted = cache_pins.plan(req.breakpoints, messages, None, 1, "t", TTL_S)
-    assert [p["messages"] for p in shifted.pins] == [1, 2, 3]
+    tools = {"role": "system", "content": "the tools"}  # a message put before the request's own
+    shifted = cache_pins.plan(req.breakpoints, [tools, *messages], None, 1, "t", TTL_S)
+    assert [p["messages"] for p in shifted.pins] == [1, 2, 2, 3]
 
 
 def report(num, read, pinned=True, reason=None):
