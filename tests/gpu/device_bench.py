@@ -233,7 +233,8 @@ def bench_mistral_shape(args, work: Path) -> None:
     loaded = shape.loaded_model(shape.build_on_device(config, device, dtype), settings, device, dtype)
     weights = shape.weight_bytes(loaded.model)
     log(f"[{name}] built on {device} in {time.perf_counter() - t0:.1f} s: "
-        f"{weights / 2 / 1e9:.3f}B params, {weights / 1e9:.3f} GB of {dtype} weights, "
+        f"{sum(p.numel() for p in loaded.model.parameters()) / 1e9:.3f}B params, "
+        f"{weights / 1e9:.3f} GB of {dtype} weights, "
         f"{config.num_hidden_layers} layers, hidden {config.hidden_size}, FFN "
         f"{config.intermediate_size}, heads {config.num_attention_heads}/{config.num_key_value_heads}"
         f" of {config.head_dim}, vocab {config.vocab_size}")
@@ -242,8 +243,9 @@ def bench_mistral_shape(args, work: Path) -> None:
         bandwidth = shape.copy_bandwidth(device, nbytes)
         log(f"[{name}] copy bandwidth: {bandwidth / 1e9:.1f} GB/s (a {nbytes / 2**20:.0f} MiB "
             f"copy on {device}, read + write, best of 10)")
-        log(f"[{name}] bandwidth limit: {bandwidth / weights:.1f} tok/s per stream "
-            f"({bandwidth / 1e9:.1f} GB/s / {weights / 1e9:.3f} GB of weights read once a step)")
+        log(f"[{name}] bandwidth limit: {bandwidth / weights:.1f} tok/s per stream, "
+            f"{1000 * weights / bandwidth:.3f} ms a step ({weights / 1e9:.3f} GB of weights read "
+            f"once a step / {bandwidth / 1e9:.1f} GB/s)")
     except Exception:  # noqa: BLE001
         log(f"[{name}] copy bandwidth FAILED:\n{traceback.format_exc()}")
     for graphs in [g for g in args.graphs.split(",") if g]:

@@ -82,8 +82,11 @@ def test_the_scaled_run_prints_every_figure(tmp_path):
     figure(r"built on cpu in [\d.]+ s: [\d.]+B params, [\d.]+ GB of torch.bfloat16 weights, "
            r"2 layers, hidden 256, FFN 896, heads 2/1 of 128, vocab 2000$")
     (bandwidth,) = figure(rf"copy bandwidth: {NUMBER} GB/s")
-    limit, bandwidth_again = figure(rf"bandwidth limit: {NUMBER} tok/s per stream \({NUMBER} GB/s")
-    assert float(bandwidth) > 0 and float(limit) > 0 and bandwidth_again == bandwidth
+    limit, step_ms, bandwidth_again = figure(
+        rf"bandwidth limit: {NUMBER} tok/s per stream, {NUMBER} ms a step \([\d.]+ GB of weights "
+        rf"read once a step / {NUMBER} GB/s\)$")
+    assert float(bandwidth) > 0 and float(limit) > 0 and float(step_ms) > 0
+    assert bandwidth_again == bandwidth
     for graphs in GRAPHS:
         for n in STREAMS:
             (rate,) = figure(rf" *{n} stream\(s\) x 4 tokens: +{NUMBER} tok/s aggregate", graphs)
