@@ -107,6 +107,10 @@ class Settings:
     # Q4_1, Q4_K) and int8 (Q8_0) and a float checkpoint's floats; int4 / int8 quantize the rest
     # at load; float dequantizes everything (docs/engine.md, "Weights that stay quantized").
     weights: str = "auto"
+    # How a GGUF file is read (station/model/gguf_mapped.py): map builds the model straight from
+    # the file's blocks, no float copy; convert has transformers write a float32 checkpoint to
+    # model_cache_dir first; auto maps a Llama/Qwen file whose float32 copy would pass 1 GiB.
+    gguf_load: str = "auto"
     tenant_salt: str = ""  # server-side secret mixed into prefix-cache keys
     max_waiting_requests: int = 256  # station: queued sequences; past it, generate gets capacity
     disable_capabilities: str = ""  # GNOSIS_STATION_DISABLE: stale-station drill
@@ -208,6 +212,8 @@ class Settings:
                "one of auto, float32, bfloat16, float16")
         _check(self.weights, self.weights in {"auto", "float", "int8", "int4"}, "weights",
                "one of auto, float, int8, int4")
+        _check(self.gguf_load, self.gguf_load in {"auto", "convert", "map"}, "gguf_load",
+               "one of auto, convert, map")
         _check(self.cpu_decode_step, self.cpu_decode_step in {"auto", "on", "off"}, "cpu_decode_step",
                "one of auto, on, off")
         _check(self.decode_graphs, self.decode_graphs in {"auto", "on", "off"}, "decode_graphs",

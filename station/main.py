@@ -90,7 +90,7 @@ class _TorchThread:
             loaded = load_model(self.settings)
             self.model_path = str(loaded.path)
             log.info("model_loaded", model=loaded.served_id, path=loaded.path,
-                     loaded_from=loaded.loaded_from, device=str(loaded.device),
+                     loaded_from=loaded.loaded_from, mapped=loaded.mapped, device=str(loaded.device),
                      dtype=str(loaded.dtype), fingerprint=loaded.fingerprint[:16])
             engine = PagedEngine(loaded, self.settings)
             # The paged path against the model's own forward, past its longest window:

@@ -40,6 +40,14 @@ from gnosis_daemon.logs import get_logger
 log = get_logger(__name__)
 
 GROUP = 32  # GGUF's block size; torch's int4 kernels take 32, 64, 128 or 256
+_LOAD_BLOCK = 1 << 20  # values packed or dequantized at once at load: bounds the temporaries (4 MB)
+
+
+def _row_step(rows: int, cols: int) -> int:
+    """Rows per block of about ``_LOAD_BLOCK`` values: a multiple of 64 (the CPU int4
+    packing's tile of output rows: blocks of it pack as the whole does) where ``rows`` is
+    one, else all of them."""
+    return max(64, _LOAD_BLOCK // cols // 64 * 64) if rows % 64 == 0 else rows
 
 
 @dataclass(slots=True)
@@ -48,10 +56,13 @@ class Int4Groups:
     scale: torch.Tensor  # [N, K // GROUP] float32
     zero: torch.Tensor  # [N, K // GROUP] float32: the value q = 8 stands for
 
-    def dequantize(self) -> torch.Tensor:
-        n, k = self.q.shape
-        groups = (self.q.float() - 8).view(n, k // GROUP, GROUP)
-        return (groups * self.scale[:, :, None] + self.zero[:, :, None]).view(n, k)
+    def dequantize(self, start: int = 0, stop: int | None = None) -> torch.Tensor:
+        """The values of rows ``start:stop``, float32; in place, so they are the only float copy."""
+        values = self.q[start:stop].float()
+        n, k = values.shape
+        groups = values.sub_(8).view(n, k // GROUP, GROUP)
+        groups.mul_(self.scale[start:stop, :, None]).add_(self.zero[start:stop, :, None])
+        return values
 
     def step_layout(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """The C decode step's form (``cpu_step.c``): per row the 4-bit values as GGUF packs
@@ -87,8 +98,8 @@ class Int8Rows:
     q: torch.Tensor  # [N, K] int8
     scale: torch.Tensor  # [N] float32
 
-    def dequantize(self) -> torch.Tensor:
-        return self.q.float() * self.scale[:, None]
+    def dequantize(self, start: int = 0, stop: int | None = None) -> torch.Tensor:
+        return self.q[start:stop].float() * self.scale[start:stop, None]
 
     @classmethod
     def quantize(cls, weight: torch.Tensor) -> Int8Rows:
@@ -118,8 +129,10 @@ class Int4Linear(nn.Module):
             tiles = next(t for t in (8, 4, 2) if self.in_features % (t * 16) == 0)
             pairs = (q[:, ::2].to(torch.int32) << 4 | q[:, 1::2].to(torch.int32)).to(torch.uint8)
             packed = torch.ops.aten._convert_weight_to_int4pack(pairs.contiguous(), tiles)
-        else:
-            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 2)
+        else:  # a block of rows at a time (the layout is per row): no whole int32 copy
+            step = _row_step(*q.shape)
+            packed = torch.cat([torch.ops.aten._convert_weight_to_int4pack_for_cpu(
+                q[at:at + step].to(torch.int32), 2) for at in range(0, self.out_features, step)])
         self.register_buffer("packed", packed)
         # [K // GROUP, N, 2]: (scale, zero) per group and output, as the kernels take them
         self.register_buffer("scales_and_zeros", torch.stack([groups.scale.t(), groups.zero.t()], -1)
@@ -177,17 +190,30 @@ class Int8Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, int8 rows"
 
 
-def checked(layer: nn.Module, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    """The packed layer agrees with ``F.linear`` over ``weight`` (its own dequantized values)."""
+def checked(layer: nn.Module, weight: torch.Tensor | Int4Groups | Int8Rows, bias: torch.Tensor | None,
+            device: torch.device | None = None) -> bool:
+    """The packed layer agrees with ``F.linear`` over ``weight``: its own dequantized values,
+    or its quantized form, dequantized a block of rows at a time (no whole float copy); on
+    ``device`` (default: the values')."""
+    values, form = (weight, None) if isinstance(weight, torch.Tensor) else (None, weight)
+    device = device or (values.device if values is not None else torch.device("cpu"))
     gen = torch.Generator().manual_seed(0)
-    x = torch.randn(3, weight.shape[1], generator=gen).to(weight.device, weight.dtype)
+    x = torch.randn(3, form.q.shape[1] if form is not None else values.shape[1], generator=gen)
+    x = x.to(device, values.dtype if values is not None else torch.float32)
     with torch.inference_mode():
         try:
             got = layer(x).float()
         except RuntimeError as exc:  # a torch build or device without this kernel
             log.info("quantized_kernel_unavailable", kind=type(layer).__name__, reason=str(exc))
             return False
-        want = F.linear(x.float(), weight.float(), None if bias is None else bias.float())
+        if form is None:
+            want = F.linear(x.float(), values.float(), None if bias is None else bias.float())
+        else:
+            rows = form.q.shape[0]
+            step = _row_step(rows, x.shape[1])
+            want = torch.cat([F.linear(x, form.dequantize(at, at + step).to(device))
+                              for at in range(0, rows, step)], -1)
+            want = want if bias is None else want + bias.float()
     scale = float(want.abs().max()) or 1.0
     # bfloat16 activations and scales: ~3 significant digits
     return bool((got - want).abs().max() <= 3e-2 * scale)

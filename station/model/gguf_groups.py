@@ -22,6 +22,7 @@ bit, or the weight is not used (it stays float, and the log says which and why).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -40,7 +41,7 @@ _BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q4_K": 144}  # Q4_K: a super-block of 2
 
 @dataclass(slots=True)
 class GgufWeights:
-    int4: dict[str, Int4Groups]  # the model's parameter name -> its 4-bit groups
+    int4: Mapping[str, Int4Groups]  # the model's parameter name -> its 4-bit groups
     types: dict[str, str]  # the model's parameter name -> the file's tensor type (Q4_1, Q8_0, F32...)
     rejected: dict[str, str]  # name -> why its blocks were not used
     # every tensor of the file, in file order: GGUF name -> (its type, the model's parameter
@@ -124,16 +125,12 @@ def groups_of(q: np.ndarray, d: np.ndarray, m: np.ndarray | None) -> Int4Groups:
 
 def read_gguf_weights(gguf: Path, model: Any) -> GgufWeights:
     """The 4-bit weights of ``gguf`` that match ``model``'s (its dense conversion) exactly."""
-    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
-
     arch, tensors = read_tensor_table(gguf)
-    config = model.config
-    processor = TENSOR_PROCESSORS.get(arch, TensorProcessor)(config={
-        "num_attention_heads": getattr(config, "num_attention_heads", None),
-        "num_key_value_heads": getattr(config, "num_key_value_heads", None)})
+    processor = processor_for(arch, model.config)
     params = dict(model.named_parameters())
-    names = _gguf_names(arch, config, params)
-    out = GgufWeights({}, {}, {})
+    names = _gguf_names(arch, model.config, params)
+    int4: dict[str, Int4Groups] = {}
+    out = GgufWeights(int4, {}, {})
     for tensor in tensors:
         name = names.get(tensor.name)
         out.tensors[tensor.name] = (tensor.kind, name)
@@ -158,11 +155,20 @@ def read_gguf_weights(gguf: Path, model: Any) -> GgufWeights:
         if not torch.equal(values, dense.cpu()):
             out.rejected[name] = "its blocks do not dequantize to the converted weight"
             continue
-        out.int4[name] = groups_of(q, d, m)
+        int4[name] = groups_of(q, d, m)
     if out.rejected:
         log.warning("gguf_blocks_not_used", count=len(out.rejected),
                     first=next(iter(out.rejected.items())))
     return out
+
+
+def processor_for(arch: str, config: Any) -> Any:
+    """transformers' tensor processor for ``arch``: the row order its conversion gives."""
+    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
+
+    return TENSOR_PROCESSORS.get(arch, TensorProcessor)(config={
+        "num_attention_heads": getattr(config, "num_attention_heads", None),
+        "num_key_value_heads": getattr(config, "num_key_value_heads", None)})
 
 
 def file_tensors(gguf: Path, model: Any) -> dict[str, tuple[str, str | None]]:

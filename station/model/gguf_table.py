@@ -48,10 +48,26 @@ class TensorEntry:
                          shape=(rows, row_bytes))
 
 
+class _Short(Exception):
+    """The header runs past the bytes read so far."""
+
+
 def read_tensor_table(path: Path) -> tuple[str, list[TensorEntry]]:
-    """-> (general.architecture, the tensors in file order)."""
-    with open(path, "rb") as f:
-        data = f.read(min(path.stat().st_size, 64 * 1024 * 1024))
+    """-> (general.architecture, the tensors in file order). The header is read a growing
+    prefix at a time (1 MiB, then 4 times more), so a load holds no more of it than it is."""
+    size, want = path.stat().st_size, 1 << 20
+    while True:
+        with open(path, "rb") as f:
+            data = f.read(min(size, want))
+        try:
+            return _parse(path, data)
+        except (_Short, struct.error):
+            if len(data) >= size:
+                raise GgufFormatError("the header runs past the end of the file") from None
+            want *= 4
+
+
+def _parse(path: Path, data: bytes) -> tuple[str, list[TensorEntry]]:
     if data[:4] != b"GGUF":
         raise GgufFormatError(f"{path} is not a GGUF file")
     version, n_tensors, n_kv = struct.unpack_from("<IQQ", data, 4)
@@ -84,7 +100,7 @@ def _string(data: bytes, pos: int) -> tuple[str, int]:
     (length,) = struct.unpack_from("<Q", data, pos)
     end = pos + 8 + length
     if end > len(data):
-        raise GgufFormatError("the header runs past the part of the file read")
+        raise _Short()
     return data[pos + 8:end].decode("utf-8", "replace"), end
 
 

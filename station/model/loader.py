@@ -1,8 +1,13 @@
 """Load the station's causal LM: an HF directory or a ``.gguf`` file, on CUDA or CPU.
 
-A GGUF file is converted by transformers on first load (seconds, for a small model) and the
-dense checkpoint is cached under ``model_cache_dir`` (default ``~/.cache/gnosis-daemon``)
-keyed by the file's name, size and mtime, so later starts load the cache in seconds.
+A GGUF file is read one of two ways (``gguf_load``). Mapped (``gguf_mapped``; auto's choice
+for a Llama/Qwen file whose float32 copy would pass 1 GiB): the model is built empty and
+filled from the file, each kept weight straight from its blocks, with no float copy on disk
+or in memory. Converted (auto's choice for a small file, and for other families): transformers
+converts it on first load (seconds, for a small model) and the dense checkpoint is cached
+under ``model_cache_dir`` (default ``~/.cache/gnosis-daemon``) keyed by the file's name, size
+and mtime, so later starts load the cache in seconds. Either way the start log's
+``model_memory`` line gives the load's peak and resident memory beside the file's size.
 
 transformers 5.24 marks a GGUF-loaded model quantized (``hf_quantizer``,
 ``config.quantization_config``, ``is_quantized``) although every weight comes out dense, and
@@ -20,10 +25,10 @@ import os
 import re
 import shutil
 import tempfile
-from contextlib import contextmanager
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 
@@ -66,6 +71,7 @@ class LoadedModel:
     grammars: Any = None  # station.sampling.grammar.Grammars, made at first use
     weights: WeightsReport | None = None  # which linears stay quantized (None: not applied)
     attention: AttentionKinds | None = None  # each layer's attention kind (None: not read)
+    mapped: bool = False  # a GGUF file's weights read from its map, no float copy (gguf_mapped)
 
 
 def default_model_path() -> Path:
@@ -109,15 +115,56 @@ def gguf_cache_dir(gguf: Path, settings: Settings) -> Path:
 
 def load_model(settings: Settings) -> LoadedModel:
     """Load the configured model (or the default GGUF) ready for inference."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     from transformers.utils import logging as hf_logging
 
+    from station.model.memory import load_figures, reset_peak
+
     hf_logging.disable_progress_bar()  # tqdm bars would garble the JSON log stream
+    base = reset_peak()  # the load's peak memory is its own
     path = Path(settings.model) if settings.model else default_model_path()
     device, dtype = pick_device(settings)
+    model, tokenizer, source, converted, mapped = _open(path, settings, device, dtype)
+    model.eval()
+    model.requires_grad_(False)
+    shape = KVCacheShape.from_config(model.config, settings.kv_block_size, dtype)
+    # Each layer's attention as the model computes it; ModelRefused for what the engine cannot
+    with mapped.placeholders(model) if mapped is not None else nullcontext():
+        attention = read_attention_kinds(model, shape.num_kv_heads, shape.head_dim)
+    weights = apply_weights(model, settings.weights, device, dtype,
+                            gguf=path if path.suffix == ".gguf" else None, choices_dir=cache_base(settings),
+                            decode_step=settings.cpu_decode_step, full_attention=attention.all_full,
+                            mapped=mapped)
+    config = model.config
+    max_len = getattr(config, "max_position_embeddings", None) or settings.max_model_len
+    log.info("model_memory", mapped=mapped is not None,
+             **load_figures(base, path.stat().st_size if path.is_file() else 0))
+    return LoadedModel(
+        model=model, tokenizer=tokenizer, device=device, dtype=dtype,
+        fingerprint=fingerprint(model, dtype, weights.tag, attention.tag),
+        served_id=settings.served_model_name or served_name(path),
+        eos_token_ids=eos_token_ids(model, tokenizer),
+        max_model_len=min(settings.max_model_len, int(max_len)),
+        path=str(path), loaded_from=str(source), model_type=str(config.model_type),
+        vocab_size=int(getattr(config, "vocab_size", None) or len(tokenizer)),
+        converted=converted, max_token_chars=max_token_chars(tokenizer), codec=Codec(tokenizer),
+        weights=weights, attention=attention, mapped=mapped is not None,
+    )
+
+
+def _open(path: Path, settings: Settings, device: torch.device,
+          dtype: torch.dtype) -> tuple[Any, Any, Path, bool, Any]:
+    """-> (model on ``device``, tokenizer, where the weights are read from, whether this load
+    converted a GGUF, the ``gguf_mapped.MappedFile`` of a mapped one or None)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from station.model.gguf_mapped import load_mapped, wants_map
+
     converted = False
     if path.is_file() and path.suffix == ".gguf":
+        if wants_map(path, settings.gguf_load, settings.weights):
+            cache = gguf_cache_dir(path, settings)
+            model, tokenizer, mapped = load_mapped(path, cache.with_name(f"{cache.name}.mapped"), device, dtype)
+            return model, tokenizer, path, False, mapped
         source = gguf_cache_dir(path, settings)
         if not (source / "config.json").is_file():
             _convert_gguf(path, source)
@@ -134,38 +181,18 @@ def load_model(settings: Settings) -> LoadedModel:
     except (OSError, ValueError, KeyError) as exc:
         raise ModelLoadError(f"cannot load model from {str(source)!r}: {exc}") from exc
     model.to(device)  # type: ignore[arg-type]  # transformers' wrapper of `to` types it wrong
-    model.eval()
-    model.requires_grad_(False)
-    shape = KVCacheShape.from_config(model.config, settings.kv_block_size, dtype)
-    # Each layer's attention as the model computes it; ModelRefused for what the engine cannot
-    attention = read_attention_kinds(model, shape.num_kv_heads, shape.head_dim)
-    weights = apply_weights(model, settings.weights, device, dtype,
-                            gguf=path if path.suffix == ".gguf" else None, choices_dir=cache_base(settings),
-                            decode_step=settings.cpu_decode_step, full_attention=attention.all_full)
-    config = model.config
-    max_len = getattr(config, "max_position_embeddings", None) or settings.max_model_len
-    return LoadedModel(
-        model=model, tokenizer=tokenizer, device=device, dtype=dtype,
-        fingerprint=fingerprint(model, dtype, weights.tag, attention.tag),
-        served_id=settings.served_model_name or served_name(path),
-        eos_token_ids=eos_token_ids(model, tokenizer),
-        max_model_len=min(settings.max_model_len, int(max_len)),
-        path=str(path), loaded_from=str(source), model_type=str(config.model_type),
-        vocab_size=int(getattr(config, "vocab_size", None) or len(tokenizer)),
-        converted=converted, max_token_chars=max_token_chars(tokenizer), codec=Codec(tokenizer),
-        weights=weights, attention=attention,
-    )
+    return model, tokenizer, source, converted, None
 
 
 def _convert_gguf(gguf: Path, target: Path) -> None:
     """Convert ``gguf`` with transformers and save the dense checkpoint at ``target`` atomically."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from station.model.gguf_convert import conversion_fixes
+    from station.model.gguf_convert import clear_quantized_marker, conversion_fixes, gguf_parsed_once
 
     log.info("gguf_convert_start", gguf=str(gguf), cache=str(target))
     try:
-        with _gguf_parsed_once(), conversion_fixes():
+        with gguf_parsed_once(), conversion_fixes():
             model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,
                                                          dtype=torch.float32)
             tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
@@ -187,65 +214,6 @@ def _convert_gguf(gguf: Path, target: Path) -> None:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     log.info("gguf_convert_done", cache=str(target))
-
-
-@contextmanager
-def _gguf_parsed_once() -> Iterator[None]:
-    """Within a conversion, each GGUF file is parsed once and gguf's tensor-name table built once.
-
-    transformers parses the file three times (the config, the weights, the tokenizer; each
-    parse reads the whole vocabulary in the metadata) and rebuilds the name table for every
-    module it maps: most of a conversion's time. It imports both
-    from the ``gguf`` module at call time, so memoizing them there for the conversion's
-    duration is enough. The reader is read-only (a memory map), so sharing it is safe.
-    """
-    try:
-        import gguf
-    except ImportError:  # transformers will say what is missing
-        yield
-        return
-    make_reader, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
-    readers: dict[tuple, Any] = {}
-    maps: dict[tuple, Any] = {}
-
-    def reader(path: Any, *args: Any, **kwargs: Any) -> Any:
-        key = (os.fspath(path), args, tuple(sorted(kwargs.items())))
-        if key not in readers:
-            readers[key] = make_reader(path, *args, **kwargs)
-        return readers[key]
-
-    def tensor_name_map(*args: Any) -> Any:
-        if args not in maps:
-            maps[args] = name_map(*args)
-        return maps[args]
-
-    # A patch of the module for the conversion's duration (mypy: a class replaced by a function).
-    gguf.GGUFReader, gguf.get_tensor_name_map = reader, tensor_name_map  # type: ignore[misc, assignment]
-    try:
-        yield
-    finally:
-        gguf.GGUFReader, gguf.get_tensor_name_map = make_reader, name_map  # type: ignore[misc]
-
-
-def clear_quantized_marker(model: Any) -> None:
-    """Drop transformers' 'quantized' marker after checking every weight is dense floating point."""
-    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
-        if tensor.layout != torch.strided or (name.endswith("weight") and not tensor.is_floating_point()):
-            raise ModelLoadError(f"GGUF weight {name} is not a dense floating tensor "
-                                 f"({tensor.dtype}, {tensor.layout}); cannot cache it")
-    quantizer = getattr(model, "hf_quantizer", None)
-    if quantizer is not None:
-        quantizer.remove_quantization_config(model)
-    for attr in ("hf_quantizer", "quantization_method"):
-        if hasattr(model, attr):
-            delattr(model, attr)
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
-    model.is_quantized = False
-    for module in model.modules():
-        config = getattr(module, "config", None)
-        if config is not None and getattr(config, "_is_quantized", False):
-            config._is_quantized = False
 
 
 def fingerprint(model: Any, dtype: torch.dtype, weights_tag: str = "float", attention_tag: str = "") -> str:

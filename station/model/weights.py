@@ -124,10 +124,13 @@ def decoder_linears(model: nn.Module) -> list[tuple[str, nn.Module, str, nn.Line
 
 def apply_weights(model: nn.Module, mode: str, device: torch.device, dtype: torch.dtype, *,
                   gguf: Path | None = None, choices_dir: Path | None = None,
-                  decode_step: str = "auto", full_attention: bool = True) -> WeightsReport:
+                  decode_step: str = "auto", full_attention: bool = True,
+                  mapped: Any = None) -> WeightsReport:
     """Swap the decoder's linears for quantized ones as ``mode`` says; -> what was done, and
     why each load-time candidate of the decode plan was taken or refused (``report.why``).
-    ``full_attention``: every layer attends causally to its whole context (the C step's)."""
+    ``full_attention``: every layer attends causally to its whole context (the C step's).
+    ``mapped``: the ``gguf_mapped.MappedFile`` of a model built empty from ``gguf``, whose
+    decoder weights are filled from the file only where a float one is needed."""
     if mode not in MODES:
         raise ValueError(f"weights must be one of {', '.join(MODES)}, not {mode!r}")
     if decode_step not in STEP_MODES:
@@ -145,11 +148,13 @@ def apply_weights(model: nn.Module, mode: str, device: torch.device, dtype: torc
                   if mode == "float" else "weights=auto keeps a float checkpoint's floats")
         report.why.update({"int4": reason, "int8": reason})
         report.why["c-step"] = report.why["c-step"] or "no 4-bit decoder layers"
+        if mapped is not None:
+            mapped.fill_rest(model)
         if gguf is not None:
             _account_gguf(report, model, gguf, None, {}, "the model has no decoder linears")
         return report
-    from_file = None  # mode is auto, int4 or int8 from here on
-    if gguf is not None:
+    from_file = None if mapped is None else mapped.weights  # mode is auto, int4 or int8 from here on
+    if gguf is not None and mapped is None:
         from station.model.gguf_groups import read_gguf_weights
 
         from_file = read_gguf_weights(gguf, model)
@@ -159,6 +164,7 @@ def apply_weights(model: nn.Module, mode: str, device: torch.device, dtype: torc
     built: dict[str, list] = {"int4": [], "int8": []}  # form -> [(name, parent, attr, layer, new, values, source)]
     why: dict[str, str] = {}  # weight name -> why its layer stayed float (for the file's account)
     tried: set[str] = set()  # the forms some layer would take
+    kept_values = {"int4": 0, "int8": 0}  # float bytes kept per form for choose (it takes so many)
     for name, parent, attr, layer in layers:
         weight_name = f"{name}.weight"
         form = _form(mode, from_file.types.get(weight_name) if from_file else None)
@@ -170,19 +176,28 @@ def apply_weights(model: nn.Module, mode: str, device: torch.device, dtype: torc
             why[weight_name] = f"its blocks were not used: {from_file.rejected.get(weight_name, 'unread')}"
             continue
         bias = None if layer.bias is None else layer.bias.detach()
-        made = _build(form, layer, from_file.int4.get(weight_name) if from_file else None,
-                      device, dtype, step_wanted)
+        groups = from_file.int4.get(weight_name) if from_file and form == "int4" else None
+        fill = mapped is not None and groups is None  # this one layer's float values, then none
+        if fill:
+            mapped.fill(model, weight_name)
+        made = _build(form, layer, groups, device, dtype, step_wanted)
+        if fill:
+            mapped.empty(model, weight_name)
         if made is None:
             why[weight_name] = f"the {form} kernel does not take a {tuple(layer.weight.shape)} weight"
             continue
-        quantized, values, source = made
-        if not checked(quantized, values.to(device), bias):
+        quantized, stored, source = made
+        if not checked(quantized, stored, bias, device):
             log.warning("quantized_layer_disagrees", layer=name, form=form)
             why[weight_name] = f"its {form} layer disagreed with F.linear over its values"
             continue
+        keep = mode == "auto" and kept_values[form] < choices.MEASURE_BYTES  # values to time float with
+        values = stored.dequantize() if keep else None
+        kept_values[form] += values.numel() * 4 if values is not None else 0
         built[form].append((name, parent, attr, layer, quantized, values, source))
     for form, entries in built.items():
-        faster = mode != "auto" or choices.choose(form, [(e[4], e[5]) for e in entries], device, dtype)
+        faster = mode != "auto" or choices.choose(form, [(e[4], e[5]) for e in entries if e[5] is not None],
+                                                  device, dtype)
         _record(report, form, verdict(choices, form, f"{form}:{device.type}", "float layers measured faster than"))
         if not faster:
             report.slower.extend(e[0] for e in entries)  # the same values run faster dense here
@@ -198,6 +213,8 @@ def apply_weights(model: nn.Module, mode: str, device: torch.device, dtype: torc
         if not report.count(form) and (form not in report.why or mode != "auto" or not built[form]):
             report.why[form] = _no_form(mode, form, form in tried)
     del built
+    if mapped is not None:  # what stays float: layers measured slower, or whose form did not check
+        mapped.fill_rest(model)
     if gguf is not None:
         head_why = "not a float32 model on a CPU"
         if device.type == "cpu" and dtype == torch.float32:
@@ -208,7 +225,7 @@ def apply_weights(model: nn.Module, mode: str, device: torch.device, dtype: torc
                                                "the float32 head measured faster than"))
         _account_gguf(report, model, gguf, from_file, why, head_why)
     if any(form != "float" for form in report.forms.values()):
-        _own_memory(model)
+        _own_memory(model, copy=mapped is None)
     if step_wanted and not report.count("int4"):
         report.why["c-step"] = "no 4-bit decoder layers"
     elif step_wanted:
@@ -308,16 +325,16 @@ def _account_gguf(report: WeightsReport, model: nn.Module, gguf: Path, from_file
                        for name, (kind, why) in report.gguf_dequantized.items()})
 
 
-def _own_memory(model: nn.Module) -> None:
+def _own_memory(model: nn.Module, copy: bool = True) -> None:
     """Copy what stays float out of the checkpoint's mapping, so the mapping is released.
 
     transformers maps a safetensors file and hands out views of it: the weights we replaced
     keep their file pages resident for as long as any tensor of that file lives. One copy
     of the embeddings and norms frees the rest, then glibc is asked to give back the heap
-    that loading left behind.
+    that loading left behind. A mapped model (``copy`` False) owns its tensors already.
     """
     with torch.no_grad():
-        for tensor in [*model.parameters(), *model.buffers()]:
+        for tensor in [*model.parameters(), *model.buffers()] if copy else ():
             if tensor.device.type == "cpu":
                 tensor.data = tensor.data.clone()
     try:
@@ -339,8 +356,8 @@ def _form(mode: str, file_type: str | None) -> str | None:
 
 
 def _build(form: str, layer: nn.Linear, from_file: Int4Groups | None, device: torch.device,
-           dtype: torch.dtype, step_form: bool) -> tuple[nn.Module, torch.Tensor, str] | None:
-    """(the quantized layer, the values it stands for, where they came from) or None."""
+           dtype: torch.dtype, step_form: bool) -> tuple[nn.Module, Int4Groups | Int8Rows, str] | None:
+    """(the quantized layer, the form of the values it stands for, where they came from) or None."""
     weight = layer.weight.detach()
     bias = None if layer.bias is None else layer.bias.detach()
     if form == "int4":
@@ -354,9 +371,9 @@ def _build(form: str, layer: nn.Linear, from_file: Int4Groups | None, device: to
         quantized = Int4Linear(groups, bias, device)
         if step_form:
             quantized.step_form = groups.step_layout()
-        return quantized, groups.dequantize(), source
+        return quantized, groups, source
     rows = Int8Rows.quantize(weight)
-    return Int8Linear(rows, bias, device, dtype), rows.dequantize(), "load"
+    return Int8Linear(rows, bias, device, dtype), rows, "load"
 
 
 def _bytes(module: nn.Module) -> int:
