@@ -267,21 +267,23 @@ class KernelChoices:
 
     def choose(self, form: str, layers: list[tuple[nn.Module, torch.Tensor]], device: torch.device,
                dtype: torch.dtype) -> bool:
-        """``layers``: (quantized layer, the dense values it stands for) -> use the quantized?"""
+        """``layers``: (quantized layer, the dense values it stands for) -> use the quantized?
+        The pairs are taken off the list as they are packed, so each float copy goes once its
+        packed twin exists (a load holds one of them at a time, not both)."""
         key = f"{form}:{device.type}"
         if key not in self.answers and layers:
             from station.kernels.dense import pack_weight  # what float would run
 
             quantized, dense, inputs, total = [], [], [], 0
-            for layer, values in layers:
-                if total >= self.MEASURE_BYTES:
-                    break
+            while layers and total < self.MEASURE_BYTES:
+                layer, values = layers.pop(0)
                 weight = values.to(device, dtype)
                 packed = pack_weight(weight, None)
                 dense.append(_OneDnn(packed) if packed is not None else _Dense(weight))
                 quantized.append(layer)
                 inputs.append(torch.randn(1, layer.in_features).to(device, dtype))
                 total += weight.numel() * 4
+                del values, weight
             quantized_s, float_s = _time_passes([quantized, dense], inputs)
             del dense
             self.measured[key] = (quantized_s, float_s)

@@ -161,7 +161,8 @@ def apply_weights(model: nn.Module, mode: str, device: torch.device, dtype: torc
     choices = KernelChoices(_choices_path(choices_dir, model, gguf) if mode == "auto" else None)
     # the C decode step (cpu_step) may take the 4-bit layers' values: keep its form of them
     step_wanted = not report.why["c-step"]
-    built: dict[str, list] = {"int4": [], "int8": []}  # form -> [(name, parent, attr, layer, new, values, source)]
+    built: dict[str, list] = {"int4": [], "int8": []}  # form -> [(name, parent, attr, layer, new, source)]
+    timing: dict[str, list] = {"int4": [], "int8": []}  # form -> [(new, its values)] for choose
     why: dict[str, str] = {}  # weight name -> why its layer stayed float (for the file's account)
     tried: set[str] = set()  # the forms some layer would take
     kept_values = {"int4": 0, "int8": 0}  # float bytes kept per form for choose (it takes so many)
@@ -191,19 +192,18 @@ def apply_weights(model: nn.Module, mode: str, device: torch.device, dtype: torc
             log.warning("quantized_layer_disagrees", layer=name, form=form)
             why[weight_name] = f"its {form} layer disagreed with F.linear over its values"
             continue
-        keep = mode == "auto" and kept_values[form] < choices.MEASURE_BYTES  # values to time float with
-        values = stored.dequantize() if keep else None
-        kept_values[form] += values.numel() * 4 if values is not None else 0
-        built[form].append((name, parent, attr, layer, quantized, values, source))
+        if mode == "auto" and kept_values[form] < choices.MEASURE_BYTES:  # values to time float with
+            timing[form].append((quantized, stored.dequantize()))
+            kept_values[form] += timing[form][-1][1].numel() * 4
+        built[form].append((name, parent, attr, layer, quantized, source))
     for form, entries in built.items():
-        faster = mode != "auto" or choices.choose(form, [(e[4], e[5]) for e in entries if e[5] is not None],
-                                                  device, dtype)
+        faster = mode != "auto" or choices.choose(form, timing[form], device, dtype)
         _record(report, form, verdict(choices, form, f"{form}:{device.type}", "float layers measured faster than"))
         if not faster:
             report.slower.extend(e[0] for e in entries)  # the same values run faster dense here
             why.update((f"{e[0]}.weight", f"float layers measured faster than {form} here") for e in entries)
             continue
-        for name, parent, attr, layer, quantized, _, source in entries:
+        for name, parent, attr, layer, quantized, source in entries:
             setattr(parent, attr, quantized)
             report.forms[name], report.source[name] = form, source
             report.linear_bytes_after += _bytes(quantized) - _bytes(layer)
@@ -212,7 +212,7 @@ def apply_weights(model: nn.Module, mode: str, device: torch.device, dtype: torc
     for form in ("int4", "int8"):
         if not report.count(form) and (form not in report.why or mode != "auto" or not built[form]):
             report.why[form] = _no_form(mode, form, form in tried)
-    del built
+    del built, timing
     if mapped is not None:  # what stays float: layers measured slower, or whose form did not check
         mapped.fill_rest(model)
     if gguf is not None:
@@ -234,6 +234,7 @@ def apply_weights(model: nn.Module, mode: str, device: torch.device, dtype: torc
         report.step, step_verdict = cpu_step(model, choices, choices_dir, decode_step)
         _record(report, "c-step", step_verdict)
         release_step_forms(model)  # the step holds its own stacked copy, or there is no step
+        _own_memory(model, copy=False)  # and the heap those copies took goes back
     choices.save()
     log.info("weights_applied", **report.summary())
     return report
