@@ -136,7 +136,7 @@ class _FileGroups(Mapping[str, Int4Groups]):
     def __getitem__(self, name: str) -> Int4Groups:
         entry = self._entries[name]
         trim_heap()  # the last layer's temporaries: keep the load's peak near what is kept
-        q, d, m = decode_blocks(entry.rows(), entry.kind)
+        q, d, m = _decoded(entry)
         q, d = _rows_as_converted(self._processor, q, entry.name), _rows_as_converted(self._processor, d, entry.name)
         m = None if m is None else _rows_as_converted(self._processor, m, entry.name)
         return groups_of(q, d, m)
@@ -149,6 +149,23 @@ class _FileGroups(Mapping[str, Int4Groups]):
 
     def __len__(self) -> int:
         return len(self._entries)
+
+
+def _decoded(entry: TensorEntry) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """``decode_blocks`` over a tensor's rows a block of ~4 MB at a time, into one array:
+    its temporaries stay a block's, not the tensor's."""
+    rows = entry.rows()
+    step = max(1, (4 << 20) // rows.shape[1])
+    parts = [decode_blocks(rows[at:at + step], entry.kind) for at in range(0, min(step, rows.shape[0]), step)]
+    q = np.empty((rows.shape[0], parts[0][0].shape[1]), dtype=np.uint8)
+    d = np.empty((rows.shape[0], parts[0][1].shape[1]), dtype=np.float32)
+    m = None if parts[0][2] is None else np.empty_like(d)
+    for at in range(0, rows.shape[0], step):
+        bq, bd, bm = parts.pop() if at == 0 else decode_blocks(rows[at:at + step], entry.kind)
+        q[at:at + step], d[at:at + step] = bq, bd
+        if m is not None and bm is not None:
+            m[at:at + step] = bm
+    return q, d, m
 
 
 def load_mapped(gguf: Path, cache: Path, device: torch.device,
