@@ -10,9 +10,8 @@ import signal
 
 import anthropic
 import httpx
-import trio
 
-from gnosis_daemon.client import open_station_client
+from tests.host.conftest import station_call
 from tests.support.procs import child_env, free_port, run_daemon, wait_for
 from tests.support.tiny_models import build_tiny_model
 
@@ -21,11 +20,7 @@ SYSTEM = ("You are a patient tutor. Explain each idea in one short sentence, che
 
 
 def station_sessions(socket_path) -> list[dict]:
-    async def call():
-        async with open_station_client(socket_path) as conn:
-            return await conn.request("kv_session.list", {})
-
-    return trio.run(call)["sessions"]
+    return station_call(socket_path, "kv_session.list", {})["sessions"]
 
 
 def test_a_pinned_system_prompt_survives_a_station_sigkill_under_the_supervisor(tmp_path):

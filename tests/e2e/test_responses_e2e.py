@@ -9,10 +9,9 @@ import os
 import signal
 
 import httpx
-import trio
 from openai import OpenAI
 
-from gnosis_daemon.client import open_station_client
+from tests.host.conftest import station_call
 from tests.support.procs import child_env, free_port, run_daemon, wait_for
 from tests.support.tiny_models import build_tiny_model
 
@@ -20,11 +19,7 @@ BS = 16  # the daemon's default KV block size
 
 
 def station_sessions(socket_path) -> list[dict]:
-    async def call():
-        async with open_station_client(socket_path) as conn:
-            return await conn.request("kv_session.list", {})
-
-    return trio.run(call)["sessions"]
+    return station_call(socket_path, "kv_session.list", {})["sessions"]
 
 
 def test_a_conversation_survives_a_station_sigkill_under_the_supervisor(tmp_path):

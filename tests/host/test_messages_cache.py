@@ -20,7 +20,7 @@ import trio
 from transformers import AutoTokenizer
 
 from gnosis_daemon.client import open_station_client
-from tests.host.conftest import spawn
+from tests.host.conftest import spawn, station_call
 from tests.host.liquid_support import wait_health
 from tests.support.metrics import scrape, value
 from tests.support.procs import free_port, stop_process, wait_for
@@ -91,12 +91,8 @@ def block_size(socket) -> int:
     return trio.run(hello)["kv_pool"]["block_size"]
 
 
-def station_sessions(socket) -> list[dict]:
-    async def listing():
-        async with open_station_client(socket) as conn:
-            return await conn.request("kv_session.list", {})
-
-    return trio.run(listing)["sessions"]
+def station_sessions(socket_path) -> list[dict]:
+    return station_call(socket_path, "kv_session.list", {})["sessions"]
 
 
 def client(url, key=KEY) -> anthropic.Anthropic:
