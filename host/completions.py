@@ -87,9 +87,7 @@ async def complete(settings: Settings, link: StationLink, memory: LiquidMemory,
         except StationError as exc:
             raise station_error(exc, req) from None
         except trio.TooSlowError:
-            raise ApiError(504, f"The completion did not finish within "
-                           f"{settings.request_timeout_s:g} s.", errors.SERVER_ERROR, None,
-                           "timeout") from None
+            raise errors.timed_out("The completion", settings.request_timeout_s) from None
         out = []
         for prepared, _, result, prompt in runs:
             memory.on_result(prepared, result)

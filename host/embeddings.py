@@ -163,8 +163,6 @@ def register(app: Any, settings: Settings, link: StationLink, memory: LiquidMemo
                 raise not_supported(exc.message) from None
             raise errors.from_station(exc, "input") from None
         except trio.TooSlowError:
-            raise ApiError(504, f"The embeddings did not finish within "
-                           f"{settings.request_timeout_s:g} s.", errors.SERVER_ERROR, None,
-                           "timeout") from None
+            raise errors.timed_out("The embeddings", settings.request_timeout_s) from None
         return Response(sse.encode_json(response(req, model_id, result)), 200,
                         content_type="application/json")

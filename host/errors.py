@@ -79,6 +79,12 @@ def malformed_json() -> ApiError:
                    "object as the body (Content-Type: application/json).")
 
 
+def timed_out(what: str, timeout_s: float) -> ApiError:
+    """``what`` (``"The completion"``...) ran past ``request_timeout_s``: a 504."""
+    return ApiError(504, f"{what} did not finish within {timeout_s:g} s.", SERVER_ERROR, None,
+                    "timeout")
+
+
 def model_not_found(model: str) -> ApiError:
     return ApiError(404, f"The model `{model}` does not exist or you do not have access to it.",
                     INVALID_REQUEST, "model", "model_not_found")

@@ -148,9 +148,7 @@ async def answer(settings: Settings, link: StationLink, memory: LiquidMemory,
         except StationError as exc:
             raise station_error(exc, chat) from None
         except trio.TooSlowError:
-            raise ApiError(504, f"The message did not finish within "
-                           f"{settings.request_timeout_s:g} s.", errors.SERVER_ERROR, None,
-                           "timeout") from None
+            raise errors.timed_out("The message", settings.request_timeout_s) from None
     stack = AsyncExitStack()
     record.closers.append(stack.aclose)
     try:

@@ -162,9 +162,7 @@ class Responses:
         except StationError as exc:
             raise station_error(exc, chat) from None
         except trio.TooSlowError:
-            raise ApiError(504, f"The response did not finish within "
-                           f"{self.settings.request_timeout_s:g} s.", errors.SERVER_ERROR, None,
-                           "timeout") from None
+            raise errors.timed_out("The response", self.settings.request_timeout_s) from None
         body = await finish.done(result, outcome, record)
         return json_response(body, headers=liquid.headers(outcome))
 

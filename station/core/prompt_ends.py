@@ -73,10 +73,6 @@ class PromptEnds:
     def stats(self) -> dict[str, int]:
         return {"prompt_ends_kept": len(self._rows), "prompt_ends_served": self.num_served}
 
-    def clear(self) -> None:
-        self._rows.clear()
-        self.num_bytes = 0
-
     def _drop(self, block_id: int) -> None:
         entry = self._rows.pop(block_id, None)
         if entry is not None:
