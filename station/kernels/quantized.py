@@ -331,3 +331,54 @@ def machine_tag() -> str:
         pass
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "-"
     return f"torch {torch.__version__} | {cpu} | {os.cpu_count()} cpus | {gpu}"
+
+
+TILE = 16  # cpu_abi.h's GNOSIS_Q4_TILE: output rows of a tile of the C step's matrices
+
+
+@dataclass(frozen=True)
+class TiledMatrix:
+    """A 4-bit matrix in ``gnosis_q4_matrix_t``'s tiles of 16 output rows (cpu_abi.h):
+    ``q`` [tiles, groups, 8, 32] bytes, ``step``/``min`` [tiles, groups, 16] float16,
+    ``bias`` [tiles * 16] float32 or None."""
+
+    q: torch.Tensor
+    step: torch.Tensor
+    min: torch.Tensor
+    bias: torch.Tensor | None
+    rows: int
+    cols: int
+
+    @classmethod
+    def from_groups(cls, packed: torch.Tensor, step: torch.Tensor, low: torch.Tensor,
+                    bias: torch.Tensor | None) -> TiledMatrix:
+        """From a GGUF file's groups: ``packed`` [rows, cols / 2] (byte j of a group holds
+        value j low, j + 16 high), ``step``/``low`` [rows, groups] float16."""
+        rows, cols, groups = packed.shape[0], 2 * packed.shape[1], packed.shape[1] // 16
+        tiles = -(-rows // TILE)
+        pad = tiles * TILE - rows
+        g = torch.nn.functional.pad(packed, (0, 0, 0, pad)).view(tiles, TILE, groups, 16)
+        low_values, high_values = g & 15, g >> 4  # values j and 16 + j of each group
+        # slab c, byte 2i + j: value 2c + j low, 2c + 16 + j high, of the tile's row i
+        slabs = (low_values | (high_values << 4)).view(tiles, TILE, groups, 8, 2).permute(0, 2, 3, 1, 4)
+
+        def per_tile(t: torch.Tensor) -> torch.Tensor:
+            return torch.nn.functional.pad(t, (0, 0, 0, pad)).view(tiles, TILE, groups).transpose(1, 2).contiguous()
+
+        return cls(q=slabs.reshape(tiles, groups, 8, 2 * TILE).contiguous(), step=per_tile(step),
+                   min=per_tile(low), rows=rows, cols=cols,
+                   bias=None if bias is None else torch.nn.functional.pad(bias, (0, pad)).contiguous())
+
+    def dense(self) -> torch.Tensor:
+        """The values, w = step * q + min, float64 [rows, cols] (for checks)."""
+        tiles, groups = self.q.shape[0], self.q.shape[1]
+        slabs = self.q.view(tiles, groups, 8, TILE, 2).permute(0, 3, 1, 2, 4)  # [tiles, i, groups, c, j]
+        values = torch.cat([(slabs & 15).reshape(tiles, TILE, groups, 16),
+                            (slabs >> 4).reshape(tiles, TILE, groups, 16)], -1).double()
+        scale = self.step.transpose(1, 2).double()[..., None]
+        low = self.min.transpose(1, 2).double()[..., None]
+        return (values * scale + low).reshape(tiles * TILE, self.cols)[: self.rows]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.q, self.step, self.min, self.bias) if t is not None)
