@@ -68,7 +68,9 @@ class Plain:
     Kept loaded for the whole run so its measurements interleave with the station's:
     on a shared, noisy machine both sides then see the same conditions. ``weights``: the
     settings' ``weights`` for this load (None: as configured); ``Plain.cast`` makes another
-    from a loaded one in another dtype (bfloat16 dense from the float32 model).
+    from a loaded one in another dtype (bfloat16 dense from the float32 model). The C step
+    is the station's, never a plain baseline's (``cpu_decode_step=off``: a quantized model's
+    linears are then torch's own kernels, not the step's tiles).
     """
 
     def __init__(self, settings, weights: str | None = None) -> None:
@@ -76,6 +78,7 @@ class Plain:
 
         from station.model.loader import load_model
 
+        settings = replace(settings, cpu_decode_step="off")
         loaded = load_model(settings if weights is None else replace(settings, weights=weights))
         self._use(loaded.model, loaded.device)
 

@@ -140,6 +140,11 @@ int32_t gnosis_step_threads(const gnosis_step_t *step);
 /* The forward of the rows: their K/V into the pool, the final norm's output into
    hidden_out; GNOSIS_BAD_ARGUMENT (checked before anything is written). */
 gnosis_status_t gnosis_step_run(gnosis_step_t *step, const gnosis_step_rows_t *rows);
+/* Tiles [first, first + tiles) of w times each of `rows` float32 rows of x ([rows, w->cols]),
+   into y [rows, 16 tiles]: a linear layer's outputs, computed as the step computes them
+   (cpu_q4.c), tiles split over `threads` threads (the caller's one of them). GNOSIS_NO_THREAD:
+   the caller's thread did the rest; the result is complete. */
+gnosis_status_t gnosis_q4_linear(const gnosis_q4_matrix_t *w, int32_t first, int32_t tiles, const float *x, int32_t rows, float *y, int32_t threads);
 /* What this build computes the step with: "avx512-vnni", "avx2" or "scalar" for the
    4-bit products (cpu_q4.c; each gives the same bits), and 1 where its vector attention
    (cpu_attention.c: an AVX-512 build, head_dim a multiple of 16) takes head_dim, 0 where

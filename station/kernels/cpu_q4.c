@@ -241,3 +241,67 @@ const char *gnosis_q4_simd(void) {
     return "scalar";
 #endif
 }
+
+/* -- the same products as one linear layer's, called from Python (q4_tiles.TiledLinear) */
+
+#include <pthread.h>
+#include <stdlib.h>
+
+typedef struct {
+    const gnosis_q4_matrix_t *w;
+    const int16_t *xq;
+    const float *xd, *xs;
+    float *y, *scratch; /* y: [rows, ld]; scratch: [rows, T] */
+    int32_t t0, t1, first, rows, ld;
+} q4_job_t;
+
+static void *q4_job(void *arg) {
+    const q4_job_t *j = (const q4_job_t *)arg;
+    for (int t = j->t0; t < j->t1; t++) {
+        gnosis_q4_tile(j->w, j->first + t, j->xq, j->xd, j->xs, j->rows, j->scratch);
+        for (int r = 0; r < j->rows; r++)
+            memcpy(j->y + (size_t)r * j->ld + (size_t)t * T, j->scratch + (size_t)r * T, sizeof(float) * T);
+    }
+    return NULL;
+}
+
+gnosis_status_t gnosis_q4_linear(const gnosis_q4_matrix_t *w, int32_t first, int32_t tiles, const float *x,
+                                 int32_t rows, float *y, int32_t threads) {
+    const int k = w->cols, groups = k / G;
+    if (rows < 0 || first < 0 || tiles < 0 || k % G || first + tiles > (w->rows + T - 1) / T) return GNOSIS_BAD_ARGUMENT;
+    if (threads < 1) threads = 1;
+    if (threads > GNOSIS_MAX_THREADS) threads = GNOSIS_MAX_THREADS;
+    if (threads > tiles) threads = tiles > 0 ? tiles : 1;
+    int16_t *xq = malloc(sizeof(int16_t) * ((size_t)rows * k + 1));
+    float *xd = malloc(sizeof(float) * ((size_t)rows * groups + 1)), *xs = malloc(sizeof(float) * ((size_t)rows * groups + 1));
+    float *scratch = malloc(sizeof(float) * ((size_t)threads * rows * T + 1));
+    gnosis_status_t status = GNOSIS_OK;
+    if (!xq || !xd || !xs || !scratch) {
+        status = GNOSIS_NO_MEMORY;
+        goto done;
+    }
+    for (int r = 0; r < rows; r++)
+        gnosis_q4_quantize_row(x + (size_t)r * k, k, xq + (size_t)r * k, xd + (size_t)r * groups, xs + (size_t)r * groups);
+    pthread_t tid[GNOSIS_MAX_THREADS];
+    q4_job_t jobs[GNOSIS_MAX_THREADS];
+    int started[GNOSIS_MAX_THREADS] = {0};
+    const int per = (tiles + threads - 1) / threads;
+    for (int i = 0; i < threads; i++) {
+        const int a = i * per < tiles ? i * per : tiles, b = a + per < tiles ? a + per : tiles;
+        jobs[i] = (q4_job_t){w, xq, xd, xs, y, scratch + (size_t)i * rows * T, a, b, first, rows, tiles * T};
+        if (i > 0 && a < b) {
+            started[i] = pthread_create(&tid[i], NULL, q4_job, &jobs[i]) == 0;
+            if (!started[i]) status = GNOSIS_NO_THREAD; /* its tiles run on this thread below */
+        }
+    }
+    q4_job(&jobs[0]);
+    for (int i = 1; i < threads; i++) {
+        if (started[i])
+            pthread_join(tid[i], NULL);
+        else if (jobs[i].t0 < jobs[i].t1)
+            q4_job(&jobs[i]);
+    }
+done:
+    free(xq), free(xd), free(xs), free(scratch);
+    return status;
+}

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import ctypes
 import time
+from collections.abc import Sequence
 from typing import Any, cast
 
 import torch
@@ -41,7 +42,7 @@ from torch import nn
 
 from gnosis_daemon.logs import get_logger
 from station.kernels.cpu_kernels import Q8Linear, Q8Product, Status
-from station.kernels.quantized import TiledMatrix
+from station.kernels.q4_tiles import Q4Matrix, TiledLinear, TiledMatrix, matrix_struct
 
 log = get_logger(__name__)
 
@@ -50,7 +51,7 @@ MAX_HEAD_DIM = 512  # cpu_abi.h's GNOSIS_STEP_MAX_HEAD_DIM
 MAX_ROWS = 64  # cpu_abi.h's GNOSIS_STEP_MAX_ROWS
 STEP_ROWS = MAX_ROWS  # token rows per call; more rows are more calls
 # the four matrices of a layer, in gnosis_layer_weights_t's order: the projections of each stacked
-_PROJECTIONS = (("self_attn", ("q_proj", "k_proj", "v_proj")), ("self_attn", ("o_proj",)),
+PROJECTIONS = (("self_attn", ("q_proj", "k_proj", "v_proj")), ("self_attn", ("o_proj",)),
                 ("mlp", ("gate_proj", "up_proj")), ("mlp", ("down_proj",)))
 _int, _float, _ptr = ctypes.c_int32, ctypes.c_float, ctypes.c_void_p
 
@@ -60,14 +61,6 @@ class ModelShape(ctypes.Structure):
     _fields_ = [("layers", _int), ("hidden", _int), ("heads", _int), ("kv_heads", _int),
                 ("head_dim", _int), ("intermediate", _int), ("vocab", _int),
                 ("rms_eps", _float), ("attention_scale", _float)]
-
-
-class Q4Matrix(ctypes.Structure):
-    """GGUF's 4-bit groups: ``q`` [rows, cols / 2] bytes, float16 ``step``/``min`` a group."""
-
-    _c_name_ = "gnosis_q4_matrix_t"
-    _fields_ = [("q", _ptr), ("step", _ptr), ("min", _ptr), ("bias", _ptr),  # bias: None, or [rows]
-                ("rows", _int), ("cols", _int)]
 
 
 class LayerWeights(ctypes.Structure):
@@ -134,13 +127,9 @@ def declare_step(lib: ctypes.CDLL) -> ctypes.CDLL:
     return lib
 
 
-def _matrix(m: TiledMatrix) -> Q4Matrix:
-    return Q4Matrix(q=m.q.data_ptr(), step=m.step.data_ptr(), min=m.min.data_ptr(),
-                    bias=None if m.bias is None else m.bias.data_ptr(), rows=m.rows, cols=m.cols)
-
-
 class StepWeights:
-    """The step's copy of a model: fused 4-bit matrices, norms, embeddings, shape."""
+    """The step's view of a model: its stacked 4-bit matrices (the ``TiledLinear`` layers'
+    own, ``station.model.step_layers``: no copy), norms, embeddings, shape."""
 
     def __init__(self, lib: ctypes.CDLL, model: nn.Module) -> None:
         config, base = cast(Any, model.config), cast(Any, model.base_model)
@@ -158,27 +147,18 @@ class StepWeights:
         self.rotary = base.rotary_emb
         self.embed: torch.Tensor = base.embed_tokens.weight.detach()
         self.final_norm: torch.Tensor = base.norm.weight.detach()
-        # per layer, _PROJECTIONS' four matrices, in the step's tiles
-        self.mats: list[list[TiledMatrix]] = []
-        self.norms: list[tuple[torch.Tensor, torch.Tensor]] = []
-        for layer in base.layers:
-            parts = []
-            for owner, names in _PROJECTIONS:
-                linears = [getattr(getattr(layer, owner), name) for name in names]
-                forms = [linear.step_form for linear in linears]
-                q, s, m = (torch.cat([f[i] for f in forms]) for i in range(3))
-                bias = None
-                if any(linear.bias is not None for linear in linears):
-                    bias = torch.cat([linear.bias.detach().float() if linear.bias is not None else
-                                      torch.zeros(linear.out_features) for linear in linears])
-                parts.append(TiledMatrix.from_groups(q, s, m, bias))
-            self.mats.append(parts)
-            self.norms.append((layer.input_layernorm.weight.detach(),
-                               layer.post_attention_layernorm.weight.detach()))
+        # per layer, PROJECTIONS' four matrices, in the step's tiles
+        self.mats: list[list[TiledMatrix]] = [
+            [getattr(getattr(layer, owner), names[0]).matrix for owner, names in PROJECTIONS]
+            for layer in base.layers]
+        self.norms: list[tuple[torch.Tensor, torch.Tensor]] = [
+            (layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach())
+            for layer in base.layers]
 
     @classmethod
     def for_model(cls, model: nn.Module, lib: ctypes.CDLL) -> StepWeights | None:
-        reason = _unsupported(model)
+        """Over the model's ``TiledLinear`` layers, where they stack as the step reads them."""
+        reason = shape_refusal(model) or _stacking_refusal(model)
         if reason is not None:
             log.info("cpu_step_not_used", reason=reason)
             return None
@@ -215,7 +195,7 @@ class StepWeights:
     def layer_weights(self) -> ctypes.Array[LayerWeights]:
         """Per layer, pointers into this object's tensors (valid while it lives)."""
         return (LayerWeights * self.layers)(*(
-            LayerWeights(*(_matrix(mat) for mat in parts), input_norm=norm1.data_ptr(),
+            LayerWeights(*(matrix_struct(mat) for mat in parts), input_norm=norm1.data_ptr(),
                          post_attention_norm=norm2.data_ptr())
             for parts, (norm1, norm2) in zip(self.mats, self.norms)))
 
@@ -247,7 +227,7 @@ class CpuStep:
         status = self.lib.gnosis_step_create(ctypes.byref(config), ctypes.byref(handle))
         if status == Status.NO_MEMORY:
             raise MemoryError("cpu_step: the step's buffers could not be allocated")
-        if status != Status.OK:  # the shapes it cannot take are refused in _unsupported first
+        if status != Status.OK:  # the shapes it cannot take are refused in shape_refusal first
             raise ValueError(f"cpu_step: a model shape the step does not take (status {status})")
         self.handle = handle.value
         self.threads = self.lib.gnosis_step_threads(self.handle)
@@ -293,17 +273,9 @@ class CpuStep:
         self.close()
 
 
-def release_step_forms(model: nn.Module) -> None:
-    """Drop the int4 layers' step copies (``Int4Linear.step_form``): a step has its stacked
-    copy, or there is no step."""
-    for module in model.modules():
-        if getattr(module, "step_form", None) is not None:
-            cast(Any, module).step_form = None
-
-
-def _unsupported(model: nn.Module) -> str | None:
+def shape_refusal(model: nn.Module) -> str | None:
+    """Why the step cannot compute this model, whatever its weights (None: it can)."""
     from station.forward.lean_decoder import _unsupported as lean_unsupported
-    from station.kernels.quantized import Int4Linear
 
     config, base = cast(Any, model.config), cast(Any, model.base_model)
     reason = lean_unsupported(config, base)
@@ -319,11 +291,6 @@ def _unsupported(model: nn.Module) -> str | None:
     if base.embed_tokens.weight.dtype != torch.float32 or base.embed_tokens.weight.device.type != "cpu":
         return "not a float32 model on a CPU"
     for layer in base.layers:
-        for owner, names in _PROJECTIONS:
-            for name in names:
-                linear = getattr(getattr(layer, owner), name)
-                if type(linear) is not Int4Linear or getattr(linear, "step_form", None) is None:
-                    return f"{owner}.{name} is not a 4-bit layer on a CPU"
         attn = layer.self_attn
         widths = (config.hidden_size, layer.mlp.gate_proj.out_features, attn.head_dim * config.num_attention_heads)
         if max(widths) > MAX_WIDTH:
@@ -334,12 +301,28 @@ def _unsupported(model: nn.Module) -> str | None:
     return None
 
 
-def checked_and_timed(weights: StepWeights, model: nn.Module, timed: bool, block_size: int = 16,
-                      tokens: int = 6) -> tuple[bool, float | None, float | None]:
-    """(the step agrees with the model's own forward, seconds a step, seconds the torch
-    layers' products alone take for the same token); the times None unless ``timed``."""
+def _stacking_refusal(model: nn.Module) -> str | None:
+    """Why the model's projections are not the step's matrices (None: they are)."""
+    for layer in cast(Any, model.base_model).layers:
+        for owner, names in PROJECTIONS:
+            linears = [getattr(getattr(layer, owner), name) for name in names]
+            start = 0
+            for name, linear in zip(names, linears):
+                if type(linear) is not TiledLinear or linear.matrix is not linears[0].matrix or (
+                        linear.first * 16 + linear.offset != start):
+                    return f"{owner}.{name} is not a 4-bit layer on the step's tiles"
+                start += linear.out_features
+            if start != linears[0].matrix.rows:
+                return f"{owner}.{names[0]}'s matrix holds other rows"
+    return None
+
+
+def checked_and_timed(weights: StepWeights, model: nn.Module, sample: Sequence[nn.Module], sample_layers: int,
+                      block_size: int = 16, tokens: int = 6) -> tuple[bool, float | None, float | None]:
+    """(the step agrees with the model's own forward, seconds a step, seconds torch's int4
+    layers' products alone take for the same token); the times None without a ``sample``:
+    torch's layers of the first ``sample_layers`` decoder layers, timed and scaled to all."""
     from station.forward.kv_cache import KVCache, KVCacheShape
-    from station.kernels.quantized import Int4Linear
 
     shape = KVCacheShape.from_config(model.config, block_size, torch.float32)
     blocks = -(-tokens // block_size)
@@ -351,18 +334,17 @@ def checked_and_timed(weights: StepWeights, model: nn.Module, timed: bool, block
         want = model.base_model(input_ids=ids[None], use_cache=False).last_hidden_state[0]
         got = torch.cat([step([int(ids[p])], [p], [p], [table]) for p in range(tokens)])
         agrees = bool((got - want).abs().max() <= 5e-2 * float(want.abs().max()))
-        if timed and agrees:
-            linears = [m for m in model.base_model.modules() if isinstance(m, Int4Linear)]
-            inputs = [torch.randn(1, m.in_features) for m in linears]
+        if sample and agrees:
+            inputs = [torch.randn(1, m.in_features) for m in sample]
             step_s = torch_s = float("inf")
             for _ in range(7):  # alternating, best of each: both see the same machine
                 start = time.perf_counter()
                 step([int(ids[-1])], [tokens - 1], [tokens - 1], [table])
                 step_s = min(step_s, time.perf_counter() - start)
                 start = time.perf_counter()
-                for m, x in zip(linears, inputs):
+                for m, x in zip(sample, inputs):
                     m(x)
-                torch_s = min(torch_s, time.perf_counter() - start)
+                torch_s = min(torch_s, (time.perf_counter() - start) * weights.layers / sample_layers)
     step.close()
     if not agrees:
         log.warning("cpu_step_disagrees", max_diff=float((got - want).abs().max()),

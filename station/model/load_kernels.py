@@ -5,8 +5,9 @@ file's own Q8_0 blocks (``cpu_kernels.Q8Linear``) and the whole step over the 4-
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -81,25 +82,27 @@ def q8_head(model: nn.Module, gguf: Path, choices: KernelChoices, cache_dir: Pat
     return kernel, ""
 
 
-def cpu_step(model: nn.Module, choices: KernelChoices, cache_dir: Path | None,
-             mode: str) -> tuple[StepWeights | None, Verdict]:
-    """The C decode step (``cpu_step``) where the model has its shape, the library builds
-    and the step agrees with the model's forward; ``auto``: and it measures no slower than
-    torch's products alone for the same token (by ``KernelChoices.FLOAT_MARGIN``);
-    -> (the step or None, (why it runs or not, what was measured))."""
-    from station.kernels.cpu_kernels import load_library
-    from station.kernels.cpu_step import StepWeights, _unsupported, checked_and_timed
+def step_key() -> str:
+    """``KernelChoices``' key for the C step's verdict on this machine."""
+    return "cpu-step:cpu"
 
-    unsupported = _unsupported(model)
-    if unsupported is not None:
-        return None, (unsupported, ())
-    lib = load_library(cache_dir)
-    weights = StepWeights.for_model(model, lib) if lib is not None else None
+
+def cpu_step(model: nn.Module, lib: Any, choices: KernelChoices, mode: str, sample: Sequence[nn.Module],
+             sample_layers: int) -> tuple[StepWeights | None, Verdict]:
+    """The C decode step (``cpu_step``) over the model's layers on its tiles
+    (``station.model.step_layers``) where it agrees with the model's forward; ``auto``: and
+    it measures no slower than torch's int4 layers' products alone for the same token (by
+    ``KernelChoices.FLOAT_MARGIN``; ``sample``: torch's form of the first ``sample_layers``
+    decoder layers, empty where the answer is known); -> (the step or None, (why it runs or
+    not, what was measured))."""
+    from station.kernels.cpu_step import StepWeights, checked_and_timed
+
+    weights = StepWeights.for_model(model, lib)
     if weights is None:
-        return None, ("the C step's library could not be built here", ())
-    key = "cpu-step:cpu"
-    measure = mode == "auto" and key not in choices.answers  # else known, or not asked
-    agrees, step_s, torch_s = checked_and_timed(weights, model, timed=measure)
+        return None, ("the model's layers are not the step's tiles", ())
+    key = step_key()
+    measure = mode == "auto" and key not in choices.answers and bool(sample)  # else known, or not asked
+    agrees, step_s, torch_s = checked_and_timed(weights, model, sample if measure else [], sample_layers)
     if not agrees:
         return None, ("the C step disagreed with the model's own forward", ())
     when = "on this machine before (kept per machine)"

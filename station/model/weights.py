@@ -31,13 +31,13 @@ from collections import Counter
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
 
 from gnosis_daemon.logs import get_logger
-from station.model.load_kernels import HEAD_SLOWER, Verdict, cpu_step, q8_head, verdict
+from station.model.load_kernels import HEAD_SLOWER, Verdict, cpu_step, q8_head, step_key, verdict
 from station.kernels.quantized import (
     Int4Groups,
     Int4Linear,
@@ -159,11 +159,93 @@ def apply_weights(model: nn.Module, mode: str, device: torch.device, dtype: torc
 
         from_file = read_gguf_weights(gguf, model)
     choices = KernelChoices(_choices_path(choices_dir, model, gguf) if mode == "auto" else None)
-    # the C decode step (cpu_step) may take the 4-bit layers' values: keep its form of them
-    step_wanted = not report.why["c-step"]
+    # the C step first: where it serves, its tiles are the 4-bit layers' only copy (step_layers)
+    why: dict[str, str] = {}  # weight name -> why its layer stayed float (for the file's account)
+    if report.why["c-step"] or not _step_first(report, model, layers, mode, from_file, mapped, choices,
+                                               choices_dir, decode_step):
+        why = _quantized_layers(report, model, layers, mode, from_file, mapped, choices, device, dtype)
+    if mapped is not None:  # what stays float: layers measured slower, or whose form did not check
+        mapped.fill_rest(model)
+    if gguf is not None:
+        head_why = "not a float32 model on a CPU"
+        if device.type == "cpu" and dtype == torch.float32:
+            report.head, head_why = q8_head(model, gguf, choices, choices_dir, device, dtype)
+        report.why["q8-head"] = head_why
+        if report.head is not None or head_why == HEAD_SLOWER:
+            _record(report, "q8-head", verdict(choices, "q8-head", "q8-head:cpu",
+                                               "the float32 head measured faster than"))
+        _account_gguf(report, model, gguf, from_file, why, head_why)
+    if any(form != "float" for form in report.forms.values()):
+        _own_memory(model, copy=mapped is None)
+    choices.save()
+    log.info("weights_applied", **report.summary())
+    return report
+
+
+def _step_first(report: WeightsReport, model: nn.Module, layers: list, mode: str, from_file: Any,
+                mapped: Any, choices: KernelChoices, choices_dir: Path | None, decode_step: str) -> bool:
+    """The C step over every decoder linear, built into its tiles one decoder layer at a time
+    (``step_layers``); -> whether it serves. Where not, ``report.why["c-step"]`` says why and
+    the model's linears are as they were."""
+    from station.kernels.cpu_kernels import load_library
+    from station.kernels.cpu_step import shape_refusal
+    from station.model import step_layers
+
+    refusal = shape_refusal(model) or ("setting weights=int8" if mode == "int8" else None)
+    if refusal is None and len(layers) != 7 * len(cast(Any, model.base_model).layers):
+        refusal = "the decoder has linear layers the step does not compute"
+    lib = load_library(choices_dir) if refusal is None else None
+    if refusal is None and lib is None:
+        refusal = "the C step's library could not be built here"
+    if refusal is not None or lib is None:
+        report.why["c-step"] = refusal or "the C step's library could not be built here"
+        return False
+
+    def groups_for(weight_name: str, linear: nn.Linear) -> tuple[Int4Groups, str] | str:
+        kind = from_file.types.get(weight_name) if from_file else None
+        if _form(mode, kind) != "int4":
+            return f"a {kind or 'float'} tensor, not 4-bit groups"
+        if from_file is not None and weight_name in from_file.int4:
+            return from_file.int4[weight_name], "gguf"
+        if mode == "auto":  # a block that did not check out is never re-rounded
+            return f"its blocks were not used: {from_file.rejected.get(weight_name, 'unread')}"
+        if mapped is not None:  # weights=int4 over another type: its float values, for a moment
+            mapped.fill(model, weight_name)
+        try:
+            return Int4Groups.quantize(linear.weight.detach()), "load"
+        finally:
+            if mapped is not None:
+                mapped.empty(model, weight_name)
+
+    timed = decode_step == "auto" and step_key() not in choices.answers
+    built = step_layers.build(model, lib, groups_for, sample=timed)
+    if isinstance(built, str):
+        report.why["c-step"] = built
+        return False
+    report.step, step_verdict = cpu_step(model, lib, choices, decode_step, built.sample, built.sample_layers)
+    built.sample.clear()  # torch's twins go once timed
+    _record(report, "c-step", step_verdict)
+    if report.step is None:
+        built.restore()
+        _own_memory(model, copy=False)  # the tiles' heap back
+        return False
+    for name, *_ in layers:
+        report.forms[name], report.source[name] = "int4", built.source[name]
+    report.linear_bytes_after = built.nbytes
+    report.why["int4"] = "the C step's tiles: every decoder linear, the step's own copy"
+    report.why["int8"] = "the C step computes every decoder linear in 4 bits"
+    return True
+
+
+def _quantized_layers(report: WeightsReport, model: nn.Module, layers: list, mode: str, from_file: Any,
+                      mapped: Any, choices: KernelChoices, device: torch.device,
+                      dtype: torch.dtype) -> dict[str, str]:
+    """Each decoder linear as torch's int4 or int8 layer where its form checks out and (auto)
+    measures faster than float here; ``report`` says what was done and why; -> why each
+    weight that stayed float did (for the file's account)."""
     built: dict[str, list] = {"int4": [], "int8": []}  # form -> [(name, parent, attr, layer, new, source)]
     timing: dict[str, list] = {"int4": [], "int8": []}  # form -> [(new, its values)] for choose
-    why: dict[str, str] = {}  # weight name -> why its layer stayed float (for the file's account)
+    why: dict[str, str] = {}  # weight name -> why its layer stayed float
     tried: set[str] = set()  # the forms some layer would take
     kept_values = {"int4": 0, "int8": 0}  # float bytes kept per form for choose (it takes so many)
     for name, parent, attr, layer in layers:
@@ -181,7 +263,7 @@ def apply_weights(model: nn.Module, mode: str, device: torch.device, dtype: torc
         fill = mapped is not None and groups is None  # this one layer's float values, then none
         if fill:
             mapped.fill(model, weight_name)
-        made = _build(form, layer, groups, device, dtype, step_wanted)
+        made = _build(form, layer, groups, device, dtype)
         if fill:
             mapped.empty(model, weight_name)
         if made is None:
@@ -212,32 +294,7 @@ def apply_weights(model: nn.Module, mode: str, device: torch.device, dtype: torc
     for form in ("int4", "int8"):
         if not report.count(form) and (form not in report.why or mode != "auto" or not built[form]):
             report.why[form] = _no_form(mode, form, form in tried)
-    del built, timing
-    if mapped is not None:  # what stays float: layers measured slower, or whose form did not check
-        mapped.fill_rest(model)
-    if gguf is not None:
-        head_why = "not a float32 model on a CPU"
-        if device.type == "cpu" and dtype == torch.float32:
-            report.head, head_why = q8_head(model, gguf, choices, choices_dir, device, dtype)
-        report.why["q8-head"] = head_why
-        if report.head is not None or head_why == HEAD_SLOWER:
-            _record(report, "q8-head", verdict(choices, "q8-head", "q8-head:cpu",
-                                               "the float32 head measured faster than"))
-        _account_gguf(report, model, gguf, from_file, why, head_why)
-    if any(form != "float" for form in report.forms.values()):
-        _own_memory(model, copy=mapped is None)
-    if step_wanted and not report.count("int4"):
-        report.why["c-step"] = "no 4-bit decoder layers"
-    elif step_wanted:
-        from station.kernels.cpu_step import release_step_forms
-
-        report.step, step_verdict = cpu_step(model, choices, choices_dir, decode_step)
-        _record(report, "c-step", step_verdict)
-        release_step_forms(model)  # the step holds its own stacked copy, or there is no step
-        _own_memory(model, copy=False)  # and the heap those copies took goes back
-    choices.save()
-    log.info("weights_applied", **report.summary())
-    return report
+    return why
 
 
 def _step_refusal(mode: str, full_attention: bool, device: torch.device, dtype: torch.dtype) -> str:
@@ -332,12 +389,18 @@ def _own_memory(model: nn.Module, copy: bool = True) -> None:
     transformers maps a safetensors file and hands out views of it: the weights we replaced
     keep their file pages resident for as long as any tensor of that file lives. One copy
     of the embeddings and norms frees the rest, then glibc is asked to give back the heap
-    that loading left behind. A mapped model (``copy`` False) owns its tensors already.
+    that loading left behind. A mapped model (``copy`` False) owns its tensors already, and
+    so do the quantized layers (the step's tiles are shared by three layers: never copied).
     """
+    from station.kernels.q4_tiles import TiledLinear
+
     with torch.no_grad():
-        for tensor in [*model.parameters(), *model.buffers()] if copy else ():
-            if tensor.device.type == "cpu":
-                tensor.data = tensor.data.clone()
+        for module in model.modules() if copy else ():
+            if isinstance(module, (TiledLinear, Int4Linear, Int8Linear)):
+                continue
+            for tensor in [*module.parameters(recurse=False), *module.buffers(recurse=False)]:
+                if tensor.device.type == "cpu":
+                    tensor.data = tensor.data.clone()
     try:
         import ctypes
 
@@ -357,7 +420,7 @@ def _form(mode: str, file_type: str | None) -> str | None:
 
 
 def _build(form: str, layer: nn.Linear, from_file: Int4Groups | None, device: torch.device,
-           dtype: torch.dtype, step_form: bool) -> tuple[nn.Module, Int4Groups | Int8Rows, str] | None:
+           dtype: torch.dtype) -> tuple[nn.Module, Int4Groups | Int8Rows, str] | None:
     """(the quantized layer, the form of the values it stands for, where they came from) or None."""
     weight = layer.weight.detach()
     bias = None if layer.bias is None else layer.bias.detach()
@@ -369,10 +432,7 @@ def _build(form: str, layer: nn.Linear, from_file: Int4Groups | None, device: to
             groups = Int4Groups.quantize(weight)
         if not int4_applies(groups):
             return None
-        quantized = Int4Linear(groups, bias, device)
-        if step_form:
-            quantized.step_form = groups.step_layout()
-        return quantized, groups, source
+        return Int4Linear(groups, bias, device), groups, source
     rows = Int8Rows.quantize(weight)
     return Int8Linear(rows, bias, device, dtype), rows, "load"
 

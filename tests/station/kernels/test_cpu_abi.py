@@ -18,13 +18,13 @@ from pathlib import Path
 
 import pytest
 
-from station.kernels import cpu_kernels, cpu_step, quantized
+from station.kernels import cpu_kernels, cpu_step, q4_tiles
 from station.kernels.cpu_kernels import HEADER, Q8Product, Status, compiler, load_library
 
 pytestmark = pytest.mark.skipif(compiler() is None, reason="no C compiler here (cc, gcc or $CC)")
 
 CONSTANTS = {"GNOSIS_GROUP": cpu_kernels.GROUP, "GNOSIS_STEP_MAX_WIDTH": cpu_step.MAX_WIDTH,
-             "GNOSIS_STEP_MAX_HEAD_DIM": cpu_step.MAX_HEAD_DIM, "GNOSIS_Q4_TILE": quantized.TILE,
+             "GNOSIS_STEP_MAX_HEAD_DIM": cpu_step.MAX_HEAD_DIM, "GNOSIS_Q4_TILE": q4_tiles.TILE,
              "GNOSIS_STEP_MAX_ROWS": cpu_step.MAX_ROWS,
              **{f"GNOSIS_{status.name}": int(status) for status in Status}}
 
@@ -60,7 +60,7 @@ def _header_functions() -> dict[str, tuple[str, list[str]]]:
 
 def _mirrors() -> dict[str, type[ctypes.Structure]]:
     found = {}
-    for module in (cpu_kernels, cpu_step):
+    for module in (cpu_kernels, cpu_step, q4_tiles):
         for obj in vars(module).values():
             if isinstance(obj, type) and issubclass(obj, ctypes.Structure) and obj.__module__ == module.__name__:
                 found[obj._c_name_] = obj
@@ -110,7 +110,7 @@ def test_the_constants_are_the_headers(probed):
 def lib(tmp_path_factory) -> ctypes.CDLL:
     lib = load_library(tmp_path_factory.mktemp("lib"))
     assert lib is not None
-    return cpu_step.declare_step(lib)
+    return q4_tiles.declare_q4(cpu_step.declare_step(lib))
 
 
 def _ctype(c_type: str) -> object:
@@ -119,7 +119,7 @@ def _ctype(c_type: str) -> object:
     if struct and struct[1] in _mirrors():
         return ctypes.POINTER(_mirrors()[struct[1]])
     return {"void": None, "gnosis_status_t": ctypes.c_int, "int32_t": ctypes.c_int32,
-            "const char *": ctypes.c_char_p, "gnosis_step_t **": ctypes.POINTER(ctypes.c_void_p),
+            "const char *": ctypes.c_char_p, "const float *": ctypes.c_void_p, "float *": ctypes.c_void_p, "gnosis_step_t **": ctypes.POINTER(ctypes.c_void_p),
             "gnosis_step_t *": ctypes.c_void_p, "const gnosis_step_t *": ctypes.c_void_p}[c_type]
 
 
@@ -127,7 +127,7 @@ def test_each_function_python_calls_has_the_headers_prototype(lib):
     functions = _header_functions()
     assert set(functions) == {"gnosis_simd", "gnosis_q8_linear", "gnosis_q8_columns", "gnosis_step_create",
                               "gnosis_step_free", "gnosis_step_threads", "gnosis_step_run", "gnosis_step_head",
-                              "gnosis_q4_simd", "gnosis_attention_takes"}
+                              "gnosis_q4_simd", "gnosis_attention_takes", "gnosis_q4_linear"}
     del functions["gnosis_q8_columns"]  # cpu_step.c's, not called from Python
     for name, (returns, params) in functions.items():
         function = getattr(lib, name)

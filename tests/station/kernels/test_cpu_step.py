@@ -74,11 +74,16 @@ def test_the_step_computes_the_models_forward_on_its_own_values(tiny, tmp_path, 
     with torch.inference_mode():
         got = _run_alone(step, ids, table).double()
         want = reference.base_model(input_ids=torch.tensor([ids]), use_cache=False).last_hidden_state[0]
-        torch_int4 = loaded.model.base_model(input_ids=torch.tensor([ids]), use_cache=False).last_hidden_state[0]
+        # the model's own forward runs its layers on the step's tiles (station.model.step_layers)
+        tiled = loaded.model.base_model(input_ids=torch.tensor([ids]), use_cache=False).last_hidden_state[0]
+        # without the step the same values are torch's int4 layers (bfloat16 activations)
+        torch_model = _load(tiny[family], tmp_path, cpu_decode_step="off").model
+        torch_int4 = torch_model.base_model(input_ids=torch.tensor([ids]), use_cache=False).last_hidden_state[0]
     scale = float(want.abs().max())
     step_error = float((got - want).abs().max()) / scale
+    tiled_error = float((tiled.double() - want).abs().max()) / scale
     torch_error = float((torch_int4.double() - want).abs().max()) / scale
-    assert step_error < 1e-3, step_error
+    assert step_error < 1e-3 and tiled_error < 1e-3, (step_error, tiled_error)
     assert step_error < torch_error / 4, (step_error, torch_error)  # 15-bit activations, not 8
 
 

@@ -18,6 +18,7 @@ from gguf import GGMLQuantizationType, quants
 from gnosis_daemon.settings import Settings
 from station.model.gguf_groups import decode_blocks, dequantize_like_gguf, groups_of
 from station.model.loader import load_model
+from station.kernels.q4_tiles import TiledLinear
 from station.kernels.quantized import Int4Groups, Int4Linear, Int8Linear, Int8Rows
 from tests.station.engine.test_paged_engine import BS, engine_for, prompt_of, submit
 from tests.support.int4 import check_int4_layer
@@ -74,7 +75,10 @@ def test_float_checkpoint_auto_stays_float_and_int4_changes_the_fingerprint(tiny
     summary = int4.weights.summary()
     assert summary["int4_layers"] == 14 and summary["float_layers"] == 0  # 7 linears x 2 layers
     assert summary["linear_bytes"] < summary["linear_bytes_dense"] / 4
-    assert sum(isinstance(m, Int4Linear) for m in int4.model.modules()) == 14
+    # the C step serves: its tiles are the layers' only copy, q/k/v and gate/up stacked
+    tiled = [m for m in int4.model.modules() if isinstance(m, TiledLinear)]
+    assert int4.weights.step is not None and len(tiled) == 14
+    assert len({id(m.matrix) for m in tiled}) == 8 and summary["linear_bytes"] == int4.weights.step.nbytes
     assert type(int4.model.lm_head) is torch.nn.Linear  # the head keeps the model's dtype
     # KV made by one set of weights is never served to another
     assert int4.fingerprint != auto.fingerprint
