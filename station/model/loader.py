@@ -38,7 +38,8 @@ from station.forward.attention_kinds import AttentionKinds, read_attention_kinds
 from station.forward.kv_cache import KVCacheShape
 from station.model.errors import REFUSED_EXIT, ModelLoadError, ModelRefused  # noqa: F401 (re-exported)
 from station.model.tokenizing import Codec
-from station.model.weights import WeightsReport, apply_weights
+from station.model.layer_forms import WeightsReport
+from station.model.weights import apply_weights
 
 log = get_logger(__name__)
 

@@ -27,86 +27,30 @@ with one set of weights is never served to another.
 from __future__ import annotations
 
 import hashlib
-from collections import Counter
 import json
-from dataclasses import dataclass, field
+from collections import Counter
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, cast
 
 import torch
 from torch import nn
 
 from gnosis_daemon.logs import get_logger
-from station.model.load_kernels import HEAD_SLOWER, Verdict, cpu_step, q8_head, step_key, verdict
-from station.kernels.quantized import (
-    Int4Groups,
-    Int4Linear,
-    Int8Linear,
-    Int8Rows,
-    KernelChoices,
-    checked,
-    int4_applies,
-    machine_tag,
+from station.kernels.quantized import Int4Groups, Int4Linear, Int8Linear, KernelChoices, machine_tag
+from station.model.layer_forms import (
+    WeightsReport,
+    form_for,
+    module_bytes,
+    no_form,
+    quantized_layers,
+    record,
 )
-
-if TYPE_CHECKING:
-    from station.kernels.cpu_kernels import Q8Linear
-    from station.kernels.cpu_step import StepWeights
+from station.model.load_kernels import HEAD_SLOWER, cpu_step, q8_head, step_key, verdict
 
 log = get_logger(__name__)
 
 MODES = ("auto", "float", "int8", "int4")
 STEP_MODES = ("auto", "on", "off")
-
-
-@dataclass(slots=True)
-class WeightsReport:
-    mode: str
-    forms: dict[str, str] = field(default_factory=dict)  # layer name -> int4 | int8 | float
-    source: dict[str, str] = field(default_factory=dict)  # layer name -> gguf | load (quantized here)
-    slower: list[str] = field(default_factory=list)  # quantized kernel measured slower: kept float
-    linear_bytes_before: int = 0
-    linear_bytes_after: int = 0
-    # The vocabulary head over the file's Q8_0 blocks, which the decode plan runs instead of
-    # the float32 head for steps of few rows; None: the float32 head.
-    head: Q8Linear | None = None
-    # The whole step in C over the 4-bit layers, which the decode plan's ``c-step`` body
-    # binds to the KV pool; None: the step runs through torch.
-    step: StepWeights | None = None
-    # The decode plan's load-time candidates (int4, int8, q8-head, c-step) -> why each was
-    # taken or refused, and what was measured for it (name, milliseconds) where it was.
-    why: dict[str, str] = field(default_factory=dict)
-    measured: dict[str, tuple[tuple[str, float], ...]] = field(default_factory=dict)
-    # A GGUF file's quantized tensors (F32/F16/BF16 ones are not counted), by GGUF name:
-    # those whose blocks run as they are stored or in a form of their own type -> (type,
-    # form: int4 | int8 | q8-head), and those dequantized to float -> (type, why).
-    gguf_kept: dict[str, tuple[str, str]] = field(default_factory=dict)
-    gguf_dequantized: dict[str, tuple[str, str]] = field(default_factory=dict)
-
-    def count(self, form: str) -> int:
-        return sum(1 for f in self.forms.values() if f == form)
-
-    @property
-    def tag(self) -> str:
-        """What the fingerprint must change with: every layer's form (and so its numerics)."""
-        if not any(f != "float" for f in self.forms.values()):
-            return "float"
-        digest = hashlib.sha256(json.dumps(sorted(self.forms.items())).encode()).hexdigest()[:16]
-        step = f",cpu-step:{self.step.arithmetic()}" if self.step is not None else ""  # its own (cpu_step)
-        return f"int4:{self.count('int4')},int8:{self.count('int8')},{digest}{step}"
-
-    def summary(self) -> dict[str, Any]:
-        out = {"mode": self.mode, "int4_layers": self.count("int4"), "int8_layers": self.count("int8"),
-               "float_layers": self.count("float"), "kept_float_faster": len(self.slower),
-               "linear_bytes": self.linear_bytes_after, "linear_bytes_dense": self.linear_bytes_before}
-        if self.gguf_kept or self.gguf_dequantized:
-            out.update(gguf_tensors_kept=len(self.gguf_kept),
-                       gguf_tensors_dequantized=len(self.gguf_dequantized))
-        return out
-
-    def dequantized_by_reason(self) -> dict[str, int]:
-        """How many of the file's quantized tensors were dequantized, by why."""
-        return dict(sorted(Counter(why for _, why in self.gguf_dequantized.values()).items()))
 
 
 def decoder_linears(model: nn.Module) -> list[tuple[str, nn.Module, str, nn.Linear]]:
@@ -141,7 +85,7 @@ def apply_weights(model: nn.Module, mode: str, device: torch.device, dtype: torc
     layers = decoder_linears(model)
     for name, _, _, layer in layers:
         report.forms[name] = "float"
-        report.linear_bytes_before += _bytes(layer)
+        report.linear_bytes_before += module_bytes(layer)
     report.linear_bytes_after = report.linear_bytes_before
     if mode == "float" or not layers or (mode == "auto" and gguf is None):
         reason = ("the model has no decoder linears" if not layers else f"setting weights={mode}"
@@ -163,7 +107,7 @@ def apply_weights(model: nn.Module, mode: str, device: torch.device, dtype: torc
     why: dict[str, str] = {}  # weight name -> why its layer stayed float (for the file's account)
     if report.why["c-step"] or not _step_first(report, model, layers, mode, from_file, mapped, choices,
                                                choices_dir, decode_step):
-        why = _quantized_layers(report, model, layers, mode, from_file, mapped, choices, device, dtype)
+        why = quantized_layers(report, model, layers, mode, from_file, mapped, choices, device, dtype)
     if mapped is not None:  # what stays float: layers measured slower, or whose form did not check
         mapped.fill_rest(model)
     if gguf is not None:
@@ -172,7 +116,7 @@ def apply_weights(model: nn.Module, mode: str, device: torch.device, dtype: torc
             report.head, head_why = q8_head(model, gguf, choices, choices_dir, device, dtype)
         report.why["q8-head"] = head_why
         if report.head is not None or head_why == HEAD_SLOWER:
-            _record(report, "q8-head", verdict(choices, "q8-head", "q8-head:cpu",
+            record(report, "q8-head", verdict(choices, "q8-head", "q8-head:cpu",
                                                "the float32 head measured faster than"))
         _account_gguf(report, model, gguf, from_file, why, head_why)
     if any(form != "float" for form in report.forms.values()):
@@ -203,7 +147,7 @@ def _step_first(report: WeightsReport, model: nn.Module, layers: list, mode: str
 
     def groups_for(weight_name: str, linear: nn.Linear) -> tuple[Int4Groups, str] | str:
         kind = from_file.types.get(weight_name) if from_file else None
-        if _form(mode, kind) != "int4":
+        if form_for(mode, kind) != "int4":
             return f"a {kind or 'float'} tensor, not 4-bit groups"
         if from_file is not None and weight_name in from_file.int4:
             return from_file.int4[weight_name], "gguf"
@@ -224,7 +168,7 @@ def _step_first(report: WeightsReport, model: nn.Module, layers: list, mode: str
         return False
     report.step, step_verdict = cpu_step(model, lib, choices, decode_step, built.sample, built.sample_layers)
     built.sample.clear()  # torch's twins go once timed
-    _record(report, "c-step", step_verdict)
+    record(report, "c-step", step_verdict)
     if report.step is None:
         built.restore()
         _own_memory(model, copy=False)  # the tiles' heap back
@@ -232,69 +176,10 @@ def _step_first(report: WeightsReport, model: nn.Module, layers: list, mode: str
     for name, *_ in layers:
         report.forms[name], report.source[name] = "int4", built.source[name]
     report.linear_bytes_after = built.nbytes
-    report.why["int4"] = "the C step's tiles: every decoder linear, the step's own copy"
-    report.why["int8"] = "the C step computes every decoder linear in 4 bits"
+    report.why["int4"] = (f"setting weights={mode}" if mode != "auto"
+                          else "the file's 4-bit blocks, in the C step's tiles (its only copy)")
+    report.why["int8"] = no_form(mode, "int8", False)
     return True
-
-
-def _quantized_layers(report: WeightsReport, model: nn.Module, layers: list, mode: str, from_file: Any,
-                      mapped: Any, choices: KernelChoices, device: torch.device,
-                      dtype: torch.dtype) -> dict[str, str]:
-    """Each decoder linear as torch's int4 or int8 layer where its form checks out and (auto)
-    measures faster than float here; ``report`` says what was done and why; -> why each
-    weight that stayed float did (for the file's account)."""
-    built: dict[str, list] = {"int4": [], "int8": []}  # form -> [(name, parent, attr, layer, new, source)]
-    timing: dict[str, list] = {"int4": [], "int8": []}  # form -> [(new, its values)] for choose
-    why: dict[str, str] = {}  # weight name -> why its layer stayed float
-    tried: set[str] = set()  # the forms some layer would take
-    kept_values = {"int4": 0, "int8": 0}  # float bytes kept per form for choose (it takes so many)
-    for name, parent, attr, layer in layers:
-        weight_name = f"{name}.weight"
-        form = _form(mode, from_file.types.get(weight_name) if from_file else None)
-        if form is None:
-            continue
-        tried.add(form)
-        if mode == "auto" and form == "int4" and weight_name not in from_file.int4:
-            # auto: a block that did not check out stays float, never re-rounded
-            why[weight_name] = f"its blocks were not used: {from_file.rejected.get(weight_name, 'unread')}"
-            continue
-        bias = None if layer.bias is None else layer.bias.detach()
-        groups = from_file.int4.get(weight_name) if from_file and form == "int4" else None
-        fill = mapped is not None and groups is None  # this one layer's float values, then none
-        if fill:
-            mapped.fill(model, weight_name)
-        made = _build(form, layer, groups, device, dtype)
-        if fill:
-            mapped.empty(model, weight_name)
-        if made is None:
-            why[weight_name] = f"the {form} kernel does not take a {tuple(layer.weight.shape)} weight"
-            continue
-        quantized, stored, source = made
-        if not checked(quantized, stored, bias, device):
-            log.warning("quantized_layer_disagrees", layer=name, form=form)
-            why[weight_name] = f"its {form} layer disagreed with F.linear over its values"
-            continue
-        if mode == "auto" and kept_values[form] < choices.MEASURE_BYTES:  # values to time float with
-            timing[form].append((quantized, stored.dequantize()))
-            kept_values[form] += timing[form][-1][1].numel() * 4
-        built[form].append((name, parent, attr, layer, quantized, source))
-    for form, entries in built.items():
-        faster = mode != "auto" or choices.choose(form, timing[form], device, dtype)
-        _record(report, form, verdict(choices, form, f"{form}:{device.type}", "float layers measured faster than"))
-        if not faster:
-            report.slower.extend(e[0] for e in entries)  # the same values run faster dense here
-            why.update((f"{e[0]}.weight", f"float layers measured faster than {form} here") for e in entries)
-            continue
-        for name, parent, attr, layer, quantized, source in entries:
-            setattr(parent, attr, quantized)
-            report.forms[name], report.source[name] = form, source
-            report.linear_bytes_after += _bytes(quantized) - _bytes(layer)
-        if mode != "auto":
-            report.why[form] = f"setting weights={mode}"
-    for form in ("int4", "int8"):
-        if not report.count(form) and (form not in report.why or mode != "auto" or not built[form]):
-            report.why[form] = _no_form(mode, form, form in tried)
-    return why
 
 
 def _step_refusal(mode: str, full_attention: bool, device: torch.device, dtype: torch.dtype) -> str:
@@ -306,23 +191,6 @@ def _step_refusal(mode: str, full_attention: bool, device: torch.device, dtype: 
     if device.type != "cpu" or dtype != torch.float32:
         return "not a float32 model on a CPU"
     return ""
-
-
-def _record(report: WeightsReport, name: str, decided: Verdict | None) -> None:
-    if decided is not None:
-        report.why[name] = decided[0]
-        if decided[1]:
-            report.measured[name] = decided[1]
-
-
-def _no_form(mode: str, form: str, tried: bool) -> str:
-    """Why no decoder layer took ``form`` (no measurement refused it)."""
-    if mode in ("int4", "int8") and mode != form:
-        return f"setting weights={mode}"
-    if tried or mode == form:
-        return f"no decoder layer's {form} form checked out"
-    return "no Q8_0 tensor among the file's decoder linears" if form == "int8" else (
-        "no 4-bit tensor among the file's decoder linears")
 
 
 def _account_gguf(report: WeightsReport, model: nn.Module, gguf: Path, from_file: Any,
@@ -407,38 +275,6 @@ def _own_memory(model: nn.Module, copy: bool = True) -> None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):  # not glibc: nothing to ask
         pass
-
-
-def _form(mode: str, file_type: str | None) -> str | None:
-    if mode in ("int4", "int8"):
-        return mode
-    if file_type in ("Q4_0", "Q4_1", "Q4_K"):
-        return "int4"
-    if file_type == "Q8_0":
-        return "int8"
-    return None  # auto: a float tensor stays float
-
-
-def _build(form: str, layer: nn.Linear, from_file: Int4Groups | None, device: torch.device,
-           dtype: torch.dtype) -> tuple[nn.Module, Int4Groups | Int8Rows, str] | None:
-    """(the quantized layer, the form of the values it stands for, where they came from) or None."""
-    weight = layer.weight.detach()
-    bias = None if layer.bias is None else layer.bias.detach()
-    if form == "int4":
-        groups, source = (from_file, "gguf") if from_file is not None else (None, "load")
-        if groups is None:
-            if weight.shape[1] % 32:
-                return None
-            groups = Int4Groups.quantize(weight)
-        if not int4_applies(groups):
-            return None
-        return Int4Linear(groups, bias, device), groups, source
-    rows = Int8Rows.quantize(weight)
-    return Int8Linear(rows, bias, device, dtype), rows, "load"
-
-
-def _bytes(module: nn.Module) -> int:
-    return sum(t.numel() * t.element_size() for t in [*module.parameters(), *module.buffers()])
 
 
 def _choices_path(base: Path | None, model: nn.Module, gguf: Path | None) -> Path | None:

@@ -37,7 +37,7 @@ if TYPE_CHECKING:
     from station.kernels.cpu_kernels import Q8Linear
     from station.kernels.cpu_step import StepWeights
     from station.model.loader import LoadedModel
-    from station.model.weights import WeightsReport
+    from station.model.layer_forms import WeightsReport
 
 log = get_logger(__name__)
 
@@ -250,7 +250,7 @@ def choose_head(start: Start) -> tuple[Choice, VocabHead | None]:
 def choose_plan(loaded: LoadedModel, settings: Settings) -> tuple[DecodePlan, DecodeParts]:
     """The decode plan for ``loaded`` under ``settings`` and what it built; logged as
     ``decode_plan``. Packs the float linears (oneDNN) and builds the head and the body."""
-    from station.model.weights import WeightsReport
+    from station.model.layer_forms import WeightsReport
 
     weights = loaded.weights if loaded.weights is not None else WeightsReport("float")
     start = Start(loaded.model, weights, settings, torch.device(loaded.device), loaded.dtype,

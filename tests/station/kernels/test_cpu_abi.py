@@ -119,7 +119,8 @@ def _ctype(c_type: str) -> object:
     if struct and struct[1] in _mirrors():
         return ctypes.POINTER(_mirrors()[struct[1]])
     return {"void": None, "gnosis_status_t": ctypes.c_int, "int32_t": ctypes.c_int32,
-            "const char *": ctypes.c_char_p, "const float *": ctypes.c_void_p, "float *": ctypes.c_void_p, "gnosis_step_t **": ctypes.POINTER(ctypes.c_void_p),
+            "const char *": ctypes.c_char_p, "const float *": ctypes.c_void_p, "float *": ctypes.c_void_p,
+            "gnosis_step_t **": ctypes.POINTER(ctypes.c_void_p),
             "gnosis_step_t *": ctypes.c_void_p, "const gnosis_step_t *": ctypes.c_void_p}[c_type]
 
 
