@@ -15,9 +15,11 @@ empty (parameters on the meta device, buffers real) from the file's config, then
   type with no kept form) and empties it again once its quantized form is built; what it
   leaves float is filled at the end (``fill_rest``).
 
-The model cache holds only the config and the tokenizer, converted once (small), so a
-second start maps the file again and converts nothing. Families whose conversion only
-reorders rows (``MAPPED_ARCHS``) are read this way; the others are converted.
+The model cache holds the config and the tokenizer, converted once (small), and an untied
+embedding table's float32 values, which the model maps (``fill_mapped``: a step reads a few
+rows, so only those are resident), so a second start maps the file again and converts
+nothing. Families whose conversion only reorders rows (``MAPPED_ARCHS``) are read this way;
+the others are converted.
 """
 
 from __future__ import annotations
@@ -98,6 +100,31 @@ class MappedFile:
             raise ModelLoadError(f"the GGUF tensor {entry.name} has {values.numel()} values, "
                                  f"{name} takes {shape.numel()}")
         _set(model, name, values.reshape(shape).to(self.device, self.dtype))
+
+    def fill_mapped(self, model: nn.Module, name: str, values_file: Path) -> None:
+        """``fill``'s values for ``name``, kept as ``values_file`` (float32, written once,
+        atomically) and mapped copy-on-write: only the pages a forward reads are resident.
+        For an untied embedding table, whose rows a step reads a few at a time: ~500 MB of
+        a 7B model's memory that ``fill`` would hold whole."""
+        entry = self.entries.get(name)
+        if entry is None:
+            raise ModelLoadError(f"the GGUF file {str(self.path)!r} has no tensor for {name}")
+        shape = tuple(model.get_parameter(name).shape)
+        nbytes = 4 * int(np.prod(shape))
+        if not values_file.is_file() or values_file.stat().st_size != nbytes:
+            values = dense_values(entry, self.processor)
+            if values.size * 4 != nbytes:
+                raise ModelLoadError(f"the GGUF tensor {entry.name} has {values.size} values, "
+                                     f"{name} takes {nbytes // 4}")
+            try:
+                _write_atomically(values_file, np.ascontiguousarray(values, dtype=np.float32))
+            except OSError as exc:  # a read-only or full cache: held in memory, as ``fill`` does
+                log.warning("gguf_values_not_cached", name=name, file=str(values_file), error=str(exc))
+                _set(model, name, torch.from_numpy(values.reshape(shape)))
+                return
+            del values
+            trim_heap()
+        _set(model, name, torch.from_numpy(np.memmap(values_file, dtype=np.float32, mode="c", shape=shape)))
 
     def empty(self, model: nn.Module, name: str) -> None:
         """Drop parameter ``name``'s values again (its quantized form holds them now)."""
@@ -209,8 +236,11 @@ def load_mapped(gguf: Path, cache: Path, device: torch.device,
     tied = bool(getattr(model.config, "tie_word_embeddings", False)) and head is not None
     # a tied head is the embeddings' weight (which it may already share): filled with them
     skip = decoder_weights | ({f"{n}.weight" for n, m in model.named_modules() if m is head} if tied else set())
+    embed = next(n for n, p in model.named_parameters() if p is model.get_input_embeddings().weight)
     for name, _ in list(model.named_parameters(remove_duplicate=False)):
-        if name not in skip:
+        if name == embed and not tied and device.type == "cpu" and dtype == torch.float32:
+            mapped.fill_mapped(model, name, cache / "embeddings.f32")  # a forward reads a few rows
+        elif name not in skip:
             mapped.fill(model, name)
     if tied:
         head.weight = model.get_input_embeddings().weight
@@ -243,6 +273,18 @@ def dense_values(entry: TensorEntry, processor: Any) -> np.ndarray:
     # gguf-py's shape for it (a norm or bias is 1-D), which the row order is written for
     values = _rows_as_converted(processor, values.reshape(tuple(reversed(entry.shape))), entry.name)
     return values if values.flags.writeable else values.copy()
+
+
+def _write_atomically(path: Path, values: np.ndarray) -> None:
+    """``values``' bytes as ``path``, whole or not at all (a temp file, then a rename)."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as out:
+            out.write(values.data)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
 
 
 def _set(model: nn.Module, name: str, tensor: torch.Tensor) -> None:

@@ -33,7 +33,7 @@ from station.kernels.quantized import Int4Groups, Int4Linear, checked, int4_appl
 
 log = get_logger(__name__)
 
-SAMPLE_BYTES = 256 * 1024 * 1024  # torch int4 layers kept to time the step against
+SAMPLE_BYTES = 96 * 1024 * 1024  # torch int4 layers kept to time the step against (one 7B layer)
 
 # (weight name, its linear) -> (its groups, where they came from: gguf | load), or why not
 GroupsFor = Callable[[str, nn.Linear], "tuple[Int4Groups, str] | str"]

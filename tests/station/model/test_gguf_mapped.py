@@ -62,9 +62,35 @@ def test_a_mapped_file_is_the_model_its_conversion_makes(tmp_path, family, mix, 
     text = "hello there, the cat"
     assert mapped.tokenizer.encode(text) == converted.tokenizer.encode(text)
     assert mapped.eos_token_ids == converted.eos_token_ids
-    # the cache holds the conversion's checkpoint and, for the mapped load, no weights at all
+    # the cache holds the conversion's checkpoint and, for the mapped load, no weights but an
+    # untied embedding table's values, which the model reads through a map of that file
     (mapped_dir,) = (tmp_path / "cache").glob("*.mapped")
     assert (mapped_dir / "config.json").is_file() and not list(mapped_dir.glob("*.safetensors"))
+    embed = mapped.model.get_input_embeddings().weight
+    tied = embed is getattr(mapped.model.get_output_embeddings(), "weight", None)
+    values_file = mapped_dir / "embeddings.f32"
+    assert values_file.is_file() == (not tied)
+    if not tied:
+        assert _mapped_file_at(embed.data_ptr()) == str(values_file)
+        written = values_file.stat().st_mtime_ns
+        again = load_model(Settings(**common, gguf_load="map"))  # reads the file it wrote
+        assert values_file.stat().st_mtime_ns == written
+        assert torch.equal(again.model.get_input_embeddings().weight, want[_embed_name(mapped.model)])
+
+
+def _mapped_file_at(address: int) -> str | None:
+    """The file this process maps at ``address`` (/proc/self/maps), or None."""
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        fields = line.split(maxsplit=5)
+        start, end = (int(x, 16) for x in fields[0].split("-"))
+        if start <= address < end:
+            return fields[5].strip() if len(fields) == 6 else None
+    return None
+
+
+def _embed_name(model) -> str:
+    weight = model.get_input_embeddings().weight
+    return next(name for name, p in model.named_parameters() if p is weight)
 
 
 def test_a_family_the_map_does_not_read_is_refused_by_name(tmp_path):
