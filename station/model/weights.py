@@ -119,8 +119,8 @@ def apply_weights(model: nn.Module, mode: str, device: torch.device, dtype: torc
             record(report, "q8-head", verdict(choices, "q8-head", "q8-head:cpu",
                                                "the float32 head measured faster than"))
         _account_gguf(report, model, gguf, from_file, why, head_why)
-    if any(form != "float" for form in report.forms.values()):
-        _own_memory(model, copy=mapped is None)
+    if report.step is None and any(form != "float" for form in report.forms.values()):
+        _own_memory(model, copy=mapped is None)  # (the step's path did it before its views)
     choices.save()
     log.info("weights_applied", **report.summary())
     return report
@@ -166,6 +166,8 @@ def _step_first(report: WeightsReport, model: nn.Module, layers: list, mode: str
     if isinstance(built, str):
         report.why["c-step"] = built
         return False
+    # what stays float out of the checkpoint's map first: the step keeps views of it (embed)
+    _own_memory(model, copy=mapped is None)
     report.step, step_verdict = cpu_step(model, lib, choices, decode_step, built.sample, built.sample_layers)
     built.sample.clear()  # torch's twins go once timed
     record(report, "c-step", step_verdict)

@@ -1,4 +1,5 @@
-"""Real child processes for tests: free ports, daemons started through the CLI, clean teardown."""
+"""Real child processes for tests: free ports, daemons started through the CLI, clean teardown;
+and what this process maps where (``mapped_file_at``)."""
 
 from __future__ import annotations
 
@@ -105,3 +106,14 @@ def openai_on_daemon(model_dir: str | Path, root: Path) -> Iterator[Any]:
                         max_retries=0, timeout=120)
         client.model_id = client.models.list().data[0].id
         yield client
+
+
+def mapped_file_at(address: int) -> str | None:
+    """The file this process maps at ``address`` (/proc/self/maps), or None (anonymous)."""
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        fields = line.split(maxsplit=5)
+        start, end = (int(x, 16) for x in fields[0].split("-"))
+        if start <= address < end:
+            name = fields[5].strip() if len(fields) == 6 else ""
+            return name if name.startswith("/") else None
+    return None

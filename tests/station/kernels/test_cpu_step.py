@@ -20,6 +20,7 @@ from station.kernels.cpu_step import STEP_ROWS, StepWeights
 from station.forward.kv_cache import KVCache, KVCacheShape
 from station.model.loader import load_model
 from tests.station.engine.test_paged_engine import BS, Collector, engine_for, prompt_of, submit
+from tests.support.procs import mapped_file_at
 from tests.support.tiny_models import build_tiny_model
 
 pytestmark = pytest.mark.skipif(compiler() is None, reason="no C compiler here (cc, gcc or $CC)")
@@ -85,6 +86,17 @@ def test_the_step_computes_the_models_forward_on_its_own_values(tiny, tmp_path, 
     torch_error = float((torch_int4.double() - want).abs().max()) / scale
     assert step_error < 1e-3 and tiled_error < 1e-3, (step_error, tiled_error)
     assert step_error < torch_error / 4, (step_error, torch_error)  # 15-bit activations, not 8
+
+
+def test_the_step_reads_the_models_own_float_tensors_not_a_map_of_its_checkpoint(tiny, tmp_path):
+    # transformers hands out views of the safetensors file it maps: a view the step kept would
+    # keep every page of that file resident (the default model's steady RSS rose by 400 MiB)
+    loaded = _load(tiny["llama"], tmp_path)
+    weights, base = loaded.weights.step, loaded.model.base_model
+    assert isinstance(weights, StepWeights)
+    for held, own in ((weights.embed, base.embed_tokens.weight), (weights.final_norm, base.norm.weight)):
+        assert held.data_ptr() == own.data_ptr()
+        assert mapped_file_at(held.data_ptr()) is None  # owned memory, not the checkpoint's file
 
 
 def test_a_row_gives_the_same_bits_alone_and_in_a_batch(tiny, tmp_path):

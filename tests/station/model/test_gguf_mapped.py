@@ -26,6 +26,7 @@ from station.model.errors import ModelLoadError
 from station.model.loader import load_model
 from tests.support import gguf_large
 from tests.support.gguf_files import write_gguf
+from tests.support.procs import mapped_file_at
 
 pytestmark = pytest.mark.usefixtures("few_threads")
 
@@ -71,21 +72,11 @@ def test_a_mapped_file_is_the_model_its_conversion_makes(tmp_path, family, mix, 
     values_file = mapped_dir / "embeddings.f32"
     assert values_file.is_file() == (not tied)
     if not tied:
-        assert _mapped_file_at(embed.data_ptr()) == str(values_file)
+        assert mapped_file_at(embed.data_ptr()) == str(values_file)
         written = values_file.stat().st_mtime_ns
         again = load_model(Settings(**common, gguf_load="map"))  # reads the file it wrote
         assert values_file.stat().st_mtime_ns == written
         assert torch.equal(again.model.get_input_embeddings().weight, want[_embed_name(mapped.model)])
-
-
-def _mapped_file_at(address: int) -> str | None:
-    """The file this process maps at ``address`` (/proc/self/maps), or None."""
-    for line in Path("/proc/self/maps").read_text().splitlines():
-        fields = line.split(maxsplit=5)
-        start, end = (int(x, 16) for x in fields[0].split("-"))
-        if start <= address < end:
-            return fields[5].strip() if len(fields) == 6 else None
-    return None
 
 
 def _embed_name(model) -> str:
