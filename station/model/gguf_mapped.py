@@ -236,7 +236,8 @@ def load_mapped(gguf: Path, cache: Path, device: torch.device,
     tied = bool(getattr(model.config, "tie_word_embeddings", False)) and head is not None
     # a tied head is the embeddings' weight (which it may already share): filled with them
     skip = decoder_weights | ({f"{n}.weight" for n, m in model.named_modules() if m is head} if tied else set())
-    embed = next(n for n, p in model.named_parameters() if p is model.get_input_embeddings().weight)
+    embed_weight = model.get_input_embeddings().weight
+    embed = next(n for n, p in model.named_parameters() if p is embed_weight)
     for name, _ in list(model.named_parameters(remove_duplicate=False)):
         if name == embed and not tied and device.type == "cpu" and dtype == torch.float32:
             mapped.fill_mapped(model, name, cache / "embeddings.f32")  # a forward reads a few rows

@@ -105,8 +105,7 @@ def quantized_layers(report: WeightsReport, model: nn.Module, layers: list, mode
             continue
         tried.add(form)
         if mode == "auto" and form == "int4" and weight_name not in from_file.int4:
-            # auto: a block that did not check out stays float, never re-rounded
-            why[weight_name] = f"its blocks were not used: {from_file.rejected.get(weight_name, 'unread')}"
+            why[weight_name] = blocks_unused(from_file, weight_name)
             continue
         bias = None if layer.bias is None else layer.bias.detach()
         groups = from_file.int4.get(weight_name) if from_file and form == "int4" else None
@@ -145,6 +144,12 @@ def quantized_layers(report: WeightsReport, model: nn.Module, layers: list, mode
         if not report.count(form) and (form not in report.why or mode != "auto" or not built[form]):
             report.why[form] = no_form(mode, form, form in tried)
     return why
+
+
+def blocks_unused(from_file: Any, weight_name: str) -> str:
+    """Why a 4-bit weight under ``weights=auto`` stays float: its blocks did not check out,
+    and auto never rounds a weight to 4 bits again."""
+    return f"its blocks were not used: {from_file.rejected.get(weight_name, 'unread')}"
 
 
 def record(report: WeightsReport, name: str, decided: Verdict | None) -> None:

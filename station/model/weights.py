@@ -39,6 +39,7 @@ from gnosis_daemon.logs import get_logger
 from station.kernels.quantized import Int4Groups, Int4Linear, Int8Linear, KernelChoices, machine_tag
 from station.model.layer_forms import (
     WeightsReport,
+    blocks_unused,
     form_for,
     module_bytes,
     no_form,
@@ -139,9 +140,7 @@ def _step_first(report: WeightsReport, model: nn.Module, layers: list, mode: str
     if refusal is None and len(layers) != 7 * len(cast(Any, model.base_model).layers):
         refusal = "the decoder has linear layers the step does not compute"
     lib = load_library(choices_dir) if refusal is None else None
-    if refusal is None and lib is None:
-        refusal = "the C step's library could not be built here"
-    if refusal is not None or lib is None:
+    if lib is None:
         report.why["c-step"] = refusal or "the C step's library could not be built here"
         return False
 
@@ -152,7 +151,7 @@ def _step_first(report: WeightsReport, model: nn.Module, layers: list, mode: str
         if from_file is not None and weight_name in from_file.int4:
             return from_file.int4[weight_name], "gguf"
         if mode == "auto":  # a block that did not check out is never re-rounded
-            return f"its blocks were not used: {from_file.rejected.get(weight_name, 'unread')}"
+            return blocks_unused(from_file, weight_name)
         if mapped is not None:  # weights=int4 over another type: its float values, for a moment
             mapped.fill(model, weight_name)
         try:
