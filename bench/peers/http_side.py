@@ -15,7 +15,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-import httpx
+from bench.common import http_client
 
 WORDS = ("river stone lantern harbor quiet meadow copper signal orbit garden winter mirror "
          "canyon thunder pillar ember violet marble falcon cedar island north paper candle "
@@ -82,8 +82,8 @@ class Endpoint:
         first = end = None
         finish = None
         usage = None
-        with httpx.stream("POST", f"http://127.0.0.1:{self.port}/v1/completions", json=body,
-                          timeout=900) as resp:
+        with http_client().stream("POST", f"http://127.0.0.1:{self.port}/v1/completions",
+                                  json=body) as resp:
             resp.raise_for_status()
             for line in resp.iter_lines():
                 if not line.startswith("data: ") or line.strip() == "data: [DONE]":
