@@ -152,6 +152,11 @@ class StationStream:
     def __aiter__(self) -> StationStream:
         return self
 
+    @property
+    def ready(self) -> bool:
+        """Its next frame, or its end, is here: the next ``__anext__`` would not wait."""
+        return self.done or self._inbox.ready
+
     async def __anext__(self) -> dict[str, Any]:
         if self.done:
             raise StopAsyncIteration
@@ -181,7 +186,7 @@ async def first_ready(streams: list[StationStream]) -> int:
     frames come faster than they are taken, every stream falls behind alike, and none
     waits in its inbox for another to end."""
     while True:
-        ready = [i for i, stream in enumerate(streams) if stream.done or stream._inbox.ready]
+        ready = [i for i, stream in enumerate(streams) if stream.ready]
         if ready:
             return max(ready, key=lambda i: (streams[i].done or streams[i]._inbox.overflowed
                                              or streams[i]._inbox.closed,

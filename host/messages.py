@@ -254,9 +254,17 @@ class _Run:
             """The events of newly known text, then of each tool call found complete."""
             return [*fmt.text(text), *(chunk for call in found for chunk in fmt.call(call))]
 
-        yield fmt.start(self.usage(1))
+        # Events already here go out as one write (as host/sse_body.py's chunks do): the
+        # body yields only before it would wait for the station, and at its end.
+        out = [fmt.start(self.usage(1))]
         try:
-            while (item := await next_event(stream)) is not None:
+            while True:
+                if out and not stream.ready:
+                    yield b"".join(out)
+                    out.clear()
+                item = await next_event(stream)
+                if item is None:
+                    break
                 if not isinstance(item, TokensEvent):
                     continue
                 self.record.on_tokens(len(item.token_ids))
@@ -264,25 +272,26 @@ class _Run:
                 self.record.completion_tokens = output
                 text, found = tools.feed(item.text) if tools else (item.text, [])
                 calls += len(found)
-                for chunk in blocks(text, found):
-                    yield chunk
+                out += blocks(text, found)
             result = result_of(stream)
             if tools is not None:
                 text, found = tools.finish()
                 calls += len(found)
-                for chunk in blocks(text, found):
-                    yield chunk
+                out += blocks(text, found)
+            if result.finish_reason == "stop" and self.req.stop_sequences:
+                yield b"".join(out)  # finish asks the station which stop it was: do not wait
+                out.clear()
             stop_sequence = await self.finish(result)
         except StationError as exc:
             # The headers are gone: the error travels as Anthropic's error event.
             self.record.outcome = f"error:{exc.code}"
             error = errors.for_client(station_error(exc, self.chat), self.record.request_id)
-            yield _error_event(error, self.record.request_id)
+            yield b"".join([*out, _error_event(error, self.record.request_id)])
             return
         stop = stop_reason(result.finish_reason, calls > 0, stop_sequence)
-        for chunk in fmt.end(stop, stop_sequence, self.usage(result.completion_tokens),
-                             self.gnosis(result)):
-            yield chunk
+        out += fmt.end(stop, stop_sequence, self.usage(result.completion_tokens),
+                       self.gnosis(result))
+        yield b"".join(out)
         self.record.outcome = "ok"
 
 

@@ -5,6 +5,11 @@ the station; their events are read in the order they arrive (``first_ready``), n
 stream after another, so no stream's frames wait in the host for another prompt to end
 (each request's frames are bounded: ``stream_buffer_bytes``). Chunks carry each choice's
 ``index``, so a client reassembles each choice as it does for ``n > 1``.
+
+Chunks whose events are already here go out as one write: the body yields only before it
+would wait for the station (or at its end), so no chunk is held back for a later one, and
+a short answer (a prefix hit's one token, its finish, usage and ``[DONE]``) costs one pass
+through the HTTP stack and one socket write instead of four.
 """
 
 from __future__ import annotations
@@ -94,6 +99,7 @@ async def stream_body(opened: list, fmt: formatting.Formatter, memory: LiquidMem
     results: dict[int, GenerateResult] = {}
     summed: GenerateResult | None = None
     block = None
+    out: list[bytes] = []  # chunks not yet written (see the module's docstring)
 
     def chunks(index: int, text: str, lps: dict | None, calls: Any = ()) -> list[bytes]:
         out = [sse.event(fmt.delta_chunk(text, index, lps))] if text or lps else []
@@ -106,7 +112,7 @@ async def stream_body(opened: list, fmt: formatting.Formatter, memory: LiquidMem
         for choice in prompt.choices:
             role = fmt.role_chunk(choice.index)
             if role is not None:
-                yield sse.event(role)
+                out.append(sse.event(role))
             if parser is not None:
                 tools[choice.index] = ToolCallParser(parser, max_calls(req))
     waiting = {i: o[1] for i, o in enumerate(opened)}  # first events, not yet shown
@@ -115,6 +121,9 @@ async def stream_body(opened: list, fmt: formatting.Formatter, memory: LiquidMem
         try:
             at = next((i for i in live if i in waiting), None)
             if at is None:
+                if out and not any(opened[i][0].ready for i in live):
+                    yield b"".join(out)  # what is here goes now: the next event may be long
+                    out.clear()
                 at = live[await first_ready([opened[i][0] for i in live])]
                 event = await next_event(opened[at][0])
             else:
@@ -123,15 +132,14 @@ async def stream_body(opened: list, fmt: formatting.Formatter, memory: LiquidMem
             # Headers are gone: the error travels as an event, the way OpenAI streams report it.
             record.outcome = f"error:{exc.code}"
             error = errors.for_client(station_error(exc, req), record.request_id)
-            yield sse.event(error.body())
+            yield b"".join([*out, sse.event(error.body())])
             return
         stream, _, prepared, outcome, prompt = opened[at]
         if event is not None:
             choice, entries = prompt.on_event(event)
             if isinstance(event, PrefillEvent) and req.echo:
                 for c in prompt.choices:
-                    for chunk in chunks(c.index, *prompt.echo(req.kind, c)):
-                        yield chunk
+                    out += chunks(c.index, *prompt.echo(req.kind, c))
             if isinstance(event, TokensEvent):
                 count = len(event.token_ids)
                 record.on_tokens(count)
@@ -142,15 +150,15 @@ async def stream_body(opened: list, fmt: formatting.Formatter, memory: LiquidMem
                 if text and choice.index in tools:
                     text, calls = tools[choice.index].feed(text)
                 lps = choice.logprobs(req.kind, entries)
-                for chunk in chunks(choice.index, text, lps, calls):
-                    yield chunk
+                out += chunks(choice.index, text, lps, calls)
             continue
         live.remove(at)
         try:
             result = result_of(stream)
         except StationError as exc:
             record.outcome = f"error:{exc.code}"
-            yield sse.event(errors.for_client(station_error(exc, req), record.request_id).body())
+            yield b"".join([*out, sse.event(errors.for_client(station_error(exc, req),
+                                                               record.request_id).body())])
             return
         memory.on_result(prepared, result)
         results[at] = result
@@ -162,17 +170,16 @@ async def stream_body(opened: list, fmt: formatting.Formatter, memory: LiquidMem
             reason = None
             if choice.index in tools:
                 text, calls = tools[choice.index].finish()
-                for chunk in chunks(choice.index, text, None, calls):
-                    yield chunk
+                out += chunks(choice.index, text, None, calls)
                 reason = "tool_calls" if tools[choice.index].calls else None
             last = not live and choice is prompt.choices[-1]
-            yield sse.event(fmt.finish_chunk(reason or part.finish_reason,
-                                             None if fmt.include_usage or not last else block,
-                                             choice.index))
+            out.append(sse.event(fmt.finish_chunk(reason or part.finish_reason,
+                                                  None if fmt.include_usage or not last else block,
+                                                  choice.index)))
     if fmt.include_usage:
         assert summed is not None and block is not None
         usage = formatting.usage(summed.prompt_tokens, summed.completion_tokens,
                                  summed.cached_tokens)
-        yield sse.event(fmt.usage_chunk(usage, block))
+        out.append(sse.event(fmt.usage_chunk(usage, block)))
     record.outcome = "ok"
-    yield sse.DONE
+    yield b"".join([*out, sse.DONE])
