@@ -92,7 +92,8 @@ class SequenceLimits:
                           f"{what} has {n} tokens: with {room} more it does not fit the KV "
                           f"pool of {self.num_blocks * self.block_size} tokens")
         vocab = self.vocab_size
-        if any(not 0 <= t < vocab for t in token_ids):
+        # min/max run in C: a generator over every id cost ~50 us per 1,000 tokens
+        if token_ids and (min(token_ids) < 0 or max(token_ids) >= vocab):
             raise OpError(ErrorCode.BAD_REQUEST, f"{what} has token ids outside [0, {vocab})")
 
 
