@@ -299,10 +299,15 @@ class PagedEngine:
                 self.kv_events.resync(self.kv.pool.cached_ext_blocks())
             if self.kv.pins.wait_s() == 0:  # TTL pins past their expiry leave every tier
                 pinning.expire(self.kv, self.tier)
+            stepping = self.scheduler.has_runnable()
             if self.tier is not None:
-                self.tier.before_step(stepping=self.scheduler.has_runnable())
-            if self.scheduler.has_runnable():
-                self.step()
+                self.tier.before_step(stepping=stepping)
+            if stepping:
+                try:
+                    self.step()
+                finally:
+                    if self.tier is not None:
+                        self.tier.after_step()
             if self.calls.embeds:
                 self.calls.embed_step(self.settings.prefill_chunk_tokens)
 

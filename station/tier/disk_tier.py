@@ -76,7 +76,7 @@ class DiskTier:
     def before_step(self, stepping: bool = False) -> None:
         """Apply the process's answers, queue what was saved and used since, hand jobs over."""
         if stepping:  # a step follows: a writer that yields to decode waits (station.tier.io.worker)
-            self.io.stamp()
+            self.io.stamp(running=True)
         while True:
             with self._lock:
                 if not self._answers:
@@ -90,6 +90,10 @@ class DiskTier:
                 self._queue(WriteJob("touch", session_id, time.perf_counter(), last_used=last_used))
         self._drop_if_stalled()
         self._pump()
+
+    def after_step(self) -> None:
+        """The step ``before_step(stepping=True)`` announced has ended (or failed)."""
+        self.io.stamp(running=False)
 
     def stats(self) -> dict[str, Any]:
         """The tier's figures for ``stats`` (another thread may read them)."""

@@ -5,10 +5,11 @@
 and returns the index its files give (``SessionRecord``s, nothing read but manifests).
 
 The writer writes a young save's blocks at ``kv_io_nice`` and, from ``rise_s`` after the
-save on (half ``kv_write_behind_s``), at the station's own priority, so saves reach disk
-while decode keeps every core busy. On a CPU host at ``kv_io_nice = 19`` it also yields to
-decode until then: the engine thread stamps a word of shared memory (``DecodeBeat``) at
-each step, and the process writes no block while the stamp is fresh (``station.tier.io.worker``).
+save on (a quarter of ``kv_write_behind_s``), at the station's own priority, so saves reach
+disk while decode keeps every core busy. On a CPU host at ``kv_io_nice = 19`` it also yields
+to the engine until then: the engine thread stamps a word of shared memory (``DecodeBeat``)
+as each step starts and ends, and the process writes no block during a step or for
+``BEAT_FRESH_S`` after one (``station.tier.io.worker``).
 
 Why a process and not a thread: a writer thread in the station competes with decode for
 the GIL (the engine thread waits for it between torch ops) as well as for the cores; in its
@@ -18,6 +19,7 @@ own process it competes for the cores only, at the priority ``kv_io_nice`` gives
 
 from __future__ import annotations
 
+import math
 import os
 import socket
 import subprocess
@@ -128,10 +130,14 @@ class KVIOProcess:
                     raise TierOpenFailed(message["error"])
                 return records, message["stats"]
 
-    def stamp(self) -> None:
-        """A step is starting (the engine thread): the writer waits while they go on."""
+    def stamp(self, running: bool) -> None:
+        """The engine thread: a step starts (``running``: the writer waits however long it
+        takes) or has ended (the writer waits ``BEAT_FRESH_S`` more). Stamped only at a
+        step's start, a prefill step longer than that looked like a pause: the writer wrote
+        beside it, and the moment a long prompt's first token went out it started on its
+        save, beside the next request's first token."""
         if self.beat is not None:
-            self.beat.stamp()
+            self.beat.stamp(math.inf if running else None)
 
     def cpu_s(self) -> float | None:
         """The process's CPU seconds so far, every thread's, user and system (Linux's

@@ -61,13 +61,14 @@ log = get_logger(__name__)
 
 MAX_FRAME_BYTES = 256 * 1024 * 1024  # a part names block slots and tokens, never KV bytes
 SESSIONS_PER_FRAME = 256
-BEAT_FRESH_S = 0.05  # a decode step stamped this recently: the engine is decoding
+BEAT_FRESH_S = 0.05  # a step running or ended this recently: the engine is at work
 YIELD_POLL_S = 0.005  # how often a yielding writer looks at the stamp again
 
 
 class DecodeBeat:
     """Eight bytes of shared memory (a memfd the I/O process maps): the CLOCK_MONOTONIC
-    time of the engine's last step, stamped by the engine thread, read by the writer."""
+    time the engine's last step ended, or infinity while one runs, stamped by the engine
+    thread, read by the writer."""
 
     FORMAT = "d"
 

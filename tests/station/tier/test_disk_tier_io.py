@@ -5,6 +5,7 @@ serving, every request with the right output."""
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import threading
@@ -18,6 +19,7 @@ from station.core.requests import Finished, Prefill
 from station.engine.calls import EngineCalls
 from station.forward.kv_cache import KVCacheShape
 from station.tier.format import session_name
+from station.tier.io.worker import BEAT_FRESH_S, DecodeBeat
 from station.tier.start import rise_s, writer_yields
 from tests.station.tier.test_disk_tier import TierEngine, tier_model
 from tests.station.engine.test_paged_engine import prompt_of, reference
@@ -172,6 +174,13 @@ def test_only_a_cpu_decode_at_the_lowest_priority_makes_the_writer_wait():
     assert writer_yields(Settings(kv_write_behind_s=1.0), torch.device("cuda")) is False
 
 
+def steps_going_on(engine) -> None:
+    """Stamp the beat as a running step does, once the engine's last step has stamped its
+    end (a call is answered between steps): as far as the writer can tell, steps go on."""
+    call(engine, EngineCalls.kv_list)
+    engine.tier.io.beat.stamp(math.inf)
+
+
 def test_the_writer_waits_while_decode_steps_go_on(tiny, tmp_path):
     """At kv_io_nice 19 on the CPU no block is written while the engine's steps go on (the
     beat they stamp is fresh), until a quarter of kv_write_behind_s after the save: then the
@@ -181,7 +190,7 @@ def test_the_writer_waits_while_decode_steps_go_on(tiny, tmp_path):
     with TierEngine(loaded, tmp_path / "state", 64, kv_write_behind_s=60.0) as t:  # waits <= 15 s
         beat = t.engine.tier.io.beat
         t.generate(prompt, 3)  # into the prefix cache, no save
-        beat.stamp(time.monotonic() + 3600)  # steps going on, as far as the writer can tell
+        steps_going_on(t.engine)
         assert call(t.engine, EngineCalls.kv_save, session_id="alice.wait", prefix_len=20,
                     tokens=list(prompt), tenant="alice")["num_tokens"] == 20
         time.sleep(1.5)
@@ -192,13 +201,36 @@ def test_the_writer_waits_while_decode_steps_go_on(tiny, tmp_path):
         assert t.engine.stats()["disk_write_yield_s"] >= 1.0  # it waited while they went on
     with TierEngine(loaded, tmp_path / "state2", 64) as t:  # kv_write_behind_s 1.0: waits <= 0.25 s
         t.generate(prompt, 3)
-        t.engine.tier.io.beat.stamp(time.monotonic() + 3600)  # steps that never pause
+        steps_going_on(t.engine)  # steps that never pause
         call(t.engine, EngineCalls.kv_save, session_id="alice.bound", prefix_len=20, tokens=list(prompt),
              tenant="alice")
         t.expected_writes = 1
         t.settle()  # landed all the same
         # its first block waited until 0.25 s after the save (the save was a few ms before it)
         assert t.engine.stats()["disk_write_yield_s"] >= 0.15
+
+
+def test_a_step_longer_than_the_beats_window_still_holds_the_writer(tiny, tmp_path):
+    """The beat reads as busy for a whole step however long it runs (a long prefill chunk),
+    and as a fresh pause once it ends: stamped only as a step started, a step longer than
+    BEAT_FRESH_S looked like a pause, and the writer wrote beside it."""
+    _, loaded = tiny
+    with TierEngine(loaded, tmp_path / "state", 64) as t:
+        beat, runner = t.engine.tier.io.beat, t.engine.runner
+        seen, run = [], runner.run
+
+        def slow_step(out):
+            time.sleep(BEAT_FRESH_S * 3)
+            seen.append(DecodeBeat.age_s(beat._map))  # what the writer reads, late in the step
+            return run(out)
+
+        runner.run = slow_step
+        t.generate(prompt_of(600, 23), 2)
+        runner.run = run
+        call(t.engine, EngineCalls.kv_list)  # answered between steps: the last one's end stamped
+        after = DecodeBeat.age_s(beat._map)
+    assert len(seen) >= 2 and all(age < 0 for age in seen)  # busy: the writer waits
+    assert 0 <= after < 5.0  # a real time: the writer waits BEAT_FRESH_S past it, no longer
 
 
 def test_a_session_evicted_before_its_write_landed_is_kept_on_disk(tiny, tmp_path):

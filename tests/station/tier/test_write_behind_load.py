@@ -15,7 +15,7 @@ import pytest
 from station.core.requests import Prefill
 from station.engine.calls import EngineCalls
 from tests.station.tier.test_disk_tier import BS, TierEngine, tier_model
-from tests.station.tier.test_disk_tier_io import call
+from tests.station.tier.test_disk_tier_io import call, steps_going_on
 from tests.station.engine.test_paged_engine import prompt_of, reference
 
 pytestmark = pytest.mark.usefixtures("few_threads")
@@ -85,7 +85,7 @@ def test_a_save_older_than_half_the_bound_is_written_at_the_stations_priority(ti
     prompt = prompt_of(2200, 23)  # 5 full blocks
     with TierEngine(loaded, tmp_path / "state", 64, kv_write_behind_s=0.8) as t:  # rises 0.2 s after a save
         t.generate(prompt, 3)  # into the prefix cache, no save
-        t.engine.tier.io.beat.stamp(10 ** 9)
+        steps_going_on(t.engine)
         assert call(t.engine, EngineCalls.kv_save, session_id="alice.risen", prefix_len=20,
                     tokens=list(prompt), tenant="alice")["num_tokens"] == 20
         t.expected_writes = 1
