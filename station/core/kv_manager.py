@@ -270,6 +270,11 @@ class KVCacheManager(DiskTierSide):
         """Pin ``blocks`` (the KV of ``token_ids``, full blocks) as session ``session_id``,
         findable by its block hashes (``known_hashes``: a prefix of them already computed);
         ``ttl_s``: a TTL pin (``station.core.pins``), else an ordinary session."""
+        old = self.sessions.get(session_id)
+        if (ttl_s is None and old is not None and session_id not in self.pins
+                and old.tenant == tenant and len(old.token_ids) == len(token_ids)
+                and old.token_ids == tuple(token_ids)):
+            return self._saved_again(old)
         hashes = block_hashes_for(token_ids, self.block_size, self.extra_keys(tenant),
                                   (known_hashes or [])[:len(blocks)])
         if ttl_s is None:
@@ -281,6 +286,17 @@ class KVCacheManager(DiskTierSide):
         if self.disk_tier:
             self.to_write.append(session)
         self._take_evictions()
+        return session
+
+    def _saved_again(self, session: KVSession) -> KVSession:
+        """The same tokens saved again under the same id (every turn of a conversation
+        saves its prompt again): the session as it is, used now. Its blocks hold that KV
+        already, so nothing is re-pinned or re-hashed, and the disk tier rewrites nothing:
+        a durable one is touched, one whose write is on the way is handed over again (the
+        tier skips a session a job already carries, and writes one whose write failed)."""
+        self._use(session)
+        if self.disk_tier and not session.durable:
+            self.to_write.append(session)
         return session
 
     def pin_sequence(self, session_id: str, seq: Sequence, num_tokens: int,

@@ -161,7 +161,9 @@ class SessionRegistry:
             self._account(old, -1)
             self.pool.unpin(old.blocks)
         self._sessions[session_id] = session
-        while len(unpinned := self._unpinned(self._sessions.values())) > self.budget:
+        # (the count first: no list of every session while there are no more than the budget)
+        while (len(self._sessions) > self.budget
+               and len(unpinned := self._unpinned(self._sessions.values())) > self.budget):
             over = self._over_sessions
             victim = self._choose(unpinned, over, tenant, session_id)
             if victim is None:

@@ -171,6 +171,8 @@ class DiskTier:
     def _queue_write(self, session: KVSession) -> None:
         if not session.blocks or self.down:  # nothing to keep, or nowhere to keep it
             return
+        if any(j.session is session for j in (*self._jobs.values(), *self._inflight.values())):
+            return  # saved again unchanged (KVCacheManager._saved_again): that job lands it
         block_ids = self.kv.hold_blocks(session.blocks)  # the job's: they stay as they are
         self._jobs.pop(("touch", session.session_id), None)
         self._queue(WriteJob("write", session.session_id, time.perf_counter(), session=session,

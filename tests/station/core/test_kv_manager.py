@@ -119,6 +119,34 @@ def test_a_session_pin_keeps_blocks_out_of_eviction_until_reclaimed():
     assert kv.get_session("s") is None and kv.sessions.num_expired == 1
 
 
+def test_the_same_tokens_saved_again_keep_the_session_and_write_nothing_new():
+    """Every turn saves its prompt again: unchanged, the session stays the same object (no
+    re-pin, no re-hash), is used now, and the disk tier is handed nothing it holds: a
+    durable session is touched, one not yet durable is handed over again (the tier skips
+    it while a job carries it). Other tokens, another tenant or a TTL replace it."""
+    kv = manager(8, budget=4)
+    kv.enable_disk_tier()
+    s = make_seq(kv, "s", range(9), tenant="t")
+    admit(kv, s)
+    kv.pin_sequence("a", s, 8)
+    first = kv.get_session("a")
+    assert kv.to_write == [first]
+    kv.to_write.clear()
+    used = first.last_used
+    kv.pin_sequence("a", s, 8)  # its write on the way: handed over again, not replaced
+    assert kv.get_session("a") is first and kv.to_write == [first] and first.last_used > used
+    kv.to_write.clear()
+    first.durable = True  # the write landed
+    kv.pin_sequence("a", s, 8)
+    assert kv.get_session("a") is first and kv.to_write == [] and "a" in kv.to_touch
+    kv.pin_sequence("a", s, 4)  # fewer tokens: a new session, written
+    second = kv.get_session("a")
+    assert second is not first and second.token_ids == tuple(range(4)) and kv.to_write == [second]
+    kv.pin_sequence("a", s, 4, ttl_s=60.0)  # a TTL pin now: replaced, written
+    assert kv.get_session("a") is not second and "a" in kv.pins
+    kv.free(s)
+
+
 def test_reclaim_takes_the_tenant_over_its_share_first():
     kv = manager(8, budget=4, share=0.5)  # a tenant may pin up to 4 blocks
     a1 = make_seq(kv, "a1", range(5), tenant="alice")

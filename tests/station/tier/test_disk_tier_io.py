@@ -233,6 +233,32 @@ def test_a_step_longer_than_the_beats_window_still_holds_the_writer(tiny, tmp_pa
     assert 0 <= after < 5.0  # a real time: the writer waits BEAT_FRESH_S past it, no longer
 
 
+def test_a_prompt_saved_again_unchanged_is_written_once(tiny, tmp_path):
+    """The next turn saves the same prompt under the same id (a conversation's, or the
+    same prompt sent again): while its write is on the way nothing more is queued, once
+    durable it is only touched; the hit's tokens are the miss's."""
+    _, loaded = tiny
+    prompt = prompt_of(1900, 23)  # 5 full blocks
+    with TierEngine(loaded, tmp_path / "state", 64) as t:
+        io = t.engine.tier.io.proc
+        os.kill(io.pid, signal.SIGSTOP)  # the first write stays on the way
+        try:
+            miss = t.generate(prompt, 3, save_session="alice.same")
+            hit = t.generate(prompt, 3, save_session="alice.same")
+            session = t.engine.kv.get_session("alice.same")
+            assert hit.tokens == miss.tokens and not session.durable
+            assert t.engine.stats()["write_behind_queued"] == 1  # one job, not a second
+        finally:
+            os.kill(io.pid, signal.SIGCONT)
+        t.expected_writes = 1
+        t.settle()
+        assert t.engine.kv.get_session("alice.same") is session and session.durable
+        touches = t.engine.tier.figures.touches
+        assert t.generate(prompt, 3, save_session="alice.same").tokens == miss.tokens
+        t.settle()
+        assert t.engine.tier.figures.writes == 1 and t.engine.tier.figures.touches == touches + 1
+
+
 def test_a_session_evicted_before_its_write_landed_is_kept_on_disk(tiny, tmp_path):
     """A slow writer must not lose a session the pool evicts meanwhile: the job holds the
     blocks, and when it lands the session becomes a disk session (not counted lost)."""
