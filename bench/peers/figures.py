@@ -17,7 +17,7 @@ from typing import Protocol, TypeVar
 
 import trio
 
-from bench.common import Pairs, Report, free_port, start_station, stop_station
+from bench.common import Pairs, Report, cpu_model, free_port, start_station, stop_station
 from bench.liquid import start_host
 from bench.peers import plots
 from bench.peers.http_side import Completion, aggregate, daemon_endpoint, text_prompt, text_prompt_tokens
@@ -107,7 +107,9 @@ def peer_figures(settings, args, tmp: Path, out: Path) -> PeerResult:
 
 def measured_facts(args, model: Path, plots: bool = True) -> list[str]:
     """The section's first lines: when, which llama.cpp on which file, the run's sizes."""
-    return [f"measured: {datetime.now(timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}",
+    # the machine too: `--peer-only` may run on another one than the main table's
+    return [f"measured: {datetime.now(timezone.utc).strftime('%Y-%m-%d %H:%M UTC')} on "
+            f"{cpu_model()}, {os.cpu_count()} CPUs",
             f"peer: llama-cpp-python {llama_cpp_version()}, n_threads {os.cpu_count() or 1}, "
             f"`use_extra_bufts=False`, on {model.name}",
             f"decode tokens {args.decode_tokens}, long prompt ~{args.prompt_tokens} tokens, "

@@ -42,7 +42,9 @@ streams: every completion token over the time from the first send to the last fi
 (llama-cpp-python's server serves one completion at a time; the daemon batches them).
 TTFT: send to first streamed chunk of a one-token completion, first of a prompt neither side
 has seen (miss), then of the same prompt again (prefix hit: the daemon's liquid memory,
-llama.cpp's reuse of the prompt it evaluated last)."""
+llama.cpp's reuse of the prompt it evaluated last). Every request of both sides goes through
+one keep-alive `httpx.Client` (`bench.common.http_client`): a new client per request loads
+the CA store, about 33 ms on this machine, three times a hit's whole time."""
 
 
 def llama_cpp_missing() -> str | None:
