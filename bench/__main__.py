@@ -45,6 +45,7 @@ from bench.peers.figures import peer_figures
 from bench.peers import second_model
 from bench.peers.section import splice
 from bench.tier import tier_figures
+from bench.tier_busy import BUSY_MIN_ROUNDS
 from bench.weights import weights_figures
 from gnosis_daemon.client import open_station_client
 from gnosis_daemon.settings import load_settings
@@ -61,6 +62,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "docs" / "benchmarks.md"))
     parser.add_argument("--tier-only", action="store_true",
                         help="run only the disk-tier rows and print them (writes no file)")
+    parser.add_argument("--tier-busy-rounds", type=int, default=BUSY_MIN_ROUNDS,
+                        help="the fewest busy and idle rounds of the decode-beside-a-writer rows "
+                             "(one round's noise here is 10-20%%; the suite's tiny run takes 2)")
     parser.add_argument("--profile", action="store_true",
                         help="only print where a decode token's time goes (bench.profile)")
     add_peer_arguments(parser)

@@ -5,7 +5,8 @@ One stream decodes (its threads keep every core busy: a saturating decode) while
 the writer writes whole sessions. The tier's budget (``kv_disk_bytes``) holds 1.5
 sessions, so each save evicts the previous one from disk and every save rewrites its
 blocks. Idle rounds poll ``stats`` at the same rate and save nothing; busy and idle rounds
-alternate, at least ``BUSY_MIN_ROUNDS`` of each (one round's noise here is 10-20%).
+alternate, at least ``BUSY_MIN_ROUNDS`` of each (``--tier-busy-rounds``; one round's noise here
+is 10-20%).
 
 * **a writer that must meet its bound** (the goal rows): a save of a chat-sized prompt
   (``BOUNDED_PROMPT_TOKENS``) every ``kv_write_behind_s`` through longer decodes, what
@@ -145,7 +146,8 @@ async def _decode_round(conn, prompt: list[int], decode_tokens: int, saver: _Sav
 def _run(settings, args, root: Path, prompt_tokens: int, decode_tokens: int, session_bytes: float,
          period_s: float | None) -> _Run:
     """Interleaved idle and busy decode rounds on a station of their own."""
-    budget, rounds = max(1, int(session_bytes * 1.5)), max(args.rounds, BUSY_MIN_ROUNDS)  # each save evicts the last
+    budget = max(1, int(session_bytes * 1.5))  # each save evicts the last
+    rounds = max(args.rounds, getattr(args, "tier_busy_rounds", BUSY_MIN_ROUNDS))
     run = _Run(Pairs(), [], [], {}, 0)
 
     async def measure(sock: Path) -> None:

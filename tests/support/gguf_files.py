@@ -294,12 +294,18 @@ def file_types(path: str | Path) -> dict[str, str]:
 
 
 def reference_model(path: str | Path):
-    """transformers' own model of the file (``from_pretrained(gguf_file=...)``), float32, eval."""
+    """transformers' own model of the file (``from_pretrained(gguf_file=...)``), float32, eval.
+    The file parsed and gguf's name table built once (``gguf_parsed_once``: memoized, the same
+    values): transformers rebuilds that table for every tensor, 6-7 s of a 0.5B file's load."""
     import torch
     from transformers import AutoModelForCausalLM
 
+    from station.model.gguf_convert import gguf_parsed_once
+
     path = Path(path)
-    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    with gguf_parsed_once():
+        model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
+                                                     dtype=torch.float32)
     return model.eval()
 
 
