@@ -147,7 +147,7 @@ def _run(settings, args, root: Path, prompt_tokens: int, decode_tokens: int, ses
          period_s: float | None) -> _Run:
     """Interleaved idle and busy decode rounds on a station of their own."""
     budget = max(1, int(session_bytes * 1.5))  # each save evicts the last
-    rounds = max(args.rounds, getattr(args, "tier_busy_rounds", BUSY_MIN_ROUNDS))
+    rounds = max(args.rounds, args.tier_busy_rounds)
     run = _Run(Pairs(), [], [], {}, 0)
 
     async def measure(sock: Path) -> None:

@@ -260,8 +260,7 @@ class _Run:
         try:
             while True:
                 if out and not stream.ready:
-                    yield b"".join(out)
-                    out.clear()
+                    yield sse.take(out)
                 item = await next_event(stream)
                 if item is None:
                     break
@@ -279,19 +278,19 @@ class _Run:
                 calls += len(found)
                 out += blocks(text, found)
             if result.finish_reason == "stop" and self.req.stop_sequences:
-                yield b"".join(out)  # finish asks the station which stop it was: do not wait
-                out.clear()
+                yield sse.take(out)  # finish asks the station which stop it was: do not wait
             stop_sequence = await self.finish(result)
         except StationError as exc:
             # The headers are gone: the error travels as Anthropic's error event.
             self.record.outcome = f"error:{exc.code}"
             error = errors.for_client(station_error(exc, self.chat), self.record.request_id)
-            yield b"".join([*out, _error_event(error, self.record.request_id)])
+            out.append(_error_event(error, self.record.request_id))
+            yield sse.take(out)
             return
         stop = stop_reason(result.finish_reason, calls > 0, stop_sequence)
         out += fmt.end(stop, stop_sequence, self.usage(result.completion_tokens),
                        self.gnosis(result))
-        yield b"".join(out)
+        yield sse.take(out)
         self.record.outcome = "ok"
 
 

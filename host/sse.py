@@ -23,3 +23,12 @@ def event(obj: dict[str, Any]) -> bytes:
     """One SSE event carrying ``obj`` as JSON. JSON never contains a raw newline, so the
     event cannot be split by the blank-line terminator."""
     return b"data: " + encode_json(obj).encode("utf-8") + b"\n\n"
+
+
+def take(pending: list[bytes]) -> bytes:
+    """The events ``pending`` holds, as one write, and ``pending`` emptied. A stream body
+    writes what is ready together before it would wait for the station, and at its end
+    (host/sse_body.py, host/messages.py)."""
+    joined = b"".join(pending)
+    pending.clear()
+    return joined

@@ -122,8 +122,7 @@ async def stream_body(opened: list, fmt: formatting.Formatter, memory: LiquidMem
             at = next((i for i in live if i in waiting), None)
             if at is None:
                 if out and not any(opened[i][0].ready for i in live):
-                    yield b"".join(out)  # what is here goes now: the next event may be long
-                    out.clear()
+                    yield sse.take(out)  # what is here goes now: the next event may be long
                 at = live[await first_ready([opened[i][0] for i in live])]
                 event = await next_event(opened[at][0])
             else:
@@ -132,7 +131,8 @@ async def stream_body(opened: list, fmt: formatting.Formatter, memory: LiquidMem
             # Headers are gone: the error travels as an event, the way OpenAI streams report it.
             record.outcome = f"error:{exc.code}"
             error = errors.for_client(station_error(exc, req), record.request_id)
-            yield b"".join([*out, sse.event(error.body())])
+            out.append(sse.event(error.body()))
+            yield sse.take(out)
             return
         stream, _, prepared, outcome, prompt = opened[at]
         if event is not None:
@@ -157,8 +157,8 @@ async def stream_body(opened: list, fmt: formatting.Formatter, memory: LiquidMem
             result = result_of(stream)
         except StationError as exc:
             record.outcome = f"error:{exc.code}"
-            yield b"".join([*out, sse.event(errors.for_client(station_error(exc, req),
-                                                               record.request_id).body())])
+            out.append(sse.event(errors.for_client(station_error(exc, req), record.request_id).body()))
+            yield sse.take(out)
             return
         memory.on_result(prepared, result)
         results[at] = result
@@ -182,4 +182,5 @@ async def stream_body(opened: list, fmt: formatting.Formatter, memory: LiquidMem
                                  summed.cached_tokens)
         out.append(sse.event(fmt.usage_chunk(usage, block)))
     record.outcome = "ok"
-    yield b"".join([*out, sse.DONE])
+    out.append(sse.DONE)
+    yield sse.take(out)
