@@ -35,6 +35,7 @@ class IncrementalDetokenizer:
     def __init__(self, tokenizer: Any, prompt_ids: Sequence[int] = (),
                  stop: Iterable[str] = (), skip_special_tokens: bool = True) -> None:
         self._tokenizer = tokenizer
+        self._rust = _rust_decoder(tokenizer)
         self._skip_special = skip_special_tokens
         self._ids: list[int] = list(prompt_ids[-_PROMPT_CONTEXT_TOKENS:]) if prompt_ids else []
         self._prefix_offset = 0
@@ -44,8 +45,10 @@ class IncrementalDetokenizer:
         self.text = ""
         self.stopped = False
 
-    def _decode(self, ids: Sequence[int]) -> str:
-        return self._tokenizer.decode(list(ids), skip_special_tokens=self._skip_special,
+    def _decode(self, ids: list[int]) -> str:
+        if self._rust is not None:
+            return self._rust.decode(ids, skip_special_tokens=self._skip_special)
+        return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special,
                                       clean_up_tokenization_spaces=False)
 
     def _next_piece(self) -> str:
@@ -90,6 +93,26 @@ class IncrementalDetokenizer:
             self._pending = pending[len(pending) - keep:]
         self.text += out
         return DetokOutput(out, self.stopped)
+
+
+def _rust_decoder(tokenizer: Any) -> Any:
+    """The ``tokenizers.Tokenizer`` behind a transformers fast tokenizer whose decode is
+    exactly its own (``TokenizersBackend._decode`` without the clean-up: the Rust decode and
+    nothing else), else None. Two decodes a token through transformers' wrapper cost about
+    7 us more than the Rust call: 0.2 ms a step at 32 streams."""
+    try:
+        from tokenizers import Tokenizer
+        from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend
+    except ImportError:
+        return None
+    rust = getattr(tokenizer, "_tokenizer", None)
+    kind = type(tokenizer)
+    if isinstance(tokenizer, TokenizersBackend) and isinstance(rust, Tokenizer) \
+            and kind.decode is PreTrainedTokenizerBase.decode \
+            and kind._decode is TokenizersBackend._decode:
+        return rust
+    return None
 
 
 def _first_stop(text: str, stops: Sequence[str]) -> int | None:
