@@ -7,6 +7,7 @@ and the shutdown drain find it wherever it is.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import trio
@@ -38,6 +39,8 @@ class Connection:
         self.number = number
         self.stream = stream
         self.send_lock = trio.Lock()
+        self._unsent: list[bytes] = []  # frames waiting for the lock, written together
+        self._wanted = trio.Event()  # set: queued frames wait for the writer
         self.generates: dict[Any, GenerateStream] = {}
         self.calls: dict[Any, EngineCall] = {}  # in-flight engine calls by frame id
         self.preparing: dict[Any, Preparing] = {}  # tokenizer work on a worker thread
@@ -47,11 +50,59 @@ class Connection:
         return (request_id in self.generates or request_id in self.calls
                 or request_id in self.preparing)
 
+    @property
+    def writing(self) -> bool:
+        """Frames are queued or being written (the shutdown drain waits for them)."""
+        return not self.closed and (bool(self._unsent) or self.send_lock.locked())
+
+    def queue(self, payload: bytes) -> None:
+        """Trio thread, never waits: put a frame on the write queue; ``flush`` sends it."""
+        if not self.closed:
+            self._unsent.append(payload)
+
+    def flush(self) -> None:
+        """Trio thread, never waits: write what is queued now, in one non-blocking write,
+        the rest (a full socket buffer) left to the writer task. The relay calls it once
+        its batch of events is handled, so a step's frames are one write without a task
+        switch; while a write is under way (the lock held), the writer sends them after."""
+        if self.closed or not self._unsent:
+            return
+        if not self.send_lock.locked():
+            data = self._unsent[0] if len(self._unsent) == 1 else b"".join(self._unsent)
+            try:
+                sent = os.write(self.stream.socket.fileno(), data)
+            except BlockingIOError:
+                sent = 0
+            except OSError:  # the peer went: the reader sees EOF and tears it down
+                self.closed = True
+                self._unsent.clear()
+                return
+            self._unsent = [data[sent:]] if sent < len(data) else []
+        if self._unsent:
+            self._wanted.set()
+
+    async def write_queued(self) -> None:
+        """The connection's writer task: what ``flush`` could not write at once, in order,
+        until the connection closes."""
+        while not self.closed:
+            await self._wanted.wait()
+            self._wanted = trio.Event()
+            await self._write_unsent()
+
     async def send(self, payload: bytes) -> None:
+        """Write one frame (an op's reply), after every frame queued before it; return once
+        it is written (one that went out in another's write still waits for the lock)."""
         if self.closed:
             return
+        self._unsent.append(payload)
+        await self._write_unsent()
+
+    async def _write_unsent(self) -> None:
         try:
             async with self.send_lock:
-                await self.stream.send_all(payload)
+                if self._unsent:
+                    frames, self._unsent = self._unsent, []
+                    await self.stream.send_all(frames[0] if len(frames) == 1 else b"".join(frames))
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             self.closed = True  # the reader sees EOF and tears the connection down
+            self._unsent.clear()

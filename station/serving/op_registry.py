@@ -26,7 +26,7 @@ Where the handler runs (``RunsOn``):
 - ``ENGINE``: the engine thread. A call answered once (``streaming`` false) is a
   ``EngineCalls`` method that ``PagedEngine.call`` runs between steps,
   ``handler(calls, owner, done, **args)``. A streaming op is a request the engine schedules:
-  ``handler(frame_id, engine_id, args, tokenizer, eos_ids, trio_token)`` makes the
+  ``handler(frame_id, engine_id, args, tokenizer, eos_ids, relay)`` makes the
   ``GenerateStream`` that turns its engine events into ``event`` frames.
 """
 

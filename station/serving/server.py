@@ -52,7 +52,7 @@ from station.sampling.grammar_compile import GrammarCompiles
 from station.model.loader import LoadedModel
 from station.serving.op_registry import STATION_OPS, OpRegistry, OpSpec, RunsOn
 from station.serving.ops import Tokenizing
-from station.serving.stream import GenerateStream
+from station.serving.stream import EventRelay, GenerateStream
 
 if TYPE_CHECKING:
     from station.engine.loop import PagedEngine
@@ -87,6 +87,7 @@ class StationServer:
         # The tokenizer jobs running on worker threads now, with when each began (health's
         # ``serving`` figures: every worker on an old job is a stuck station).
         self.text_jobs: dict[object, float] = {}
+        self._relay: EventRelay | None = None  # engine events to trio, made by the first stream
 
     # What the start found in the KV disk tier (``station.tier.start.open_tier``), set by
     # ``serve``; hello and health publish it so a rejected or foreign tier is never silent.
@@ -136,7 +137,7 @@ class StationServer:
             for prep in list(conn.preparing.values()):
                 prep.cancel(ErrorCode.SHUTTING_DOWN, "the station is shutting down")
         with trio.move_on_after(_SHUTDOWN_GRACE_S):
-            while any(conn.generates or conn.calls or conn.preparing
+            while any(conn.generates or conn.calls or conn.preparing or conn.writing
                       for conn in self._connections):
                 await trio.sleep(0.01)
 
@@ -160,6 +161,7 @@ class StationServer:
         self._connections.add(conn)
         try:
             async with trio.open_nursery() as nursery:
+                nursery.start_soon(conn.write_queued)
                 await self._read_loop(conn, nursery)
                 nursery.cancel_scope.cancel()
         finally:
@@ -312,9 +314,12 @@ class StationServer:
         sequences' decode_next) reach the same engine step together."""
         token = trio.lowlevel.current_trio_token()
         if spec.streaming:
+            if self._relay is None or self._relay.token is not token:
+                self._relay = EventRelay(token)  # one per trio run: every stream's events
             engine_id = f"{req.rid or 'gen'}:{conn.number}:{req.id}"
             gen = spec.handler(req.id, engine_id, args, self.loaded.tokenizer,
-                               self.loaded.eos_token_ids, token)
+                               self.loaded.eos_token_ids, self._relay)
+            gen.route(conn, self.engine)
             self.engine.add_request(gen.engine_request(), gen.on_event)
             conn.generates[req.id] = gen
             nursery.start_soon(self._run_generate, conn, req, gen)
@@ -327,7 +332,7 @@ class StationServer:
     async def _run_generate(self, conn: Connection, req: Request, gen: GenerateStream) -> None:
         with bind_request(req.rid):
             try:
-                await gen.pump(conn.send, self.engine)
+                await gen.pump()
             finally:
                 if conn.generates.get(req.id) is gen:
                     del conn.generates[req.id]
