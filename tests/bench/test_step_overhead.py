@@ -12,7 +12,7 @@ from tests.support.procs import REPO, child_env
 
 def test_step_overhead_reports_every_batch_in_process_and_through_the_socket():
     proc = subprocess.run([sys.executable, "-m", "bench.step_overhead", "--streams", "1,4",
-                           "--tokens", "12"], cwd=REPO, env=child_env(), capture_output=True,
+                           "--tokens", "12", "--rounds", "1"], cwd=REPO, env=child_env(), capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     rows = re.findall(r"^\| (\d+) \| ([\d.]+) \| ([\d.]+) \| (-?[\d.]+) \| (-?[\d.]+) \| ([\d.]+) \| "
