@@ -108,12 +108,19 @@ class TokensEvent:
         return self.index or 0
 
     def to_wire(self) -> dict[str, object]:
-        out: dict[str, object] = {"type": self.TYPE, "token_ids": list(self.token_ids),
-                                  "text": self.text}
-        if self.logprobs is not None:
-            out["logprobs"] = list(self.logprobs)
-        if self.index is not None:
-            out["index"] = self.index
+        return self.wire(list(self.token_ids), self.text, self.logprobs, self.index)
+
+    @classmethod
+    def wire(cls, token_ids: list[int], text: str,
+             logprobs: tuple[LogprobEntry, ...] | None = None,
+             index: int | None = None) -> dict[str, object]:
+        """The event's wire map from its fields, without building the event: the station
+        sends one a token a stream, on the trio thread every stream's steps share."""
+        out: dict[str, object] = {"type": cls.TYPE, "token_ids": token_ids, "text": text}
+        if logprobs is not None:
+            out["logprobs"] = list(logprobs)
+        if index is not None:
+            out["index"] = index
         return out
 
     @classmethod

@@ -82,6 +82,10 @@ class IncrementalDetokenizer:
 
     def _release(self, final: bool) -> DetokOutput:
         pending = self._pending
+        if not self._stop:  # nothing to hold back or cut
+            self._pending = ""
+            self.text += pending
+            return DetokOutput(pending)
         cut = _first_stop(pending, self._stop)
         if cut is not None:
             out = pending[:cut]

@@ -208,9 +208,8 @@ class GenerateStream:
 
     def _tokens(self, choice: _Choice, token_ids: list[int], text: str,
                 logprobs: tuple[LogprobEntry, ...] | None) -> bytes:
-        event = TokensEvent(token_ids=tuple(token_ids), text=text, logprobs=logprobs,
-                            index=choice.index if self.n > 1 else None)
-        return event_frame(self.frame_id, event.to_wire())
+        return event_frame(self.frame_id, TokensEvent.wire(
+            token_ids, text, logprobs, choice.index if self.n > 1 else None))
 
     def _handle(self, event: EngineEvent) -> str | None:
         choice = self._by_id.get(event.request_id, self.choices[0])
