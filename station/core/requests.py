@@ -3,7 +3,7 @@
 The server (trio thread) hands ``GenerationRequest``s to an engine, which runs every
 model forward on its own engine thread and reports back through ``on_event``. The
 callback is invoked on the engine thread: it must be cheap and thread-safe (the server
-forwards it to trio with ``TrioToken.run_sync_soon``).
+queues it for trio, a step's events in one ``TrioToken.run_sync_soon``).
 
 Resource handling: ``abort`` frees the request's KV at the engine's next step boundary
 (never mid-forward) and ends it with a ``Finished`` event whose reason is ``"cancelled"``.
