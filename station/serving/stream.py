@@ -4,11 +4,12 @@ The engine calls ``on_event`` on its own thread. The server's ``EventRelay`` han
 every event a step made in one ``TrioToken.run_sync_soon``, and each event is handled there
 and then, synchronously (``GenerateStream.arrive``): one ``prefill`` event, ``tokens``
 events carrying newly completed text, then exactly one result or error, each frame put on
-its connection's write queue, which the connection's writer sends as one write. The engine
-never blocks on a slow client (the queue is unbounded, as a channel was before), and a
-step's events cost no task switch, channel or lock per stream: a task per stream, woken
-through a channel and writing under the connection's lock, was about 1.5 ms of the trio
-thread's time a step at 32 streams (docs/engine.md, "Per-step host overhead").
+its connection's write queue, which the relay then flushes in one non-blocking write (the
+connection's writer task takes what a full socket buffer leaves). The engine never blocks
+on a slow client (the queue is unbounded, as a channel was before), and a step's events
+cost no task switch, channel or lock per stream: a task per stream, woken through a channel
+and writing under the connection's lock, cost the trio thread about 3 ms more a step at 32
+streams (docs/benchmarks.md, "Per-step host overhead").
 
 Stop strings are found here, by the detokenizer: the request is aborted in the engine and
 ends with finish_reason ``stop`` at once; with ``save_final_session`` the engine is asked to
@@ -37,6 +38,7 @@ if TYPE_CHECKING:
     from station.engine.loop import PagedEngine
 
 log = get_logger(__name__)
+
 
 class FrameSink(Protocol):
     """Where a stream's frames go: its connection (``station.serving.connection``)."""
