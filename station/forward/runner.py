@@ -47,6 +47,11 @@ def _prompt_rows(seq: Sequence, start: int, end: int, row: int) -> list[tuple[Se
     return [(seq, start, row, upto - start)] if upto > start else []
 
 
+def _joined(parts: list[torch.Tensor]) -> torch.Tensor:
+    """The step's parts end to end (a pure-decode step has one: no copy)."""
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
 def _first_if_consecutive(block_ids: list[int]) -> int | None:
     """The first id when the ids run first, first + 1, ... (then K/V are a view of the pool)."""
     first = block_ids[0]
@@ -262,7 +267,7 @@ class ModelRunner:
         dev = self.device
         ctx = StepContext(
             kv_cache=self.kv_cache,
-            slot_mapping=torch.cat(slot_parts).to(dev),
+            slot_mapping=_joined(slot_parts).to(dev),
             num_decodes=num_decodes,
             decode_block_tables=None if decode_tables is None else decode_tables.to(dev),
             decode_mask=None if decode_mask is None else decode_mask.to(dev),
@@ -274,15 +279,19 @@ class ModelRunner:
             decode_tables=tables if num_decodes > 1 else None,
             decode_ctx_lens=ctx_lens if num_decodes > 1 else None,
         )
-        ids = torch.cat(ids_parts).to(dev)[None]
-        pos_ids = torch.cat(pos_parts).to(dev)[None]
+        ids = _joined(ids_parts).to(dev)[None]
+        pos_ids = _joined(pos_parts).to(dev)[None]
         with step_context(ctx), torch.inference_mode():
             if not keep:  # a mid-prompt chunk only: no logits, no head
                 self._decoder(ids, pos_ids)
                 return None, []
-            rows = torch.tensor(keep, device=dev, dtype=torch.long)
             if self._head is not None:
-                return self._head(self._decoder(ids, pos_ids)[0, rows]).float(), sampled
+                hidden = self._decoder(ids, pos_ids)[0]
+                if prefills:
+                    hidden = hidden[torch.tensor(keep, device=dev, dtype=torch.long)]
+                # (a pure-decode step keeps every row, in order: the rows as they are)
+                return self._head(hidden).float(), sampled
+            rows = torch.tensor(keep, device=dev, dtype=torch.long)
             # the plan's head is the model's own forward (its logits are post-processed)
             out = self.model(input_ids=ids, position_ids=pos_ids, use_cache=False, logits_to_keep=rows)
         return out.logits[0].float(), sampled  # [K, V]
