@@ -1,6 +1,7 @@
 """The engine-to-trio relay and a connection's write queue, on a real trio loop, a real
 engine-side thread and a real socket pair: a step's events reach their streams in order
-through one wake-up of trio, and each connection's frames of that batch leave in one write."""
+through one wake-up of trio, and each connection's frames of that batch leave in one write;
+a stream whose handling of an event fails ends with an internal error frame, alone."""
 
 from __future__ import annotations
 
@@ -137,3 +138,48 @@ async def test_flush_to_a_closed_peer_marks_the_connection_closed():
     conn.queue(b"y")  # after the end: dropped, never raised
     conn.flush()
     ours.close()
+
+
+class _Engine:
+    def __init__(self) -> None:
+        self.aborted: list[str] = []
+
+    def abort(self, request_id: str) -> None:
+        self.aborted.append(request_id)
+
+
+def _stream(relay: EventRelay):
+    from gnosis_daemon.wire import GenerateArgs
+    from station.serving.ops import CheckedGenerate
+    from station.serving.stream import GenerateStream
+    from tests.support.tiny_models import build_tokenizer
+
+    gen = CheckedGenerate(args=GenerateArgs.from_wire({"tokens": [5, 6], "max_tokens": 4}),
+                          prompt_ids=[5, 6], max_tokens=4)
+    return GenerateStream(7, "g:1:7", gen, build_tokenizer(), (), relay)
+
+
+async def test_a_bug_handling_one_event_is_that_requests_internal_error_and_nothing_else():
+    import msgpack
+
+    from station.core.requests import Token
+
+    relay = EventRelay(trio.lowlevel.current_trio_token())
+    sink, engine = _Sink(), _Engine()
+    stream = _stream(relay)
+    stream.route(sink, engine)  # type: ignore[arg-type]
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(stream.pump)
+        stream.arrive(Token("g:1:7", 72))  # "H" in the tiny byte-level vocabulary
+        stream.arrive(object())  # type: ignore[arg-type]  # an event no stream knows: a bug
+        with trio.fail_after(5):
+            while not stream.done:
+                await trio.sleep(0.01)
+    frames = [msgpack.unpackb(f) for f in sink.frames]
+    assert [f["kind"] for f in frames] == ["event", "error"]
+    assert frames[0]["data"]["token_ids"] == [72]
+    assert frames[1]["id"] == 7 and frames[1]["error"]["code"] == "internal"
+    assert engine.aborted == ["g:1:7"]  # the engine stops computing it
+    assert stream.outcome == "internal"
+    stream.arrive(Token("g:1:7", 73))  # a late event after the end: dropped
+    assert len(sink.frames) == 2
