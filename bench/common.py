@@ -148,8 +148,11 @@ class Plain:
             return decode_tokens / (time.perf_counter() - start)
 
 
-def start_station(settings, runtime_dir: Path, log_path: Path) -> subprocess.Popen:
+def start_station(settings, runtime_dir: Path, log_path: Path,
+                  environ: dict[str, str] | None = None) -> subprocess.Popen:
+    """A station on ``settings`` (and ``environ``, e.g. ``OMP_NUM_THREADS``), answering hello."""
     env = settings.child_environ()
+    env.update(environ or {})
     env["GNOSIS_RUNTIME_DIR"] = str(runtime_dir)
     env["GNOSIS_STATE_DIR"] = str(runtime_dir / "state")  # its own disk tier, never the user's
     env["GNOSIS_LOG_FORMAT"] = "json"

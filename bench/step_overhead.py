@@ -30,7 +30,6 @@ process) or round (socket).
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import tempfile
 import threading
@@ -39,6 +38,12 @@ from pathlib import Path
 from typing import Any
 
 GOAL_MS = 1.0  # at most 1 ms a step at the largest batch beyond the model's own forward
+
+
+def _prompts(batch: int, vocab_size: int, prompt_len: int) -> list[list[int]]:
+    """The streams' prompts, the same on both sides: ids from 1 to ``vocab_size - 2``."""
+    return [[(7 * i + 3 * k) % (vocab_size - 2) + 1 for k in range(prompt_len)]
+            for i in range(batch)]
 
 
 def _engine_round(loaded: Any, batch: int, max_batch: int, tokens: int,
@@ -85,8 +90,7 @@ def _engine_round(loaded: Any, batch: int, max_batch: int, tokens: int,
             if isinstance(event, Finished) or type(event).__name__ == "Failed":
                 done.release()
 
-        for i in range(batch):
-            prompt = [(7 * i + 3 * k) % (loaded.vocab_size - 2) + 1 for k in range(prompt_len)]
+        for i, prompt in enumerate(_prompts(batch, loaded.vocab_size, prompt_len)):
             engine.add_request(GenerationRequest(
                 f"b{batch}-{i}", prompt, SamplingParams(max_tokens=tokens, temperature=0.0,
                                                         ignore_eos=True)), on_event)
@@ -135,15 +139,7 @@ def _station(model_dir: Path, tmp: Path, max_batch: int) -> Any:
 
     settings = load_settings(cli={"model": str(model_dir), "kv_persistence": False,
                                   "max_batch_size": max_batch})
-    threads = os.environ.get("OMP_NUM_THREADS")
-    os.environ["OMP_NUM_THREADS"] = "1"
-    try:
-        return start_station(settings, tmp / "run", tmp / "station.log")
-    finally:
-        if threads is None:
-            os.environ.pop("OMP_NUM_THREADS")
-        else:
-            os.environ["OMP_NUM_THREADS"] = threads
+    return start_station(settings, tmp / "run", tmp / "station.log", {"OMP_NUM_THREADS": "1"})
 
 
 def measure(loaded: Any, model_dir: Path, tmp: Path, batches: list[int], tokens: int,
@@ -160,8 +156,7 @@ def measure(loaded: Any, model_dir: Path, tmp: Path, batches: list[int], tokens:
     try:
         out: dict[int, dict[str, float]] = {}
         for batch in batches:
-            prompts = [[(7 * i + 3 * k) % (loaded.vocab_size - 2) + 1 for k in range(prompt_len)]
-                       for i in range(batch)]
+            prompts = _prompts(batch, loaded.vocab_size, prompt_len)
             periods: list[float] = []
             forwards: list[float] = []
             socket: list[float] = []
