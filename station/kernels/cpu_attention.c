@@ -169,34 +169,47 @@ static inline __mmask16 pairs_seeing(__m512i len, int p) {
     return _mm512_cmpgt_epi32_mask(len, _mm512_set1_epi32(p));
 }
 
-#define QK_POS 8 /* positions, and */
-#define QK_VEC 3 /* vectors of 16 pairs, whose scores sit in registers at once */
+/* How many vectors of 16 pairs a block of the score and weighing passes holds: three
+   where three or more are left (but two and two of four), else what is left. The sums of a
+   block sit in registers: QK_POS(nv) positions x nv vectors of scores, WEIGH_DIMS(nv) head
+   dims x nv vectors of output, about 16 to 24 of the 32 registers, so that every load of a
+   query vector, a K value, an e vector or a V value feeds as many multiply-adds as a
+   register file allows whatever the group's size (a 10-row group of a short turn has two
+   vectors; a 32-row group of a long prompt six). Blocks only reorder which sums are
+   computed together: each (pair, position) or (pair, dim) sum is the same sequence of
+   operations in any block. */
+#define MAX_VEC 3
+static inline int vectors_in_block(int left) { return left == 4 ? 2 : left < MAX_VEC ? left : MAX_VEC; }
+#define QK_POS(nv) ((nv) == 1 ? 16 : (nv) == 2 ? 12 : 8)
+#define QK_POS_MAX 16
+#define WEIGH_DIMS(nv) ((nv) == 1 ? 16 : 8)
+#define WEIGH_DIMS_MAX 16
 
-/* Scores of pair vectors v0..v0 + nv (a constant: the sums stay in registers), QK_POS
-   positions at a time, and their largest. */
+/* Scores of pair vectors v0..v0 + nv (a constant: the loops unroll, the sums stay in
+   registers), QK_POS(nv) positions at a time, and their largest. */
 static inline __attribute__((always_inline)) void score_block(
         const gnosis_attention_job_t *j, const gnosis_attention_scratch_t *s, int npad, int ctx, int v0,
         const int nv, const __m512i *len, float *best) {
-    const int hd = j->head_dim;
+    const int hd = j->head_dim, np = QK_POS(nv);
     const __m512 scale = _mm512_set1_ps(j->scaling);
-    __m512 m[QK_VEC];
+    __m512 m[MAX_VEC];
     for (int v = 0; v < nv; v++) m[v] = _mm512_set1_ps(-INFINITY);
-    for (int p = 0; p < ctx; p += QK_POS) {
-        const float *k[QK_POS];
-        for (int u = 0; u < QK_POS; u++)
+    for (int p = 0; p < ctx; p += np) {
+        const float *k[QK_POS_MAX];
+        for (int u = 0; u < np; u++)
             k[u] = row_at(j->k, j->table, j->block_size, j->stride, p + u < ctx ? p + u : ctx - 1);
-        __m512 a[QK_POS][QK_VEC];
-        for (int u = 0; u < QK_POS; u++)
+        __m512 a[QK_POS_MAX][MAX_VEC];
+        for (int u = 0; u < np; u++)
             for (int v = 0; v < nv; v++) a[u][v] = _mm512_setzero_ps();
         for (int d = 0; d < hd; d++) {
-            __m512 qv[QK_VEC];
+            __m512 qv[MAX_VEC];
             for (int v = 0; v < nv; v++) qv[v] = _mm512_loadu_ps(s->qt + (size_t)d * npad + (v0 + v) * 16);
-            for (int u = 0; u < QK_POS; u++) {
+            for (int u = 0; u < np; u++) {
                 const __m512 kd = _mm512_set1_ps(k[u][d]);
                 for (int v = 0; v < nv; v++) a[u][v] = _mm512_fmadd_ps(qv[v], kd, a[u][v]);
             }
         }
-        for (int u = 0; u < QK_POS && p + u < ctx; u++)
+        for (int u = 0; u < np && p + u < ctx; u++)
             for (int v = 0; v < nv; v++) {
                 const __m512 sc = _mm512_mul_ps(a[u][v], scale);
                 _mm512_storeu_ps(s->scores + (size_t)(p + u) * npad + (v0 + v) * 16, sc);
@@ -215,8 +228,8 @@ static void scores_by_pair(const gnosis_attention_job_t *j, const gnosis_attenti
         const float *q = query(j, x < n ? x : 0);
         for (int d = 0; d < hd; d++) s->qt[(size_t)d * npad + x] = x < n ? q[d] : 0.0f;
     }
-    for (int v0 = 0; v0 < npad / 16; v0 += QK_VEC) {
-        const int nv = npad / 16 - v0 < QK_VEC ? npad / 16 - v0 : QK_VEC;
+    for (int v0 = 0, nv; v0 < npad / 16; v0 += nv) {
+        nv = vectors_in_block(npad / 16 - v0);
         switch (nv) {
         case 1: score_block(j, s, npad, ctx, v0, 1, len, best); break;
         case 2: score_block(j, s, npad, ctx, v0, 2, len, best); break;
@@ -225,24 +238,24 @@ static void scores_by_pair(const gnosis_attention_job_t *j, const gnosis_attenti
     }
 }
 
-#define P_TILE 64    /* positions whose e_p are computed, then weighed, while in L1 */
-#define D_BLOCK 4    /* head dims, and */
-#define V_BLOCK 6    /* vectors of 16 pairs, whose output sums sit in registers at once */
+#define P_TILE 64 /* positions whose e_p are computed, then weighed, while in L1 */
 
-/* acc[d][v0 + v] for d in [d0, d0 + D_BLOCK), v < nv (a constant: the sums stay in
-   registers), over the tile's positions: those every pair sees, then the rest, masked. */
+/* acc[d][v0 + v] for d in [d0, d0 + WEIGH_DIMS(nv)), v < nv (a constant: the loops
+   unroll, the sums stay in registers), over the tile's positions: those every pair sees,
+   then the rest, masked. */
 static inline __attribute__((always_inline)) void weigh_block(
         const float *const *vrow, const float *e, int npad, int p0, int p1, int all_see, int d0,
         int v0, const int nv, const __m512i *len, float *acc) {
-    __m512 r[D_BLOCK][V_BLOCK];
-    for (int dd = 0; dd < D_BLOCK; dd++)
+    const int nd = WEIGH_DIMS(nv);
+    __m512 r[WEIGH_DIMS_MAX][MAX_VEC];
+    for (int dd = 0; dd < nd; dd++)
         for (int v = 0; v < nv; v++) r[dd][v] = _mm512_loadu_ps(acc + (size_t)(d0 + dd) * npad + (v0 + v) * 16);
     int p = p0;
     for (; p < all_see; p++) {
         const float *vp = vrow[p - p0] + d0, *ep = e + (size_t)p * npad + v0 * 16;
-        __m512 ev[V_BLOCK];
+        __m512 ev[MAX_VEC];
         for (int v = 0; v < nv; v++) ev[v] = _mm512_loadu_ps(ep + 16 * v);
-        for (int dd = 0; dd < D_BLOCK; dd++) {
+        for (int dd = 0; dd < nd; dd++) {
             const __m512 w = _mm512_set1_ps(vp[dd]);
             for (int v = 0; v < nv; v++) r[dd][v] = _mm512_fmadd_ps(ev[v], w, r[dd][v]);
         }
@@ -252,11 +265,11 @@ static inline __attribute__((always_inline)) void weigh_block(
         for (int v = 0; v < nv; v++) {
             const __mmask16 valid = pairs_seeing(len[v0 + v], p);
             const __m512 ev = _mm512_loadu_ps(ep + 16 * v);
-            for (int dd = 0; dd < D_BLOCK; dd++)
+            for (int dd = 0; dd < nd; dd++)
                 r[dd][v] = _mm512_mask3_fmadd_ps(ev, _mm512_set1_ps(vp[dd]), r[dd][v], valid);
         }
     }
-    for (int dd = 0; dd < D_BLOCK; dd++)
+    for (int dd = 0; dd < nd; dd++)
         for (int v = 0; v < nv; v++) _mm512_storeu_ps(acc + (size_t)(d0 + dd) * npad + (v0 + v) * 16, r[dd][v]);
 }
 
@@ -278,16 +291,13 @@ static void weigh_tile(const gnosis_attention_job_t *j, const gnosis_attention_s
     const float *vrow[P_TILE];
     for (int p = p0; p < p1; p++) vrow[p - p0] = row_at(j->v, j->table, j->block_size, j->stride, p);
     const int all_see = j->first + 1 < p1 ? (j->first + 1 > p0 ? j->first + 1 : p0) : p1;
-    for (int v0 = 0; v0 < nv_all; v0 += V_BLOCK) {
-        const int nv = nv_all - v0 < V_BLOCK ? nv_all - v0 : V_BLOCK;
-        for (int d0 = 0; d0 < hd; d0 += D_BLOCK) {
+    for (int v0 = 0, nv; v0 < nv_all; v0 += nv) {
+        nv = vectors_in_block(nv_all - v0);
+        for (int d0 = 0; d0 < hd; d0 += WEIGH_DIMS(nv)) {
             switch (nv) {
             case 1: weigh_block(vrow, s->scores, npad, p0, p1, all_see, d0, v0, 1, len, acc); break;
             case 2: weigh_block(vrow, s->scores, npad, p0, p1, all_see, d0, v0, 2, len, acc); break;
-            case 3: weigh_block(vrow, s->scores, npad, p0, p1, all_see, d0, v0, 3, len, acc); break;
-            case 4: weigh_block(vrow, s->scores, npad, p0, p1, all_see, d0, v0, 4, len, acc); break;
-            case 5: weigh_block(vrow, s->scores, npad, p0, p1, all_see, d0, v0, 5, len, acc); break;
-            default: weigh_block(vrow, s->scores, npad, p0, p1, all_see, d0, v0, 6, len, acc); break;
+            default: weigh_block(vrow, s->scores, npad, p0, p1, all_see, d0, v0, 3, len, acc); break;
             }
         }
     }
