@@ -94,6 +94,7 @@ class Settings:
     # cpu_step.c). auto: where it checks out and measures no slower than torch's layers
     # (kept per machine); on: wherever it checks out; off: decode through torch.
     cpu_decode_step: str = "auto"
+    cpu_attention: str = "auto"  # the C step's: auto on bfloat16 pairs where the CPU has AVX512_BF16
     # Pure-decode steps replayed as CUDA graphs, one per (batch, context) bucket (station/
     # runtime/decode_graphs.py). auto: on a GPU; on: a CPU runs the same static step eagerly
     # (the CPU tests' way to check it); off: eager steps everywhere.
@@ -216,6 +217,7 @@ class Settings:
                "one of auto, convert, map")
         _check(self.cpu_decode_step, self.cpu_decode_step in {"auto", "on", "off"}, "cpu_decode_step",
                "one of auto, on, off")
+        _check(self.cpu_attention, self.cpu_attention in {"auto", "float32"}, "cpu_attention", "auto or float32")
         _check(self.decode_graphs, self.decode_graphs in {"auto", "on", "off"}, "decode_graphs",
                "one of auto, on, off")
         _check(self.start_check, self.start_check in {"auto", "always"}, "start_check",

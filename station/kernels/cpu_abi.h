@@ -118,6 +118,8 @@ typedef struct {
     gnosis_kv_pool_t kv;
     int32_t max_rows; /* token rows a call may take, 1..GNOSIS_STEP_MAX_ROWS */
     int32_t threads;  /* the step's pool, the caller's thread included (fewer where some cannot start) */
+    int32_t attention_bf16; /* 1: attention's products on bfloat16 pairs, where gnosis_attention_takes
+                               says 2 (else GNOSIS_BAD_ARGUMENT); 0: in float32 */
 } gnosis_step_config_t;
 
 /* One call's token rows: decode tokens (one per sequence), or a prompt's in position order. */
@@ -146,9 +148,10 @@ gnosis_status_t gnosis_step_run(gnosis_step_t *step, const gnosis_step_rows_t *r
    the caller's thread did the rest; the result is complete. */
 gnosis_status_t gnosis_q4_linear(const gnosis_q4_matrix_t *w, int32_t first, int32_t tiles, const float *x, int32_t rows, float *y, int32_t threads);
 /* What this build computes the step with: "avx512-vnni", "avx2" or "scalar" for the
-   4-bit products (cpu_q4.c; each gives the same bits), and 1 where its vector attention
-   (cpu_attention.c: an AVX-512 build, head_dim a multiple of 16) takes head_dim, 0 where
-   the step attends with its portable loops. */
+   4-bit products (cpu_q4.c; each gives the same bits), and for head_dim: 0 where the step
+   attends with its portable loops, 1 where its vector attention (cpu_attention.c: an
+   AVX-512 build, head_dim a multiple of 16) takes it in float32, 2 where it can also take
+   it on bfloat16 pairs (an AVX512_BF16 build: gnosis_step_config_t's attention_bf16). */
 const char *gnosis_q4_simd(void);
 int32_t gnosis_attention_takes(int32_t head_dim);
 /* The Q8_0 product as gnosis_q8_linear computes it, on the step's threads. */

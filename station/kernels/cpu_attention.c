@@ -17,7 +17,13 @@
    prompt's rows) pairs go in the lanes, the queries transposed once and each K value
    broadcast. Both do the same operations on the same values, so a row gets the same bits
    alone as in a prompt's group, and its K/V are read at the vector units' rate instead of
-   one dot product (and one horizontal sum) at a time. */
+   one dot product (and one horizontal sum) at a time.
+
+   That is the float32 arithmetic (the job's bf16 0). An AVX512_BF16 build also has a
+   second one (bf16 1, the step's attention_bf16; the "bfloat16 dot products" part below
+   states it): the same two layouts with the two dot products on bfloat16 pairs, twice
+   the float32 multiply-add's rate. A step uses one of the two for every row, decode and
+   prompt alike. */
 
 #include <math.h>
 #include <stdint.h>
@@ -32,7 +38,17 @@
 #define SPAN 32       /* positions a K transpose covers (two vectors) */
 #define PAIR_BLOCK 6  /* pairs whose output sums are held in registers at once */
 
-int32_t gnosis_attention_takes(int32_t head_dim) { return head_dim % 16 == 0; }
+#if defined(__AVX512BW__) && defined(__AVX512BF16__)
+#define ATT_BF16 1 /* the products in bfloat16 pairs (below); else in float32 */
+#endif
+
+int32_t gnosis_attention_takes(int32_t head_dim) {
+#if defined(ATT_BF16)
+    return head_dim % 16 == 0 ? 2 : 0;
+#else
+    return head_dim % 16 == 0;
+#endif
+}
 
 static inline const float *row_at(const float *base, const int32_t *table, int bs, int stride, int p) {
     return base + ((size_t)table[p / bs] * bs + p % bs) * stride;
@@ -303,6 +319,279 @@ static void weigh_tile(const gnosis_attention_job_t *j, const gnosis_attention_s
     }
 }
 
+#if defined(ATT_BF16)
+/* -- bfloat16 dot products (AVX512_BF16: vdpbf16ps, two products a lane an instruction,
+   twice the float32 multiply-add's rate). The arithmetic of a pair, in every layout:
+     - score_p = (dp over i = 0 .. hd/2 - 1 in order, from 0, of the bfloat16 pairs
+       (q[2i], q[2i+1]) and (k_p[2i], k_p[2i+1])) * scaling, where one dp step is
+       acc + q[2i+1] k[2i+1], rounded, then + q[2i] k[2i], rounded (the instruction's
+       order; each product of two bfloat16 values is exact in float32);
+     - best, e_p and total as the float32 build computes them (from the float32 e_p);
+     - out[d] = (dp over position pairs (2m, 2m+1) in order, from 0, of
+       (bf16(e_2m), bf16(e_2m+1)) and (bf16(v_2m[d]), bf16(v_2m+1[d]))) * (1 / total),
+       with e = 0 past the pair's own positions and v = 0 past the job's (0 x a finite V
+       value adds an exact zero, so a row's sums are the same in a group that reads
+       further as alone).
+   Rounding to bfloat16 is the instruction's (nearest even; a denormal is zero). */
+
+typedef uint32_t pair_t; /* two bfloat16 values, the lower-indexed one in the low half */
+
+/* n floats (n a multiple of 16) as n / 2 pairs (x[2i], x[2i+1]). */
+static inline void to_pairs(const float *x, int n, pair_t *out) {
+    for (int i = 0; i < n; i += 16)
+        _mm256_storeu_si256((__m256i *)((uint16_t *)out + i), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(x + i)));
+}
+
+/* 16 lanes of pairs (a[l], b[l]). */
+static inline __m512i zip_pairs(__m512 a, __m512 b) {
+    const __m512i lo = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(a));
+    const __m512i hi = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(b));
+    return _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16));
+}
+
+static inline __m512 dp(__m512 acc, __m512i a, __m512i b) {
+    return _mm512_dpbf16_ps(acc, (__m512bh)a, (__m512bh)b);
+}
+
+/* Few pairs: scores[x][p] (rows max_pos + 32 apart), positions in the lanes: K rows as
+   pairs, transposed 16 x 16 (kt[i][p]), each query pair broadcast. */
+static void scores_by_position_bf16(const gnosis_attention_job_t *j, const gnosis_attention_scratch_t *s,
+                                    int n, int ctx) {
+    const int hd = j->head_dim, half = hd / 2, ss = s->max_pos + SPAN;
+    pair_t *kt = (pair_t *)s->qt; /* [half][SPAN] */
+    pair_t qp[4][GNOSIS_STEP_MAX_HEAD_DIM / 2], kp[16][GNOSIS_STEP_MAX_HEAD_DIM / 2];
+    const __m512 scale = _mm512_set1_ps(j->scaling);
+    for (int p0 = 0; p0 < ctx; p0 += SPAN) {
+        for (int h = 0; h < SPAN / 16; h++) {
+            for (int i = 0; i < 16; i++) {
+                const int p = p0 + 16 * h + i;
+                to_pairs(row_at(j->k, j->table, j->block_size, j->stride, p < ctx ? p : ctx - 1), hd, kp[i]);
+                if (p + SPAN < ctx)
+                    for (int off = 0; off < hd; off += 16)
+                        _mm_prefetch((const char *)(row_at(j->k, j->table, j->block_size, j->stride, p + SPAN) + off),
+                                     _MM_HINT_T0);
+            }
+            for (int i0 = 0; i0 < half; i0 += 16) {
+                const float *src[16];
+                for (int i = 0; i < 16; i++) src[i] = (const float *)(kp[i] + i0);
+                transpose16(src, (float *)(kt + (size_t)i0 * SPAN + 16 * h), SPAN);
+            }
+        }
+        for (int x0 = 0; x0 < n; x0 += 4) {
+            for (int u = 0; u < 4; u++) to_pairs(query(j, x0 + u < n ? x0 + u : x0), hd, qp[u]);
+            __m512 a[4][2];
+            for (int u = 0; u < 4; u++) a[u][0] = a[u][1] = _mm512_setzero_ps();
+            for (int i = 0; i < half; i++) {
+                const __m512i k0 = _mm512_loadu_si512((const void *)(kt + (size_t)i * SPAN));
+                const __m512i k1 = _mm512_loadu_si512((const void *)(kt + (size_t)i * SPAN + 16));
+                for (int u = 0; u < 4; u++) {
+                    const __m512i qi = _mm512_set1_epi32((int)qp[u][i]);
+                    a[u][0] = dp(a[u][0], qi, k0);
+                    a[u][1] = dp(a[u][1], qi, k1);
+                }
+            }
+            for (int u = 0; u < 4 && x0 + u < n; u++) {
+                _mm512_storeu_ps(s->scores + (size_t)(x0 + u) * ss + p0, _mm512_mul_ps(a[u][0], scale));
+                _mm512_storeu_ps(s->scores + (size_t)(x0 + u) * ss + p0 + 16, _mm512_mul_ps(a[u][1], scale));
+            }
+        }
+    }
+}
+
+/* One pair's e at positions (p, p + 1) as a bfloat16 pair, zero past its len. */
+static inline pair_t e_pair(const float *e, int p, int len) {
+    const __m128 two = _mm_setr_ps(p < len ? e[p] : 0.0f, p + 1 < len ? e[p + 1] : 0.0f, 0.0f, 0.0f);
+    return (pair_t)_mm_cvtsi128_si32((__m128i)_mm_cvtneps_pbh(two));
+}
+
+/* Few pairs: out = dp over position pairs of e(x, .) and V, times inv[x]; e(x, p) at
+   e[x * ex + p]. PAIR_BLOCK pairs and up to 64 of head_dim at a time in registers. */
+static void weighted_values_bf16(const gnosis_attention_job_t *j, const float *e, int ex, int n,
+                                 const float *inv) {
+    const int hd = j->head_dim;
+    const __m512 zero = _mm512_setzero_ps();
+    for (int x0 = 0; x0 < n; x0 += PAIR_BLOCK) {
+        int len[PAIR_BLOCK], longest = 0;
+        for (int u = 0; u < PAIR_BLOCK; u++) {
+            len[u] = x0 + u < n ? j->first + (x0 + u) / j->rep + 1 : 0;
+            longest = len[u] > longest ? len[u] : longest;
+        }
+        for (int d0 = 0; d0 < hd; d0 += 64) {
+            const int nd = (hd - d0) / 16 < 4 ? (hd - d0) / 16 : 4;
+            __m512 r[PAIR_BLOCK][4];
+            for (int u = 0; u < PAIR_BLOCK; u++)
+                for (int i = 0; i < 4; i++) r[u][i] = zero;
+            for (int p = 0; p < longest; p += 2) {
+                const float *va = row_at(j->v, j->table, j->block_size, j->stride, p) + d0;
+                const float *vb = p + 1 < longest ? row_at(j->v, j->table, j->block_size, j->stride, p + 1) + d0 : NULL;
+                if (p + 8 < longest)
+                    _mm_prefetch((const char *)(row_at(j->v, j->table, j->block_size, j->stride, p + 8) + d0), _MM_HINT_T0);
+                __m512i vv[4];
+                for (int i = 0; i < 4; i++)
+                    vv[i] = i < nd ? zip_pairs(_mm512_loadu_ps(va + 16 * i), vb ? _mm512_loadu_ps(vb + 16 * i) : zero)
+                                   : _mm512_setzero_si512();
+                for (int u = 0; u < PAIR_BLOCK; u++)
+                    if (p < len[u]) {
+                        const __m512i w = _mm512_set1_epi32((int)e_pair(e + (size_t)(x0 + u) * ex, p, len[u]));
+                        for (int i = 0; i < 4; i++)
+                            if (i < nd) r[u][i] = dp(r[u][i], w, vv[i]);
+                    }
+            }
+            for (int u = 0; u < PAIR_BLOCK && x0 + u < n; u++) {
+                const int x = x0 + u;
+                float *o = j->out + (size_t)(x / j->rep) * j->out_row + (size_t)(x % j->rep) * hd + d0;
+                const __m512 scale = _mm512_set1_ps(inv[x]);
+                for (int i = 0; i < nd; i++) _mm512_storeu_ps(o + 16 * i, _mm512_mul_ps(r[u][i], scale));
+            }
+        }
+    }
+}
+
+/* Scores of pair vectors v0..v0 + nv as score_block, from query pairs (qt[i][x]) and K
+   rows as pairs, a position's pair broadcast. */
+static inline __attribute__((always_inline)) void score_block_bf16(
+        const gnosis_attention_job_t *j, const gnosis_attention_scratch_t *s, int npad, int ctx, int v0,
+        const int nv, const __m512i *len, float *best) {
+    const int half = j->head_dim / 2, np = QK_POS(nv);
+    const pair_t *qt = (const pair_t *)s->qt;
+    const __m512 scale = _mm512_set1_ps(j->scaling);
+    pair_t kp[QK_POS_MAX][GNOSIS_STEP_MAX_HEAD_DIM / 2];
+    __m512 m[MAX_VEC];
+    for (int v = 0; v < nv; v++) m[v] = _mm512_set1_ps(-INFINITY);
+    for (int p = 0; p < ctx; p += np) {
+        for (int u = 0; u < np; u++)
+            to_pairs(row_at(j->k, j->table, j->block_size, j->stride, p + u < ctx ? p + u : ctx - 1), 2 * half, kp[u]);
+        __m512 a[QK_POS_MAX][MAX_VEC];
+        for (int u = 0; u < np; u++)
+            for (int v = 0; v < nv; v++) a[u][v] = _mm512_setzero_ps();
+        for (int i = 0; i < half; i++) {
+            __m512i qv[MAX_VEC];
+            for (int v = 0; v < nv; v++) qv[v] = _mm512_loadu_si512((const void *)(qt + (size_t)i * npad + (v0 + v) * 16));
+            for (int u = 0; u < np; u++) {
+                const __m512i kd = _mm512_set1_epi32((int)kp[u][i]);
+                for (int v = 0; v < nv; v++) a[u][v] = dp(a[u][v], qv[v], kd);
+            }
+        }
+        for (int u = 0; u < np && p + u < ctx; u++)
+            for (int v = 0; v < nv; v++) {
+                const __m512 sc = _mm512_mul_ps(a[u][v], scale);
+                _mm512_storeu_ps(s->scores + (size_t)(p + u) * npad + (v0 + v) * 16, sc);
+                m[v] = _mm512_mask_max_ps(m[v], pairs_seeing(len[v0 + v], p + u), m[v], sc);
+            }
+    }
+    for (int v = 0; v < nv; v++) _mm512_storeu_ps(best + (v0 + v) * 16, m[v]);
+}
+
+/* Many pairs: query pairs transposed (qt[i][x]), scores[p][x], each pair's largest. */
+static void scores_by_pair_bf16(const gnosis_attention_job_t *j, const gnosis_attention_scratch_t *s,
+                                int n, int npad, int ctx, const __m512i *len, float *best) {
+    const int half = j->head_dim / 2;
+    pair_t *qt = (pair_t *)s->qt, row[GNOSIS_STEP_MAX_HEAD_DIM / 2];
+    for (int x = 0; x < npad; x++) {
+        if (x < n) to_pairs(query(j, x), 2 * half, row);
+        for (int i = 0; i < half; i++) qt[(size_t)i * npad + x] = x < n ? row[i] : 0;
+    }
+    for (int v0 = 0, nv; v0 < npad / 16; v0 += nv) {
+        nv = vectors_in_block(npad / 16 - v0);
+        switch (nv) {
+        case 1: score_block_bf16(j, s, npad, ctx, v0, 1, len, best); break;
+        case 2: score_block_bf16(j, s, npad, ctx, v0, 2, len, best); break;
+        default: score_block_bf16(j, s, npad, ctx, v0, 3, len, best); break;
+        }
+    }
+}
+
+/* acc[d][v0 + v] += dp of e pairs (ep[m][x]) and V pairs (vt[m][d]) over the tile's
+   position pairs, d in [d0, d0 + WEIGH_DIMS(nv)). A pair's e is zero where it does not
+   see a position, so every lane takes every step. */
+static inline __attribute__((always_inline)) void weigh_block_bf16(
+        const pair_t *vt, const pair_t *ep, int hd, int npad, int m1, int d0, int v0, const int nv, float *acc) {
+    const int nd = WEIGH_DIMS(nv);
+    __m512 r[WEIGH_DIMS_MAX][MAX_VEC];
+    for (int dd = 0; dd < nd; dd++)
+        for (int v = 0; v < nv; v++) r[dd][v] = _mm512_loadu_ps(acc + (size_t)(d0 + dd) * npad + (v0 + v) * 16);
+    for (int m = 0; m < m1; m++) {
+        const pair_t *vm = vt + (size_t)m * hd + d0, *em = ep + (size_t)m * npad + v0 * 16;
+        __m512i ev[MAX_VEC];
+        for (int v = 0; v < nv; v++) ev[v] = _mm512_loadu_si512((const void *)(em + 16 * v));
+        for (int dd = 0; dd < nd; dd++) {
+            const __m512i w = _mm512_set1_epi32((int)vm[dd]);
+            for (int v = 0; v < nv; v++) r[dd][v] = dp(r[dd][v], ev[v], w);
+        }
+    }
+    for (int dd = 0; dd < nd; dd++)
+        for (int v = 0; v < nv; v++) _mm512_storeu_ps(acc + (size_t)(d0 + dd) * npad + (v0 + v) * 16, r[dd][v]);
+}
+
+/* Many pairs, a tile of positions [p0, p1) (p0 even): e_p into place and the partial
+   sums as weigh_tile, then the tile's e as pairs (over its own rows: pair m of the tile
+   into row p0 + m, after rows p0 + 2m and p0 + 2m + 1 are read) and its V rows as pairs
+   (V past the job's positions zero), and acc += their dp, position pair by pair. */
+static void weigh_tile_bf16(const gnosis_attention_job_t *j, const gnosis_attention_scratch_t *s, int npad,
+                            int p0, int p1, const __m512i *len, const float *best, float *acc) {
+    const int hd = j->head_dim, nv_all = npad / 16, m1 = (p1 - p0 + 1) / 2;
+    const __m512 zero = _mm512_setzero_ps();
+    for (int v = 0; v < nv_all; v++) {
+        const __m512 b = _mm512_loadu_ps(best + 16 * v);
+        for (int p = p0; p < p1; p++) {
+            const __mmask16 valid = pairs_seeing(len[v], p);
+            float *sc = s->scores + (size_t)p * npad + 16 * v, *pl = s->part + 16 * (16 * v + p % 16);
+            const __m512 e = _mm512_maskz_mov_ps(valid, exp16(_mm512_sub_ps(_mm512_loadu_ps(sc), b)));
+            _mm512_storeu_ps(sc, e);
+            _mm512_storeu_ps(pl, _mm512_mask_add_ps(_mm512_loadu_ps(pl), valid, _mm512_loadu_ps(pl), e));
+        }
+    }
+    pair_t *ep = (pair_t *)(s->scores + (size_t)p0 * npad); /* [m1][npad], over the tile's rows */
+    for (int m = 0; m < m1; m++) {
+        const float *ea = s->scores + (size_t)(p0 + 2 * m) * npad, *eb = ea + npad;
+        const int has_b = p0 + 2 * m + 1 < p1;
+        for (int v = 0; v < nv_all; v++) {
+            const __m512i z = zip_pairs(_mm512_loadu_ps(ea + 16 * v), has_b ? _mm512_loadu_ps(eb + 16 * v) : zero);
+            _mm512_storeu_si512((void *)(ep + (size_t)m * npad + 16 * v), z);
+        }
+    }
+    pair_t vt[(P_TILE / 2) * GNOSIS_STEP_MAX_HEAD_DIM];
+    for (int m = 0; m < m1; m++) {
+        const float *va = row_at(j->v, j->table, j->block_size, j->stride, p0 + 2 * m);
+        const float *vb = p0 + 2 * m + 1 < p1 ? row_at(j->v, j->table, j->block_size, j->stride, p0 + 2 * m + 1) : NULL;
+        for (int d = 0; d < hd; d += 16)
+            _mm512_storeu_si512((void *)(vt + (size_t)m * hd + d),
+                                zip_pairs(_mm512_loadu_ps(va + d), vb ? _mm512_loadu_ps(vb + d) : zero));
+    }
+    for (int v0 = 0, nv; v0 < nv_all; v0 += nv) {
+        nv = vectors_in_block(nv_all - v0);
+        for (int d0 = 0; d0 < hd; d0 += WEIGH_DIMS(nv)) {
+            switch (nv) {
+            case 1: weigh_block_bf16(vt, ep, hd, npad, m1, d0, v0, 1, acc); break;
+            case 2: weigh_block_bf16(vt, ep, hd, npad, m1, d0, v0, 2, acc); break;
+            default: weigh_block_bf16(vt, ep, hd, npad, m1, d0, v0, 3, acc); break;
+            }
+        }
+    }
+}
+#endif
+
+/* Many pairs, the last part: each pair's total from its 16 partial sums (s->part) and its
+   output, acc[d][x] (s->acc) * (1 / total). */
+static void finish_by_pair(const gnosis_attention_job_t *j, const gnosis_attention_scratch_t *s, int n, int npad) {
+    const int hd = j->head_dim;
+    for (int v = 0; v < npad / 16; v++) {
+        const float *part = s->part + 16 * 16 * v; /* [16 partial sums][16 pairs] */
+        __m512 t[8];
+        for (int l = 0; l < 8; l++) t[l] = _mm512_add_ps(_mm512_loadu_ps(part + 16 * l), _mm512_loadu_ps(part + 16 * (l + 8)));
+        for (int l = 0; l < 4; l++) t[l] = _mm512_add_ps(t[l], t[l + 4]);
+        for (int l = 0; l < 2; l++) t[l] = _mm512_add_ps(t[l], t[l + 2]);
+        float total[16];
+        _mm512_storeu_ps(total, _mm512_add_ps(t[0], t[1]));
+        for (int l = 0; l < 16 && 16 * v + l < n; l++) {
+            const int x = 16 * v + l;
+            const float inv = 1.0f / total[l];
+            float *o = j->out + (size_t)(x / j->rep) * j->out_row + (size_t)(x % j->rep) * hd;
+            for (int d = 0; d < hd; d++) o[d] = s->acc[(size_t)d * npad + x] * inv;
+        }
+    }
+}
+
 /* Many pairs: scores, then tiles of positions weighed into acc[d][x], then each pair's
    total from its 16 partial sums and its output, acc * (1 / total). */
 static void attend_by_pair(const gnosis_attention_job_t *j, const gnosis_attention_scratch_t *s, int n, int ctx) {
@@ -317,26 +606,20 @@ static void attend_by_pair(const gnosis_attention_job_t *j, const gnosis_attenti
         len[v] = _mm512_loadu_si512((const void *)lens);
     }
     float best[npad];
-    scores_by_pair(j, s, n, npad, ctx, len, best);
     float *acc = s->acc; /* [hd][npad] */
     memset(acc, 0, sizeof(float) * hd * npad);
     memset(s->part, 0, sizeof(float) * 16 * npad);
-    for (int p0 = 0; p0 < ctx; p0 += P_TILE) weigh_tile(j, s, npad, p0, p0 + P_TILE < ctx ? p0 + P_TILE : ctx, len, best, acc);
-    for (int v = 0; v < nv; v++) {
-        const float *part = s->part + 16 * 16 * v; /* [16 partial sums][16 pairs] */
-        __m512 t[8];
-        for (int l = 0; l < 8; l++) t[l] = _mm512_add_ps(_mm512_loadu_ps(part + 16 * l), _mm512_loadu_ps(part + 16 * (l + 8)));
-        for (int l = 0; l < 4; l++) t[l] = _mm512_add_ps(t[l], t[l + 4]);
-        for (int l = 0; l < 2; l++) t[l] = _mm512_add_ps(t[l], t[l + 2]);
-        float total[16];
-        _mm512_storeu_ps(total, _mm512_add_ps(t[0], t[1]));
-        for (int l = 0; l < 16 && 16 * v + l < n; l++) {
-            const int x = 16 * v + l;
-            const float inv = 1.0f / total[l];
-            float *o = j->out + (size_t)(x / j->rep) * j->out_row + (size_t)(x % j->rep) * hd;
-            for (int d = 0; d < hd; d++) o[d] = acc[(size_t)d * npad + x] * inv;
-        }
+#if defined(ATT_BF16)
+    if (j->bf16) {
+        scores_by_pair_bf16(j, s, n, npad, ctx, len, best);
+        for (int p0 = 0; p0 < ctx; p0 += P_TILE) weigh_tile_bf16(j, s, npad, p0, p0 + P_TILE < ctx ? p0 + P_TILE : ctx, len, best, acc);
+        finish_by_pair(j, s, n, npad);
+        return;
     }
+#endif
+    scores_by_pair(j, s, n, npad, ctx, len, best);
+    for (int p0 = 0; p0 < ctx; p0 += P_TILE) weigh_tile(j, s, npad, p0, p0 + P_TILE < ctx ? p0 + P_TILE : ctx, len, best, acc);
+    finish_by_pair(j, s, n, npad);
 }
 
 /* out = sum over p of e(x, p) v_p, in position order, times inv[x]; e(x, p) at
@@ -382,6 +665,14 @@ void gnosis_attention(const gnosis_attention_job_t *j, const gnosis_attention_sc
     const int n = j->rows * j->rep, ctx = j->first + j->rows;
     if (n < MANY_PAIRS) {
         float inv[MANY_PAIRS];
+#if defined(ATT_BF16)
+        if (j->bf16) {
+            scores_by_position_bf16(j, s, n, ctx);
+            softmax_by_position(j, s, n, inv);
+            weighted_values_bf16(j, s->scores, s->max_pos + SPAN, n, inv);
+            return;
+        }
+#endif
         scores_by_position(j, s, n, ctx);
         softmax_by_position(j, s, n, inv);
         weighted_values(j, s->scores, s->max_pos + SPAN, 1, n, inv);

@@ -32,6 +32,7 @@ typedef struct {
     float *out;         /* row i's head r at out + i * out_row + r * head_dim */
     int32_t q_row, out_row, stride, block_size, head_dim, rows, rep, first;
     float scaling;      /* multiplies q . k */
+    int32_t bf16;       /* 1: the products on bfloat16 pairs (only where gnosis_attention_takes says 2) */
 } gnosis_attention_job_t;
 
 /* A thread's scratch for jobs of up to `pairs` (row, head) pairs and `max_pos` positions. */

@@ -74,7 +74,7 @@ struct gnosis_step {
     float *tile_out; /* per thread: a matrix tile's outputs (and its up rows') for every row */
     /* attention, per thread: cpu_attention.c's scratch where it takes the shape (vector),
        else the portable loops' scores and sums */
-    int vector_attention;
+    int vector_attention, attention_bf16;
     float *scores, *acc, *qt, *part;
     int group_start[MAX_ROWS], group_len[MAX_ROWS]; /* this call's attention groups */
     int group_max, pairs; /* rows a group may hold; (row, head) pairs of a thread's scratch */
@@ -373,7 +373,7 @@ static void attention_task(step_t *s, int job, int tid) {
             .v = s->cur->kv.v + kv * hd, .table = s->tables + (size_t)t0 * s->table_width,
             .out = s->att + (size_t)t0 * s->heads * hd + (size_t)kv * rep * hd, .q_row = qkv_n,
             .out_row = s->heads * hd, .stride = stride, .block_size = bs, .head_dim = hd, .rows = g,
-            .rep = rep, .first = (int)s->pos[t0], .scaling = s->scaling};
+            .rep = rep, .first = (int)s->pos[t0], .scaling = s->scaling, .bf16 = s->attention_bf16};
         const gnosis_attention_scratch_t scratch = {
             .scores = s->scores + (size_t)tid * npad * (mp + 32), .qt = s->qt + (size_t)tid * hd * (npad < 32 ? 32 : npad),
             .part = s->part + (size_t)tid * 16 * npad, .acc = s->acc + (size_t)tid * hd * npad,
@@ -573,7 +573,7 @@ gnosis_status_t gnosis_step_create(const gnosis_step_config_t *config, gnosis_st
     const gnosis_model_shape_t *m = &config->shape;
     *out = NULL;
     if (!takes_shape(m, config->max_rows) || config->rotary.max_positions < 1 || config->kv.num_blocks < 1 ||
-        config->kv.block_size < 1)
+        config->kv.block_size < 1 || (config->attention_bf16 && gnosis_attention_takes(m->head_dim) != 2))
         return GNOSIS_BAD_ARGUMENT;
     for (int l = 0; l < m->layers; l++)
         if (!takes_layer(&config->weights.layers[l], m)) return GNOSIS_BAD_ARGUMENT;
@@ -605,7 +605,8 @@ gnosis_status_t gnosis_step_create(const gnosis_step_config_t *config, gnosis_st
     /* A group of a prompt's rows reads each K/V row once for all of them; few enough rows
        a group that each thread has about two jobs of attention. */
     int rep = s->heads / s->kv_heads, jobs_per_group = (2 * nt + s->kv_heads - 1) / s->kv_heads;
-    s->vector_attention = gnosis_attention_takes(hd);
+    s->vector_attention = gnosis_attention_takes(hd) > 0;
+    s->attention_bf16 = config->attention_bf16 != 0;
     s->group_max = B / jobs_per_group;
     if (s->vector_attention) {
         if (s->group_max < 1) s->group_max = 1;

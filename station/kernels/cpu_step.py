@@ -54,6 +54,13 @@ STEP_ROWS = MAX_ROWS  # token rows per call; more rows are more calls
 PROJECTIONS = (("self_attn", ("q_proj", "k_proj", "v_proj")), ("self_attn", ("o_proj",)),
                 ("mlp", ("gate_proj", "up_proj")), ("mlp", ("down_proj",)))
 _int, _float, _ptr = ctypes.c_int32, ctypes.c_float, ctypes.c_void_p
+# gnosis_attention_takes(head_dim): 0 the portable loops, 1 the AVX-512 kernels in float32,
+# 2 the AVX-512 kernels on bfloat16 pairs (cpu_attention.c): its name in the fingerprint
+# (each gives other bits) and in the decode plan
+ATTENTION_ARITHMETIC = {0: "attention-portable", 1: "attention-vector", 2: "attention-vector-bf16"}
+ATTENTION_KERNELS = {0: "portable loops", 1: "AVX-512, K/V read once a row group",
+                     2: "AVX-512 bfloat16 dot products (q, k, e, v rounded to bfloat16, float32 sums), "
+                        "K/V read once a row group"}
 
 
 class ModelShape(ctypes.Structure):
@@ -96,7 +103,7 @@ class StepConfig(ctypes.Structure):
 
     _c_name_ = "gnosis_step_config_t"
     _fields_ = [("shape", ModelShape), ("weights", ModelWeights), ("rotary", Rotary), ("kv", KvPool),
-                ("max_rows", _int), ("threads", _int)]
+                ("max_rows", _int), ("threads", _int), ("attention_bf16", _int)]
 
 
 class StepRows(ctypes.Structure):
@@ -131,10 +138,10 @@ class StepWeights:
     """The step's view of a model: its stacked 4-bit matrices (the ``TiledLinear`` layers'
     own, ``station.model.step_layers``: no copy), norms, embeddings, shape."""
 
-    def __init__(self, lib: ctypes.CDLL, model: nn.Module) -> None:
+    def __init__(self, lib: ctypes.CDLL, model: nn.Module, attention: str = "float32") -> None:
         config, base = cast(Any, model.config), cast(Any, model.base_model)
         attn = base.layers[0].self_attn
-        self.lib = lib
+        self.lib = declare_step(lib)
         self.layers: int = len(base.layers)
         self.hidden: int = config.hidden_size
         self.heads: int = config.num_attention_heads
@@ -154,15 +161,18 @@ class StepWeights:
         self.norms: list[tuple[torch.Tensor, torch.Tensor]] = [
             (layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach())
             for layer in base.layers]
+        # settings' cpu_attention: auto takes bfloat16 pairs where this build has them
+        self.attention_bf16 = attention == "auto" and self.lib.gnosis_attention_takes(self.head_dim) == 2
 
     @classmethod
-    def for_model(cls, model: nn.Module, lib: ctypes.CDLL) -> StepWeights | None:
-        """Over the model's ``TiledLinear`` layers, where they stack as the step reads them."""
+    def for_model(cls, model: nn.Module, lib: ctypes.CDLL, attention: str = "auto") -> StepWeights | None:
+        """Over the model's ``TiledLinear`` layers, where they stack as the step reads them;
+        ``attention``: settings' ``cpu_attention``."""
         reason = shape_refusal(model) or _stacking_refusal(model)
         if reason is not None:
             log.info("cpu_step_not_used", reason=reason)
             return None
-        return cls(lib, model)
+        return cls(lib, model, attention)
 
     @property
     def nbytes(self) -> int:
@@ -172,17 +182,18 @@ class StepWeights:
         """Names what the step's bits depend on (for the fingerprint: KV one arithmetic
         wrote is never served to another): the products' (alike on every build) and which
         attention this build runs."""
-        lib = declare_step(self.lib)
-        return "q4-int16-tiles," + ("attention-vector" if lib.gnosis_attention_takes(self.head_dim)
-                                     else "attention-portable")
+        return "q4-int16-tiles," + ATTENTION_ARITHMETIC[self.attention_kind]
 
     def kernels(self) -> str:
         """What this machine's build computes the step with, for the decode plan."""
-        lib = declare_step(self.lib)
-        attention = ("AVX-512, K/V read once a row group" if lib.gnosis_attention_takes(self.head_dim)
-                     else "portable loops")
-        return (f"4-bit products {lib.gnosis_q4_simd().decode()} (15-bit activations), attention "
+        attention = ATTENTION_KERNELS[self.attention_kind]
+        return (f"4-bit products {self.lib.gnosis_q4_simd().decode()} (15-bit activations), attention "
                 f"{attention}, prompts in calls of up to {STEP_ROWS} rows")
+
+    @property
+    def attention_kind(self) -> int:
+        """0 the portable loops, 1 the vector kernels in float32, 2 on bfloat16 pairs."""
+        return 2 if self.attention_bf16 else min(1, self.lib.gnosis_attention_takes(self.head_dim))
 
     def bind(self, kv_cache: Any, max_positions: int, threads: int | None = None) -> CpuStep:
         return CpuStep(self, kv_cache, max_positions, threads or torch.get_num_threads())
@@ -222,7 +233,7 @@ class CpuStep:
                                  layers=w.layer_weights()),
             rotary=Rotary(cos=self.cos.data_ptr(), sin=self.sin.data_ptr(), max_positions=max_positions),
             kv=KvPool(layers=kv_layers, num_blocks=kv_cache.num_blocks, block_size=self.block_size),
-            max_rows=STEP_ROWS, threads=threads)
+            max_rows=STEP_ROWS, threads=threads, attention_bf16=int(w.attention_bf16))
         handle = _ptr()
         status = self.lib.gnosis_step_create(ctypes.byref(config), ctypes.byref(handle))
         if status == Status.NO_MEMORY:

@@ -88,16 +88,17 @@ def step_key() -> str:
 
 
 def cpu_step(model: nn.Module, lib: Any, choices: KernelChoices, mode: str, sample: Sequence[nn.Module],
-             sample_layers: int) -> tuple[StepWeights | None, Verdict]:
+             sample_layers: int, attention: str = "auto") -> tuple[StepWeights | None, Verdict]:
     """The C decode step (``cpu_step``) over the model's layers on its tiles
     (``station.model.step_layers``) where it agrees with the model's forward; ``auto``: and
     it measures no slower than torch's int4 layers' products alone for the same token (by
     ``KernelChoices.FLOAT_MARGIN``; ``sample``: torch's form of the first ``sample_layers``
-    decoder layers, empty where the answer is known); -> (the step or None, (why it runs or
+    decoder layers, empty where the answer is known); ``attention``: settings' ``cpu_attention``
+    (``auto``: on bfloat16 pairs where this build can); -> (the step or None, (why it runs or
     not, what was measured))."""
     from station.kernels.cpu_step import StepWeights, checked_and_timed
 
-    weights = StepWeights.for_model(model, lib)
+    weights = StepWeights.for_model(model, lib, attention)
     if weights is None:
         return None, ("the model's layers are not the step's tiles", ())
     key = step_key()

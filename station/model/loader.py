@@ -133,8 +133,8 @@ def load_model(settings: Settings) -> LoadedModel:
         attention = read_attention_kinds(model, shape.num_kv_heads, shape.head_dim)
     weights = apply_weights(model, settings.weights, device, dtype,
                             gguf=path if path.suffix == ".gguf" else None, choices_dir=cache_base(settings),
-                            decode_step=settings.cpu_decode_step, full_attention=attention.all_full,
-                            mapped=mapped)
+                            decode_step=settings.cpu_decode_step, step_attention=settings.cpu_attention,
+                            full_attention=attention.all_full, mapped=mapped)
     config = model.config
     max_len = getattr(config, "max_position_embeddings", None) or settings.max_model_len
     log.info("model_memory", mapped=mapped is not None,

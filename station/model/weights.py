@@ -69,11 +69,12 @@ def decoder_linears(model: nn.Module) -> list[tuple[str, nn.Module, str, nn.Line
 
 def apply_weights(model: nn.Module, mode: str, device: torch.device, dtype: torch.dtype, *,
                   gguf: Path | None = None, choices_dir: Path | None = None,
-                  decode_step: str = "auto", full_attention: bool = True,
+                  decode_step: str = "auto", step_attention: str = "auto", full_attention: bool = True,
                   mapped: Any = None) -> WeightsReport:
     """Swap the decoder's linears for quantized ones as ``mode`` says; -> what was done, and
     why each load-time candidate of the decode plan was taken or refused (``report.why``).
-    ``full_attention``: every layer attends causally to its whole context (the C step's).
+    ``full_attention``: every layer attends causally to its whole context (the C step's);
+    ``step_attention``: the C step's attention arithmetic (settings' ``cpu_attention``).
     ``mapped``: the ``gguf_mapped.MappedFile`` of a model built empty from ``gguf``, whose
     decoder weights are filled from the file only where a float one is needed."""
     if mode not in MODES:
@@ -107,7 +108,7 @@ def apply_weights(model: nn.Module, mode: str, device: torch.device, dtype: torc
     # the C step first: where it serves, its tiles are the 4-bit layers' only copy (step_layers)
     why: dict[str, str] = {}  # weight name -> why its layer stayed float (for the file's account)
     if report.why["c-step"] or not _step_first(report, model, layers, mode, from_file, mapped, choices,
-                                               choices_dir, decode_step):
+                                               choices_dir, decode_step, step_attention):
         why = quantized_layers(report, model, layers, mode, from_file, mapped, choices, device, dtype)
     if mapped is not None:  # what stays float: layers measured slower, or whose form did not check
         mapped.fill_rest(model)
@@ -128,7 +129,8 @@ def apply_weights(model: nn.Module, mode: str, device: torch.device, dtype: torc
 
 
 def _step_first(report: WeightsReport, model: nn.Module, layers: list, mode: str, from_file: Any,
-                mapped: Any, choices: KernelChoices, choices_dir: Path | None, decode_step: str) -> bool:
+                mapped: Any, choices: KernelChoices, choices_dir: Path | None, decode_step: str,
+                step_attention: str = "auto") -> bool:
     """The C step over every decoder linear, built into its tiles one decoder layer at a time
     (``step_layers``); -> whether it serves. Where not, ``report.why["c-step"]`` says why and
     the model's linears are as they were."""
@@ -167,7 +169,8 @@ def _step_first(report: WeightsReport, model: nn.Module, layers: list, mode: str
         return False
     # what stays float out of the checkpoint's map first: the step keeps views of it (embed)
     _own_memory(model, copy=mapped is None)
-    report.step, step_verdict = cpu_step(model, lib, choices, decode_step, built.sample, built.sample_layers)
+    report.step, step_verdict = cpu_step(model, lib, choices, decode_step, built.sample, built.sample_layers,
+                                         step_attention)
     built.sample.clear()  # torch's twins go once timed
     record(report, "c-step", step_verdict)
     if report.step is None:

@@ -54,7 +54,7 @@ def _run_alone(step, ids: list[int], table: list[int]) -> torch.Tensor:
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 def test_the_step_computes_the_models_forward_on_its_own_values(tiny, tmp_path, family):
-    loaded = _load(tiny[family], tmp_path)
+    loaded = _load(tiny[family], tmp_path, cpu_attention="float32")
     weights = loaded.weights.step
     assert isinstance(weights, StepWeights) and loaded.weights.tag.endswith(f",cpu-step:{weights.arithmetic()}")
     assert any(mat.bias is not None for mat in weights.mats[0]) == (family == "qwen2")
@@ -99,8 +99,14 @@ def test_the_step_reads_the_models_own_float_tensors_not_a_map_of_its_checkpoint
         assert mapped_file_at(held.data_ptr()) is None  # owned memory, not the checkpoint's file
 
 
-def test_a_row_gives_the_same_bits_alone_and_in_a_batch(tiny, tmp_path):
-    loaded = _load(tiny["llama"], tmp_path)
+# the step's attention: auto takes bfloat16 pairs where this CPU has AVX512_BF16 (else it is
+# float32 too); float32 the float32 kernels: each arithmetic keeps the step's promises
+ATTENTIONS = ("auto", "float32")
+
+
+@pytest.mark.parametrize("attention", ATTENTIONS)
+def test_a_row_gives_the_same_bits_alone_and_in_a_batch(tiny, tmp_path, attention):
+    loaded = _load(tiny["llama"], tmp_path, cpu_attention=attention)
     rows = STEP_ROWS + 3  # two calls' worth
     step = loaded.weights.step.bind(_pool(loaded.model, 10 * rows), max_positions=64, threads=2)
     prompts = [prompt_of(100 + i, 5 + 3 * (i % 11)) for i in range(rows)]  # up to 35 tokens
@@ -117,10 +123,11 @@ def test_a_row_gives_the_same_bits_alone_and_in_a_batch(tiny, tmp_path):
     assert step.calls == sum(len(p) - 1 for p in prompts) + 2 * rows
 
 
-def test_a_prompts_rows_in_one_call_equal_the_same_rows_one_by_one(tiny, tmp_path):
+@pytest.mark.parametrize("attention", ATTENTIONS)
+def test_a_prompts_rows_in_one_call_equal_the_same_rows_one_by_one(tiny, tmp_path, attention):
     """Consecutive rows of one sequence share their attention jobs (each K/V row read once
     for all of them); a row's output and K/V are still the bits it has alone."""
-    loaded = _load(tiny["llama"], tmp_path)
+    loaded = _load(tiny["llama"], tmp_path, cpu_attention=attention)
     ids = prompt_of(9, 45)
     table = list(range(-(-45 // BS)))[::-1]  # the blocks out of order; the last one is the other's
     alone_step = loaded.weights.step.bind(_pool(loaded.model, len(table) + 1), max_positions=64, threads=2)
@@ -148,17 +155,18 @@ def test_a_prompts_rows_in_one_call_equal_the_same_rows_one_by_one(tiny, tmp_pat
     assert torch.equal(grouped_step.kv.flatten(2, 3)[:, :, used], alone_step.kv.flatten(2, 3)[:, :, used])
 
 
-def test_a_prefix_hit_on_a_previous_answer_equals_computing_it_again(tiny, tmp_path):
+@pytest.mark.parametrize("attention", ATTENTIONS)
+def test_a_prefix_hit_on_a_previous_answer_equals_computing_it_again(tiny, tmp_path, attention):
     """Prompts go through the step too: the K/V of a turn's answer (decode rows) and of the
     same tokens in the next turn's prompt (prompt rows) are the same bits, so the next turn
     gives the same logprobs, to the bit, with the answer's K/V from the prefix cache or
     computed again in a fresh pool."""
     first = prompt_of(60, 20)
-    with engine_for(_load(tiny["llama"], tmp_path), prefill_chunk_tokens=16) as engine:
+    with engine_for(_load(tiny["llama"], tmp_path, cpu_attention=attention), prefill_chunk_tokens=16) as engine:
         answer = submit(engine, "t1", first, 14).wait().tokens
         second = first + answer + prompt_of(61, 7)
         hit = _with_logprobs(engine, "t2", second, 10).wait()
-    with engine_for(_load(tiny["llama"], tmp_path), prefill_chunk_tokens=16) as engine:
+    with engine_for(_load(tiny["llama"], tmp_path, cpu_attention=attention), prefill_chunk_tokens=16) as engine:
         miss = _with_logprobs(engine, "t2", second, 10).wait()
         rows = engine.runner._step.calls
     cached = hit.events[0].cached_tokens
@@ -228,7 +236,7 @@ def test_bad_arguments_are_refused_and_the_step_goes_on(tiny, tmp_path):
 
 
 def test_the_plain_c_build_agrees_with_this_cpus(tiny, tmp_path):
-    loaded = _load(tiny["llama"], tmp_path)
+    loaded = _load(tiny["llama"], tmp_path, cpu_attention="float32")
     plain = _build_and_open(compiler(), tmp_path / "plain.so", ("-march=x86-64",))
     assert plain is not None
     native_step = loaded.weights.step.bind(_pool(loaded.model, 8), max_positions=64)
@@ -240,6 +248,38 @@ def test_the_plain_c_build_agrees_with_this_cpus(tiny, tmp_path):
     # float32 sums in another order; where one lands an activation across an int16 rounding
     # boundary, that activation moves by one step (1/32767 of its group's largest)
     torch.testing.assert_close(got, want, rtol=0, atol=1e-3 * float(want.abs().max()))
+
+
+def test_bfloat16_attention_is_taken_where_the_cpu_has_it_and_named_in_the_fingerprint(tiny, tmp_path):
+    auto = _load(tiny["llama"], tmp_path)
+    float32 = _load(tiny["llama"], tmp_path, cpu_attention="float32")
+    has_bf16 = auto.weights.step.lib.gnosis_attention_takes(auto.weights.step.head_dim) == 2
+    assert auto.weights.step.attention_bf16 == has_bf16 and not float32.weights.step.attention_bf16
+    assert float32.weights.step.arithmetic() == "q4-int16-tiles,attention-vector"
+    assert auto.weights.step.arithmetic() == ("q4-int16-tiles,attention-vector-bf16" if has_bf16
+                                              else "q4-int16-tiles,attention-vector")
+    # KV of one attention arithmetic is never served to the other
+    assert (auto.fingerprint != float32.fingerprint) == has_bf16
+
+
+def test_bfloat16_attention_stays_within_its_rounding_of_the_models_forward(tiny, tmp_path):
+    """q, k, e and v rounded to bfloat16 (8 bits), every sum in float32: a decode row's
+    output moves from the float32 attention's by that rounding, not more, and both stay
+    within the load's own check of the model's forward (5e-2 of its largest value)."""
+    bf16 = _load(tiny["llama"], tmp_path)
+    if not bf16.weights.step.attention_bf16:
+        pytest.skip("this CPU has no AVX512_BF16: the step's attention is float32 here")
+    float32 = _load(tiny["llama"], tmp_path, cpu_attention="float32")
+    ids, table = prompt_of(5, 40), [3, 0, 5, 1, 2, 4, 7, 6, 9, 8]
+    with torch.inference_mode():
+        want = float32.model.base_model(input_ids=torch.tensor([ids]), use_cache=False).last_hidden_state[0]
+        got = {name: _run_alone(loaded.weights.step.bind(_pool(loaded.model, 10), max_positions=64), ids, table)
+               for name, loaded in (("bf16", bf16), ("float32", float32))}
+    scale = float(want.abs().max())
+    bf16_error = float((got["bf16"] - want).abs().max()) / scale
+    float32_error = float((got["float32"] - want).abs().max()) / scale
+    assert not torch.equal(got["bf16"], got["float32"])  # the bfloat16 kernels ran
+    assert float32_error < 1e-3 and bf16_error < 5e-2, (float32_error, bf16_error)
 
 
 def test_engine_decodes_alike_alone_batched_after_a_hit_and_a_restart(tiny, tmp_path):
