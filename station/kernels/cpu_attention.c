@@ -459,8 +459,13 @@ static inline __attribute__((always_inline)) void score_block_bf16(
     __m512 m[MAX_VEC];
     for (int v = 0; v < nv; v++) m[v] = _mm512_set1_ps(-INFINITY);
     for (int p = 0; p < ctx; p += np) {
-        for (int u = 0; u < np; u++)
+        for (int u = 0; u < np; u++) { /* the rows two blocks on fetched as these are read */
             to_pairs(row_at(j->k, j->table, j->block_size, j->stride, p + u < ctx ? p + u : ctx - 1), 2 * half, kp[u]);
+            if (p + u + 2 * np < ctx)
+                for (int off = 0; off < 2 * half; off += 16)
+                    _mm_prefetch((const char *)(row_at(j->k, j->table, j->block_size, j->stride, p + u + 2 * np) + off),
+                                 _MM_HINT_T0);
+        }
         __m512 a[QK_POS_MAX][MAX_VEC];
         for (int u = 0; u < np; u++)
             for (int v = 0; v < nv; v++) a[u][v] = _mm512_setzero_ps();
@@ -551,6 +556,9 @@ static void weigh_tile_bf16(const gnosis_attention_job_t *j, const gnosis_attent
         }
     }
     pair_t vt[(P_TILE / 2) * GNOSIS_STEP_MAX_HEAD_DIM];
+    for (int p = p1; p < p1 + P_TILE && p < j->first + j->rows; p++) /* the next tile's V, on its way */
+        for (int off = 0; off < hd; off += 16)
+            _mm_prefetch((const char *)(row_at(j->v, j->table, j->block_size, j->stride, p) + off), _MM_HINT_T0);
     for (int m = 0; m < m1; m++) {
         const float *va = row_at(j->v, j->table, j->block_size, j->stride, p0 + 2 * m);
         const float *vb = p0 + 2 * m + 1 < p1 ? row_at(j->v, j->table, j->block_size, j->stride, p0 + 2 * m + 1) : NULL;
