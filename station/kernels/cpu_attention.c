@@ -181,6 +181,27 @@ static void softmax_by_position(const gnosis_attention_job_t *j, const gnosis_at
     }
 }
 
+/* Few pairs, a block of PAIR_BLOCK from x0: each pair's positions (0 past n) in len; -> the longest. */
+static inline int block_lengths(const gnosis_attention_job_t *j, int x0, int n, int *len) {
+    int longest = 0;
+    for (int u = 0; u < PAIR_BLOCK; u++) {
+        len[u] = x0 + u < n ? j->first + (x0 + u) / j->rep + 1 : 0;
+        longest = len[u] > longest ? len[u] : longest;
+    }
+    return longest;
+}
+
+/* Few pairs: the block's output sums r (head dims d0 .. d0 + 16 nd) times each pair's inv. */
+static inline void store_block(const gnosis_attention_job_t *j, int x0, int n, int d0, int nd,
+                               __m512 r[PAIR_BLOCK][4], const float *inv) {
+    for (int u = 0; u < PAIR_BLOCK && x0 + u < n; u++) {
+        const int x = x0 + u;
+        float *o = j->out + (size_t)(x / j->rep) * j->out_row + (size_t)(x % j->rep) * j->head_dim + d0;
+        const __m512 scale = _mm512_set1_ps(inv[x]);
+        for (int i = 0; i < nd; i++) _mm512_storeu_ps(o + 16 * i, _mm512_mul_ps(r[u][i], scale));
+    }
+}
+
 static inline __mmask16 pairs_seeing(__m512i len, int p) {
     return _mm512_cmpgt_epi32_mask(len, _mm512_set1_epi32(p));
 }
@@ -200,6 +221,19 @@ static inline int vectors_in_block(int left) { return left == 4 ? 2 : left < MAX
 #define QK_POS_MAX 16
 #define WEIGH_DIMS(nv) ((nv) == 1 ? 16 : 8)
 #define WEIGH_DIMS_MAX 16
+
+/* A score block's sums a[u][v] (positions p + u, pair vectors v0 + v) times scaling into
+   scores[p][x], and into each pair vector's largest m[v] where its pairs see the position. */
+static inline __attribute__((always_inline)) void store_scores(
+        const gnosis_attention_scratch_t *s, int npad, int ctx, int p, int np, int v0, const int nv,
+        __m512 a[QK_POS_MAX][MAX_VEC], __m512 scale, const __m512i *len, __m512 *m) {
+    for (int u = 0; u < np && p + u < ctx; u++)
+        for (int v = 0; v < nv; v++) {
+            const __m512 sc = _mm512_mul_ps(a[u][v], scale);
+            _mm512_storeu_ps(s->scores + (size_t)(p + u) * npad + (v0 + v) * 16, sc);
+            m[v] = _mm512_mask_max_ps(m[v], pairs_seeing(len[v0 + v], p + u), m[v], sc);
+        }
+}
 
 /* Scores of pair vectors v0..v0 + nv (a constant: the loops unroll, the sums stay in
    registers), QK_POS(nv) positions at a time, and their largest. */
@@ -225,12 +259,7 @@ static inline __attribute__((always_inline)) void score_block(
                 for (int v = 0; v < nv; v++) a[u][v] = _mm512_fmadd_ps(qv[v], kd, a[u][v]);
             }
         }
-        for (int u = 0; u < np && p + u < ctx; u++)
-            for (int v = 0; v < nv; v++) {
-                const __m512 sc = _mm512_mul_ps(a[u][v], scale);
-                _mm512_storeu_ps(s->scores + (size_t)(p + u) * npad + (v0 + v) * 16, sc);
-                m[v] = _mm512_mask_max_ps(m[v], pairs_seeing(len[v0 + v], p + u), m[v], sc);
-            }
+        store_scores(s, npad, ctx, p, np, v0, nv, a, scale, len, m);
     }
     for (int v = 0; v < nv; v++) _mm512_storeu_ps(best + (v0 + v) * 16, m[v]);
 }
@@ -255,6 +284,23 @@ static void scores_by_pair(const gnosis_attention_job_t *j, const gnosis_attenti
 }
 
 #define P_TILE 64 /* positions whose e_p are computed, then weighed, while in L1 */
+
+/* Many pairs, a tile of positions [p0, p1): e_p into place (zero where a pair does not see
+   p), each added to its pair's partial sum p mod 16. */
+static void exp_tile(const gnosis_attention_scratch_t *s, int npad, int p0, int p1, const __m512i *len,
+                     const float *best) {
+    for (int v = 0; v < npad / 16; v++) {
+        const __m512 b = _mm512_loadu_ps(best + 16 * v);
+        for (int p = p0; p < p1; p++) {
+            const __mmask16 valid = pairs_seeing(len[v], p);
+            float *sc = s->scores + (size_t)p * npad + 16 * v, *pl = s->part + 16 * (16 * v + p % 16);
+            const __m512 e = _mm512_maskz_mov_ps(valid, exp16(_mm512_sub_ps(_mm512_loadu_ps(sc), b)));
+            _mm512_storeu_ps(sc, e);
+            _mm512_storeu_ps(pl, _mm512_mask_add_ps(_mm512_loadu_ps(pl), valid, _mm512_loadu_ps(pl), e));
+        }
+    }
+}
+
 
 /* acc[d][v0 + v] for d in [d0, d0 + WEIGH_DIMS(nv)), v < nv (a constant: the loops
    unroll, the sums stay in registers), over the tile's positions: those every pair sees,
@@ -294,16 +340,7 @@ static inline __attribute__((always_inline)) void weigh_block(
 static void weigh_tile(const gnosis_attention_job_t *j, const gnosis_attention_scratch_t *s, int npad,
                        int p0, int p1, const __m512i *len, const float *best, float *acc) {
     const int hd = j->head_dim, nv_all = npad / 16;
-    for (int v = 0; v < nv_all; v++) {
-        const __m512 b = _mm512_loadu_ps(best + 16 * v);
-        for (int p = p0; p < p1; p++) {
-            const __mmask16 valid = pairs_seeing(len[v], p);
-            float *sc = s->scores + (size_t)p * npad + 16 * v, *pl = s->part + 16 * (16 * v + p % 16);
-            const __m512 e = _mm512_maskz_mov_ps(valid, exp16(_mm512_sub_ps(_mm512_loadu_ps(sc), b)));
-            _mm512_storeu_ps(sc, e);
-            _mm512_storeu_ps(pl, _mm512_mask_add_ps(_mm512_loadu_ps(pl), valid, _mm512_loadu_ps(pl), e));
-        }
-    }
+    exp_tile(s, npad, p0, p1, len, best);
     const float *vrow[P_TILE];
     for (int p = p0; p < p1; p++) vrow[p - p0] = row_at(j->v, j->table, j->block_size, j->stride, p);
     const int all_see = j->first + 1 < p1 ? (j->first + 1 > p0 ? j->first + 1 : p0) : p1;
@@ -415,11 +452,8 @@ static void weighted_values_bf16(const gnosis_attention_job_t *j, const float *e
     const int hd = j->head_dim;
     const __m512 zero = _mm512_setzero_ps();
     for (int x0 = 0; x0 < n; x0 += PAIR_BLOCK) {
-        int len[PAIR_BLOCK], longest = 0;
-        for (int u = 0; u < PAIR_BLOCK; u++) {
-            len[u] = x0 + u < n ? j->first + (x0 + u) / j->rep + 1 : 0;
-            longest = len[u] > longest ? len[u] : longest;
-        }
+        int len[PAIR_BLOCK];
+        const int longest = block_lengths(j, x0, n, len);
         for (int d0 = 0; d0 < hd; d0 += 64) {
             const int nd = (hd - d0) / 16 < 4 ? (hd - d0) / 16 : 4;
             __m512 r[PAIR_BLOCK][4];
@@ -441,12 +475,7 @@ static void weighted_values_bf16(const gnosis_attention_job_t *j, const float *e
                             if (i < nd) r[u][i] = dp(r[u][i], w, vv[i]);
                     }
             }
-            for (int u = 0; u < PAIR_BLOCK && x0 + u < n; u++) {
-                const int x = x0 + u;
-                float *o = j->out + (size_t)(x / j->rep) * j->out_row + (size_t)(x % j->rep) * hd + d0;
-                const __m512 scale = _mm512_set1_ps(inv[x]);
-                for (int i = 0; i < nd; i++) _mm512_storeu_ps(o + 16 * i, _mm512_mul_ps(r[u][i], scale));
-            }
+            store_block(j, x0, n, d0, nd, r, inv);
         }
     }
 }
@@ -481,12 +510,7 @@ static inline __attribute__((always_inline)) void score_block_bf16(
                 for (int v = 0; v < nv; v++) a[u][v] = dp(a[u][v], qv[v], kd);
             }
         }
-        for (int u = 0; u < np && p + u < ctx; u++)
-            for (int v = 0; v < nv; v++) {
-                const __m512 sc = _mm512_mul_ps(a[u][v], scale);
-                _mm512_storeu_ps(s->scores + (size_t)(p + u) * npad + (v0 + v) * 16, sc);
-                m[v] = _mm512_mask_max_ps(m[v], pairs_seeing(len[v0 + v], p + u), m[v], sc);
-            }
+        store_scores(s, npad, ctx, p, np, v0, nv, a, scale, len, m);
     }
     for (int v = 0; v < nv; v++) _mm512_storeu_ps(best + (v0 + v) * 16, m[v]);
 }
@@ -540,16 +564,7 @@ static void weigh_tile_bf16(const gnosis_attention_job_t *j, const gnosis_attent
                             int p0, int p1, const __m512i *len, const float *best, float *acc) {
     const int hd = j->head_dim, nv_all = npad / 16, m1 = (p1 - p0 + 1) / 2;
     const __m512 zero = _mm512_setzero_ps();
-    for (int v = 0; v < nv_all; v++) {
-        const __m512 b = _mm512_loadu_ps(best + 16 * v);
-        for (int p = p0; p < p1; p++) {
-            const __mmask16 valid = pairs_seeing(len[v], p);
-            float *sc = s->scores + (size_t)p * npad + 16 * v, *pl = s->part + 16 * (16 * v + p % 16);
-            const __m512 e = _mm512_maskz_mov_ps(valid, exp16(_mm512_sub_ps(_mm512_loadu_ps(sc), b)));
-            _mm512_storeu_ps(sc, e);
-            _mm512_storeu_ps(pl, _mm512_mask_add_ps(_mm512_loadu_ps(pl), valid, _mm512_loadu_ps(pl), e));
-        }
-    }
+    exp_tile(s, npad, p0, p1, len, best);
     pair_t *ep = (pair_t *)(s->scores + (size_t)p0 * npad); /* [m1][npad], over the tile's rows */
     for (int m = 0; m < m1; m++) {
         const float *ea = s->scores + (size_t)(p0 + 2 * m) * npad, *eb = ea + npad;
@@ -640,11 +655,8 @@ static void weighted_values(const gnosis_attention_job_t *j, const float *e, int
                             const float *inv) {
     const int hd = j->head_dim;
     for (int x0 = 0; x0 < n; x0 += PAIR_BLOCK) {
-        int len[PAIR_BLOCK], longest = 0;
-        for (int u = 0; u < PAIR_BLOCK; u++) {
-            len[u] = x0 + u < n ? j->first + (x0 + u) / j->rep + 1 : 0;
-            longest = len[u] > longest ? len[u] : longest;
-        }
+        int len[PAIR_BLOCK];
+        const int longest = block_lengths(j, x0, n, len);
         for (int d0 = 0; d0 < hd; d0 += 64) {
             const int nd = (hd - d0) / 16 < 4 ? (hd - d0) / 16 : 4;
             __m512 r[PAIR_BLOCK][4];
@@ -663,12 +675,7 @@ static void weighted_values(const gnosis_attention_job_t *j, const float *e, int
                             if (i < nd) r[u][i] = _mm512_fmadd_ps(w, vv[i], r[u][i]);
                     }
             }
-            for (int u = 0; u < PAIR_BLOCK && x0 + u < n; u++) {
-                const int x = x0 + u;
-                float *o = j->out + (size_t)(x / j->rep) * j->out_row + (size_t)(x % j->rep) * hd + d0;
-                const __m512 scale = _mm512_set1_ps(inv[x]);
-                for (int i = 0; i < nd; i++) _mm512_storeu_ps(o + 16 * i, _mm512_mul_ps(r[u][i], scale));
-            }
+            store_block(j, x0, n, d0, nd, r, inv);
         }
     }
 }
