@@ -287,8 +287,8 @@ static void scores_by_pair(const gnosis_attention_job_t *j, const gnosis_attenti
 
 /* Many pairs, a tile of positions [p0, p1): e_p into place (zero where a pair does not see
    p), each added to its pair's partial sum p mod 16. */
-static void exp_tile(const gnosis_attention_scratch_t *s, int npad, int p0, int p1, const __m512i *len,
-                     const float *best) {
+static inline __attribute__((always_inline)) void exp_tile(
+        const gnosis_attention_scratch_t *s, int npad, int p0, int p1, const __m512i *len, const float *best) {
     for (int v = 0; v < npad / 16; v++) {
         const __m512 b = _mm512_loadu_ps(best + 16 * v);
         for (int p = p0; p < p1; p++) {
