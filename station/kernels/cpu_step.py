@@ -138,7 +138,7 @@ class StepWeights:
     """The step's view of a model: its stacked 4-bit matrices (the ``TiledLinear`` layers'
     own, ``station.model.step_layers``: no copy), norms, embeddings, shape."""
 
-    def __init__(self, lib: ctypes.CDLL, model: nn.Module, attention: str = "float32") -> None:
+    def __init__(self, lib: ctypes.CDLL, model: nn.Module, attention: str = "auto") -> None:
         config, base = cast(Any, model.config), cast(Any, model.base_model)
         attn = base.layers[0].self_attn
         self.lib = declare_step(lib)
