@@ -73,11 +73,14 @@ class PagedEngine:
         self.block_size = settings.kv_block_size
         self.max_model_len = loaded.max_model_len
         device = torch.device(loaded.device)
-        shape = KVCacheShape.from_config(loaded.model.config, self.block_size, loaded.dtype)
-        if num_blocks is None:
-            num_blocks = num_blocks_for(shape, settings, device)
         # The decode plan (station.plan.choose): body, head, linear forms, static decode steps.
         plan, parts = choose_plan(loaded, settings)
+        # The pool in the model's dtype, or in the dtype the C step keeps K/V in where it computes
+        # every row (bfloat16 with its bfloat16 attention: twice the tokens in the same bytes).
+        kv_dtype = parts.body.step.kv_dtype if parts.body.step is not None else loaded.dtype
+        shape = KVCacheShape.from_config(loaded.model.config, self.block_size, kv_dtype)
+        if num_blocks is None:
+            num_blocks = num_blocks_for(shape, settings, device)
         # Shared for the disk tier's I/O process (a CPU pool that does not stage); scratch for graphs.
         self.kv_cache = KVCache(shape, num_blocks, device, scratch_blocks=int(parts.graphs is not None),
                                 shared=settings.kv_persistence and not settings.kv_host_bytes)

@@ -100,9 +100,10 @@ typedef struct {
 } gnosis_rotary_t;
 
 /* One layer's K and V in the paged pool: [num_blocks * block_size slots, kv_heads,
-   head_dim] float32 each; slot = block id * block_size + offset in the block. */
+   head_dim] each, float32, or bfloat16 where the step's attention_bf16 (the values its
+   attention would round them to); slot = block id * block_size + offset in the block. */
 typedef struct {
-    float *k, *v;
+    void *k, *v;
 } gnosis_kv_layer_t;
 
 typedef struct {
@@ -119,7 +120,8 @@ typedef struct {
     int32_t max_rows; /* token rows a call may take, 1..GNOSIS_STEP_MAX_ROWS */
     int32_t threads;  /* the step's pool, the caller's thread included (fewer where some cannot start) */
     int32_t attention_bf16; /* 1: attention's products on bfloat16 pairs, where gnosis_attention_takes
-                               says 2 (else GNOSIS_BAD_ARGUMENT); 0: in float32 */
+                               says 2 (else GNOSIS_BAD_ARGUMENT), over a bfloat16 pool; 0: in
+                               float32, over a float32 pool */
 } gnosis_step_config_t;
 
 /* One call's token rows: decode tokens (one per sequence), or a prompt's in position order. */

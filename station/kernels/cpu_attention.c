@@ -50,8 +50,9 @@ int32_t gnosis_attention_takes(int32_t head_dim) {
 #endif
 }
 
-static inline const float *row_at(const float *base, const int32_t *table, int bs, int stride, int p) {
-    return base + ((size_t)table[p / bs] * bs + p % bs) * stride;
+/* Position p's K or V row in a float32 pool. */
+static inline const float *row_at(const void *base, const int32_t *table, int bs, int stride, int p) {
+    return (const float *)base + ((size_t)table[p / bs] * bs + p % bs) * stride;
 }
 
 /* e^x for 16 floats: Cephes' expf (range reduction by ln 2 in two parts, a degree-6
@@ -368,9 +369,22 @@ static void weigh_tile(const gnosis_attention_job_t *j, const gnosis_attention_s
        with e = 0 past the pair's own positions and v = 0 past the job's (0 x a finite V
        value adds an exact zero, so a row's sums are the same in a group that reads
        further as alone).
-   Rounding to bfloat16 is the instruction's (nearest even; a denormal is zero). */
+   Rounding to bfloat16 is the instruction's (nearest even; a denormal is zero). K and V
+   are rounded once, as the step writes them (gnosis_attention_store_bf16): the pool holds
+   bfloat16, half float32's bytes to read, and a K row is already its pairs. */
 
 typedef uint32_t pair_t; /* two bfloat16 values, the lower-indexed one in the low half */
+
+/* Position p's K or V row in a bfloat16 pool; a K row is its own pairs (k[2i], k[2i+1]). */
+static inline const uint16_t *bf16_row_at(const void *base, const int32_t *table, int bs, int stride, int p) {
+    return (const uint16_t *)base + ((size_t)table[p / bs] * bs + p % bs) * stride;
+}
+
+/* A bfloat16 row's cache lines from p on, on their way (hd values: hd / 32 lines). */
+static inline void fetch_row(const gnosis_attention_job_t *j, const void *base, int p) {
+    const uint16_t *r = bf16_row_at(base, j->table, j->block_size, j->stride, p);
+    for (int off = 0; off < j->head_dim; off += 32) _mm_prefetch((const char *)(r + off), _MM_HINT_T0);
+}
 
 /* n floats (n a multiple of 16) as n / 2 pairs (x[2i], x[2i+1]): 32 values an instruction. */
 static inline void to_pairs(const float *x, int n, pair_t *out) {
@@ -382,12 +396,27 @@ static inline void to_pairs(const float *x, int n, pair_t *out) {
         _mm256_storeu_si256((__m256i *)((uint16_t *)out + i), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(x + i)));
 }
 
-/* 16 lanes of pairs (a[l], b[l]). */
-static inline __m512i zip_pairs(__m512 a, __m512 b) {
-    const __m512i lo = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(a));
-    const __m512i hi = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(b));
-    return _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16));
+/* Lane l's pair (a[l], b[l]) from 16-bit values a[0..15] in idx's first 16 and b's in
+   its next: vpermw over the two halves of one register. */
+static inline __m512i interleave16(__m512i ab) {
+    const __m512i idx = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
+                                         23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    return _mm512_permutexvar_epi16(idx, ab);
 }
+
+/* 16 lanes of pairs (a[l], b[l]) of float32 vectors, each rounded to bfloat16. */
+static inline __m512i zip_pairs(__m512 a, __m512 b) {
+    return interleave16((__m512i)_mm512_cvtne2ps_pbh(b, a));
+}
+
+/* 16 lanes of pairs (a[l], b[l]) of 16 bfloat16 values each (b NULL: zeros). */
+static inline __m512i zip_rows(const uint16_t *a, const uint16_t *b) {
+    const __m256i lo = _mm256_loadu_si256((const __m256i *)a);
+    const __m256i hi = b ? _mm256_loadu_si256((const __m256i *)b) : _mm256_setzero_si256();
+    return interleave16(_mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1));
+}
+
+void gnosis_attention_store_bf16(const float *x, int32_t n, uint16_t *out) { to_pairs(x, n, (pair_t *)out); }
 
 static inline __m512 dp(__m512 acc, __m512i a, __m512i b) {
     return _mm512_dpbf16_ps(acc, (__m512bh)a, (__m512bh)b);
@@ -399,17 +428,15 @@ static void scores_by_position_bf16(const gnosis_attention_job_t *j, const gnosi
                                     int n, int ctx) {
     const int hd = j->head_dim, half = hd / 2, ss = s->max_pos + SPAN;
     pair_t *kt = (pair_t *)s->qt; /* [half][SPAN] */
-    pair_t qp[4][GNOSIS_STEP_MAX_HEAD_DIM / 2], kp[16][GNOSIS_STEP_MAX_HEAD_DIM / 2];
+    pair_t qp[4][GNOSIS_STEP_MAX_HEAD_DIM / 2];
     const __m512 scale = _mm512_set1_ps(j->scaling);
     for (int p0 = 0; p0 < ctx; p0 += SPAN) {
         for (int h = 0; h < SPAN / 16; h++) {
+            const pair_t *kp[16];
             for (int i = 0; i < 16; i++) {
                 const int p = p0 + 16 * h + i;
-                to_pairs(row_at(j->k, j->table, j->block_size, j->stride, p < ctx ? p : ctx - 1), hd, kp[i]);
-                if (p + SPAN < ctx)
-                    for (int off = 0; off < hd; off += 16)
-                        _mm_prefetch((const char *)(row_at(j->k, j->table, j->block_size, j->stride, p + SPAN) + off),
-                                     _MM_HINT_T0);
+                kp[i] = (const pair_t *)bf16_row_at(j->k, j->table, j->block_size, j->stride, p < ctx ? p : ctx - 1);
+                if (p + SPAN < ctx) fetch_row(j, j->k, p + SPAN);
             }
             for (int i0 = 0; i0 < half; i0 += 16) {
                 const float *src[16];
@@ -459,14 +486,13 @@ static void weighted_values_bf16(const gnosis_attention_job_t *j, const float *e
             for (int u = 0; u < PAIR_BLOCK; u++)
                 for (int i = 0; i < 4; i++) r[u][i] = zero;
             for (int p = 0; p < longest; p += 2) {
-                const float *va = row_at(j->v, j->table, j->block_size, j->stride, p) + d0;
-                const float *vb = p + 1 < longest ? row_at(j->v, j->table, j->block_size, j->stride, p + 1) + d0 : NULL;
+                const uint16_t *va = bf16_row_at(j->v, j->table, j->block_size, j->stride, p) + d0;
+                const uint16_t *vb = p + 1 < longest ? bf16_row_at(j->v, j->table, j->block_size, j->stride, p + 1) + d0 : NULL;
                 if (p + 8 < longest) /* the pair 8 on's first row (its second: measured slower, 2026-12-07) */
-                    _mm_prefetch((const char *)(row_at(j->v, j->table, j->block_size, j->stride, p + 8) + d0), _MM_HINT_T0);
+                    _mm_prefetch((const char *)(bf16_row_at(j->v, j->table, j->block_size, j->stride, p + 8) + d0), _MM_HINT_T0);
                 __m512i vv[4];
                 for (int i = 0; i < 4; i++)
-                    vv[i] = i < nd ? zip_pairs(_mm512_loadu_ps(va + 16 * i), vb ? _mm512_loadu_ps(vb + 16 * i) : zero)
-                                   : _mm512_setzero_si512();
+                    vv[i] = i < nd ? zip_rows(va + 16 * i, vb ? vb + 16 * i : NULL) : _mm512_setzero_si512();
                 for (int u = 0; u < PAIR_BLOCK; u++)
                     if (p < len[u]) {
                         const __m512i w = _mm512_set1_epi32((int)e_pair(e + (size_t)(x0 + u) * ex, p, len[u]));
@@ -487,16 +513,13 @@ static inline __attribute__((always_inline)) void score_block_bf16(
     const int half = j->head_dim / 2, np = QK_POS(nv);
     const pair_t *qt = (const pair_t *)s->qt;
     const __m512 scale = _mm512_set1_ps(j->scaling);
-    pair_t kp[QK_POS_MAX][GNOSIS_STEP_MAX_HEAD_DIM / 2];
     __m512 m[MAX_VEC];
     for (int v = 0; v < nv; v++) m[v] = _mm512_set1_ps(-INFINITY);
     for (int p = 0; p < ctx; p += np) {
+        const pair_t *kp[QK_POS_MAX];
         for (int u = 0; u < np; u++) { /* the rows two blocks on fetched as these are read */
-            to_pairs(row_at(j->k, j->table, j->block_size, j->stride, p + u < ctx ? p + u : ctx - 1), 2 * half, kp[u]);
-            if (p + u + 2 * np < ctx)
-                for (int off = 0; off < 2 * half; off += 16)
-                    _mm_prefetch((const char *)(row_at(j->k, j->table, j->block_size, j->stride, p + u + 2 * np) + off),
-                                 _MM_HINT_T0);
+            kp[u] = (const pair_t *)bf16_row_at(j->k, j->table, j->block_size, j->stride, p + u < ctx ? p + u : ctx - 1);
+            if (p + u + 2 * np < ctx) fetch_row(j, j->k, p + u + 2 * np);
         }
         __m512 a[QK_POS_MAX][MAX_VEC];
         for (int u = 0; u < np; u++)
@@ -574,15 +597,12 @@ static void weigh_tile_bf16(const gnosis_attention_job_t *j, const gnosis_attent
         }
     }
     pair_t vt[(P_TILE / 2) * GNOSIS_STEP_MAX_HEAD_DIM];
-    for (int p = p1; p < p1 + P_TILE && p < j->first + j->rows; p++) /* the next tile's V, on its way */
-        for (int off = 0; off < hd; off += 16)
-            _mm_prefetch((const char *)(row_at(j->v, j->table, j->block_size, j->stride, p) + off), _MM_HINT_T0);
+    for (int p = p1; p < p1 + P_TILE && p < j->first + j->rows; p++) fetch_row(j, j->v, p); /* the next tile's V */
     for (int m = 0; m < m1; m++) {
-        const float *va = row_at(j->v, j->table, j->block_size, j->stride, p0 + 2 * m);
-        const float *vb = p0 + 2 * m + 1 < p1 ? row_at(j->v, j->table, j->block_size, j->stride, p0 + 2 * m + 1) : NULL;
+        const uint16_t *va = bf16_row_at(j->v, j->table, j->block_size, j->stride, p0 + 2 * m);
+        const uint16_t *vb = p0 + 2 * m + 1 < p1 ? bf16_row_at(j->v, j->table, j->block_size, j->stride, p0 + 2 * m + 1) : NULL;
         for (int d = 0; d < hd; d += 16)
-            _mm512_storeu_si512((void *)(vt + (size_t)m * hd + d),
-                                zip_pairs(_mm512_loadu_ps(va + d), vb ? _mm512_loadu_ps(vb + d) : zero));
+            _mm512_storeu_si512((void *)(vt + (size_t)m * hd + d), zip_rows(va + d, vb ? vb + d : NULL));
     }
     for (int v0 = 0, nv; v0 < nv_all; v0 += nv) {
         nv = vectors_in_block(nv_all - v0);
@@ -707,4 +727,9 @@ void gnosis_attention(const gnosis_attention_job_t *j, const gnosis_attention_sc
     (void)j; (void)s; /* never called: the step attends with its own loops */
 }
 
+#endif
+
+#if !defined(ATT_BF16)
+/* Never called: a step takes attention_bf16 only where gnosis_attention_takes says 2. */
+void gnosis_attention_store_bf16(const float *x, int32_t n, uint16_t *out) { (void)x; (void)n; (void)out; }
 #endif

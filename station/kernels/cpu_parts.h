@@ -24,15 +24,16 @@ void gnosis_q4_tile(const gnosis_q4_matrix_t *w, int32_t tile, const int16_t *xq
 /* One job: the rows of a group (consecutive positions of one sequence, row i at position
    first + i, seeing positions 0..first + i) and one K/V head with the rep query heads it
    serves. Position p's K and V rows are at (table[p / block_size] * block_size + p %
-   block_size) * stride floats into k and v. */
+   block_size) * stride values into k and v: float32, or bfloat16 where bf16. */
 typedef struct {
     const float *q;     /* row i's query head r at q + i * q_row + r * head_dim */
-    const float *k, *v;
+    const void *k, *v;
     const int32_t *table;
     float *out;         /* row i's head r at out + i * out_row + r * head_dim */
     int32_t q_row, out_row, stride, block_size, head_dim, rows, rep, first;
     float scaling;      /* multiplies q . k */
-    int32_t bf16;       /* 1: the products on bfloat16 pairs (only where gnosis_attention_takes says 2) */
+    int32_t bf16;       /* 1: the products on bfloat16 pairs, K and V bfloat16 (only where
+                           gnosis_attention_takes says 2) */
 } gnosis_attention_job_t;
 
 /* A thread's scratch for jobs of up to `pairs` (row, head) pairs and `max_pos` positions. */
@@ -43,6 +44,11 @@ typedef struct {
     float *acc;    /* [head_dim, pairs rounded up to 16] */
     int32_t pairs, max_pos;
 } gnosis_attention_scratch_t;
+
+/* n float32 values (n a multiple of 16) as the bfloat16 values the attention's products
+   take (nearest even): a K or V row into a bfloat16 pool. Only where gnosis_attention_takes
+   says 2. */
+void gnosis_attention_store_bf16(const float *x, int32_t n, uint16_t *out);
 
 /* The job's attention, into out (its scratch the calling thread's). */
 void gnosis_attention(const gnosis_attention_job_t *job, const gnosis_attention_scratch_t *scratch);

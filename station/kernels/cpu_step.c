@@ -74,7 +74,7 @@ struct gnosis_step {
     float *tile_out; /* per thread: a matrix tile's outputs (and its up rows') for every row */
     /* attention, per thread: cpu_attention.c's scratch where it takes the shape (vector),
        else the portable loops' scores and sums */
-    int vector_attention, attention_bf16;
+    int vector_attention, attention_bf16, kv_size; /* kv_size: a pool value's bytes (4, or 2 where bf16) */
     float *scores, *acc, *qt, *part;
     int group_start[MAX_ROWS], group_len[MAX_ROWS]; /* this call's attention groups */
     int group_max, pairs; /* rows a group may hold; (row, head) pairs of a thread's scratch */
@@ -369,8 +369,8 @@ static void attention_task(step_t *s, int job, int tid) {
     if (s->vector_attention) {
         const int npad = s->pairs < 16 ? 16 : (s->pairs + 15) / 16 * 16;
         const gnosis_attention_job_t j = {
-            .q = s->qkv + (size_t)t0 * qkv_n + (size_t)kv * rep * hd, .k = s->cur->kv.k + kv * hd,
-            .v = s->cur->kv.v + kv * hd, .table = s->tables + (size_t)t0 * s->table_width,
+            .q = s->qkv + (size_t)t0 * qkv_n + (size_t)kv * rep * hd, .k = (const char *)s->cur->kv.k + kv * hd * s->kv_size,
+            .v = (const char *)s->cur->kv.v + kv * hd * s->kv_size, .table = s->tables + (size_t)t0 * s->table_width,
             .out = s->att + (size_t)t0 * s->heads * hd + (size_t)kv * rep * hd, .q_row = qkv_n,
             .out_row = s->heads * hd, .stride = stride, .block_size = bs, .head_dim = hd, .rows = g,
             .rep = rep, .first = (int)s->pos[t0], .scaling = s->scaling, .bf16 = s->attention_bf16};
@@ -386,7 +386,7 @@ static void attention_task(step_t *s, int job, int tid) {
     float *acc = s->acc + (size_t)tid * s->pairs * hd;      /* [n][hd] */
     const int32_t *table = s->tables + (size_t)t0 * s->table_width;
     const int first = (int)s->pos[t0], ctx = first + g; /* row i sees positions 0..first + i */
-    const float *kbase = s->cur->kv.k + kv * hd, *vbase = s->cur->kv.v + kv * hd;
+    const float *kbase = (const float *)s->cur->kv.k + kv * hd, *vbase = (const float *)s->cur->kv.v + kv * hd;
     float best[n], total[n];
     for (int x = 0; x < n; x++) best[x] = -INFINITY;
     for (int p0 = 0, blk = 0; p0 < ctx; p0 += bs, blk++) {
@@ -517,8 +517,14 @@ static void rotary_task(step_t *s, int chunk, int tid) {
     const float *c = s->cos + (size_t)s->pos[chunk] * hd, *sn = s->sin + (size_t)s->pos[chunk] * hd;
     rotate(q, s->heads, hd, c, sn);
     rotate(k, kvh, hd, c, sn);
-    memcpy(s->cur->kv.k + (size_t)s->slots[chunk] * kvh * hd, k, sizeof(float) * kvh * hd);
-    memcpy(s->cur->kv.v + (size_t)s->slots[chunk] * kvh * hd, v, sizeof(float) * kvh * hd);
+    const size_t at = (size_t)s->slots[chunk] * kvh * hd;
+    if (s->attention_bf16) { /* the values the attention rounds them to, in half the bytes */
+        gnosis_attention_store_bf16(k, kvh * hd, (uint16_t *)s->cur->kv.k + at);
+        gnosis_attention_store_bf16(v, kvh * hd, (uint16_t *)s->cur->kv.v + at);
+    } else {
+        memcpy((float *)s->cur->kv.k + at, k, sizeof(float) * kvh * hd);
+        memcpy((float *)s->cur->kv.v + at, v, sizeof(float) * kvh * hd);
+    }
 }
 
 /* -- the vocabulary head over Q8_0 blocks (cpu_kernels.c) on the step's threads */
@@ -607,6 +613,7 @@ gnosis_status_t gnosis_step_create(const gnosis_step_config_t *config, gnosis_st
     int rep = s->heads / s->kv_heads, jobs_per_group = (2 * nt + s->kv_heads - 1) / s->kv_heads;
     s->vector_attention = gnosis_attention_takes(hd) > 0;
     s->attention_bf16 = config->attention_bf16 != 0;
+    s->kv_size = s->attention_bf16 ? 2 : 4;
     s->group_max = B / jobs_per_group;
     if (s->vector_attention) {
         if (s->group_max < 1) s->group_max = 1;

@@ -87,7 +87,8 @@ class Rotary(ctypes.Structure):
 
 
 class KvLayer(ctypes.Structure):
-    """One layer's K and V in the pool: [slots, kv_heads, head_dim] float32 each."""
+    """One layer's K and V in the pool: [slots, kv_heads, head_dim] each, in the step's
+    ``kv_dtype``."""
 
     _c_name_ = "gnosis_kv_layer_t"
     _fields_ = [("k", _ptr), ("v", _ptr)]
@@ -195,6 +196,13 @@ class StepWeights:
         """0 the portable loops, 1 the vector kernels in float32, 2 on bfloat16 pairs."""
         return 2 if self.attention_bf16 else min(1, self.lib.gnosis_attention_takes(self.head_dim))
 
+    @property
+    def kv_dtype(self) -> torch.dtype:
+        """The dtype of the KV pool the step reads and writes: bfloat16 where its attention
+        is (K and V rounded once, as written: the values the attention would round them to,
+        in half the bytes), else float32."""
+        return torch.bfloat16 if self.attention_bf16 else torch.float32
+
     def bind(self, kv_cache: Any, max_positions: int, threads: int | None = None) -> CpuStep:
         return CpuStep(self, kv_cache, max_positions, threads or torch.get_num_threads())
 
@@ -226,6 +234,8 @@ class CpuStep:
         # the step points into these, the weights' tensors and the pool: all live as long as it
         self.cos, self.sin = cos[0].float().contiguous(), sin[0].float().contiguous()
         self.kv = kv_cache.kv  # [layers, 2 (K, V), blocks, block_size, kv_heads, head_dim]
+        if self.kv.dtype != w.kv_dtype:
+            raise ValueError(f"cpu_step: a {self.kv.dtype} KV pool for a step that reads {w.kv_dtype}")
         kv_layers = (KvLayer * w.layers)(*(KvLayer(k=kv[0].data_ptr(), v=kv[1].data_ptr()) for kv in self.kv))
         config = StepConfig(
             shape=w.shape(),
@@ -335,7 +345,7 @@ def checked_and_timed(weights: StepWeights, model: nn.Module, sample: Sequence[n
     torch's layers of the first ``sample_layers`` decoder layers, timed and scaled to all."""
     from station.forward.kv_cache import KVCache, KVCacheShape
 
-    shape = KVCacheShape.from_config(model.config, block_size, torch.float32)
+    shape = KVCacheShape.from_config(model.config, block_size, weights.kv_dtype)
     blocks = -(-tokens // block_size)
     step = weights.bind(KVCache(shape, blocks, torch.device("cpu")), max_positions=tokens)
     ids = torch.randint(0, weights.vocab, (tokens,), generator=torch.Generator().manual_seed(0))

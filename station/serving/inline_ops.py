@@ -60,6 +60,7 @@ def hello(server: InlineContext, conn: Connection, args: None) -> dict[str, Any]
                   "start_check": server.start_check},
         "capabilities": dict(server.capabilities),
         "kv_pool": {"block_size": int(server.engine.block_size),
+                    "dtype": str(server.engine.kv_cache.shape.dtype).removeprefix("torch."),
                     "blocks_total": int(stats.get("blocks_total", 0)),
                     "blocks_free": int(stats.get("blocks_free", 0))},
         "kv_tier": tier_report(server.kv_tier or {}, stats),

@@ -42,8 +42,9 @@ def _dense(weights: StepWeights) -> list[list[torch.Tensor]]:
     return [[mat.dense() for mat in parts] for parts in weights.mats]
 
 
-def _pool(model, blocks: int) -> KVCache:
-    shape = KVCacheShape.from_config(model.config, BS, torch.float32)
+def _pool(loaded, blocks: int) -> KVCache:
+    """A pool for the loaded model's step, in the dtype it keeps K/V in."""
+    shape = KVCacheShape.from_config(loaded.model.config, BS, loaded.weights.step.kv_dtype)
     return KVCache(shape, blocks, torch.device("cpu"))
 
 
@@ -71,7 +72,7 @@ def test_the_step_computes_the_models_forward_on_its_own_values(tiny, tmp_path, 
         mlp.down_proj.weight.data = down
     ids = prompt_of(7, 40)
     table = [3, 0, 5, 1, 2, 4, 7, 6, 9, 8]  # blocks out of order, as a pool hands them out
-    step = weights.bind(_pool(loaded.model, 10), max_positions=64)
+    step = weights.bind(_pool(loaded, 10), max_positions=64)
     with torch.inference_mode():
         got = _run_alone(step, ids, table).double()
         want = reference.base_model(input_ids=torch.tensor([ids]), use_cache=False).last_hidden_state[0]
@@ -108,7 +109,7 @@ ATTENTIONS = ("auto", "float32")
 def test_a_row_gives_the_same_bits_alone_and_in_a_batch(tiny, tmp_path, attention):
     loaded = _load(tiny["llama"], tmp_path, cpu_attention=attention)
     rows = STEP_ROWS + 3  # two calls' worth
-    step = loaded.weights.step.bind(_pool(loaded.model, 10 * rows), max_positions=64, threads=2)
+    step = loaded.weights.step.bind(_pool(loaded, 10 * rows), max_positions=64, threads=2)
     prompts = [prompt_of(100 + i, 5 + 3 * (i % 11)) for i in range(rows)]  # up to 35 tokens
     tables = [[10 * i + j for j in range(10)] for i in range(rows)]
     with torch.inference_mode():
@@ -130,8 +131,8 @@ def test_a_prompts_rows_in_one_call_equal_the_same_rows_one_by_one(tiny, tmp_pat
     loaded = _load(tiny["llama"], tmp_path, cpu_attention=attention)
     ids = prompt_of(9, 45)
     table = list(range(-(-45 // BS)))[::-1]  # the blocks out of order; the last one is the other's
-    alone_step = loaded.weights.step.bind(_pool(loaded.model, len(table) + 1), max_positions=64, threads=2)
-    grouped_step = loaded.weights.step.bind(_pool(loaded.model, len(table) + 1), max_positions=64, threads=2)
+    alone_step = loaded.weights.step.bind(_pool(loaded, len(table) + 1), max_positions=64, threads=2)
+    grouped_step = loaded.weights.step.bind(_pool(loaded, len(table) + 1), max_positions=64, threads=2)
     spare = len(table)
     with torch.inference_mode():
         alone = _run_alone(alone_step, ids, table)
@@ -205,7 +206,7 @@ def test_the_head_on_the_steps_threads_equals_the_q8_kernel(tiny, tmp_path):
     from station.kernels.cpu_kernels import Q8Linear
 
     loaded = _load(tiny["llama"], tmp_path)
-    step = loaded.weights.step.bind(_pool(loaded.model, 4), max_positions=16, threads=2)
+    step = loaded.weights.step.bind(_pool(loaded, 4), max_positions=16, threads=2)
     gen = torch.Generator().manual_seed(5)
     q = torch.randint(-127, 128, (1100, 64), generator=gen, dtype=torch.int8)  # 3 chunks of 512 rows
     d = (torch.rand(1100, 2, generator=gen) * 1e-2).half().float()
@@ -218,7 +219,7 @@ def test_the_head_on_the_steps_threads_equals_the_q8_kernel(tiny, tmp_path):
 
 def test_bad_arguments_are_refused_and_the_step_goes_on(tiny, tmp_path):
     loaded = _load(tiny["llama"], tmp_path)
-    pool = _pool(loaded.model, 4)
+    pool = _pool(loaded, 4)
     step = loaded.weights.step.bind(pool, max_positions=8)
     vocab = loaded.model.config.vocab_size
     with torch.inference_mode():
@@ -239,9 +240,9 @@ def test_the_plain_c_build_agrees_with_this_cpus(tiny, tmp_path):
     loaded = _load(tiny["llama"], tmp_path, cpu_attention="float32")
     plain = _build_and_open(compiler(), tmp_path / "plain.so", ("-march=x86-64",))
     assert plain is not None
-    native_step = loaded.weights.step.bind(_pool(loaded.model, 8), max_positions=64)
+    native_step = loaded.weights.step.bind(_pool(loaded, 8), max_positions=64)
     loaded.weights.step.lib = plain
-    plain_step = loaded.weights.step.bind(_pool(loaded.model, 8), max_positions=64)
+    plain_step = loaded.weights.step.bind(_pool(loaded, 8), max_positions=64)
     ids, table = prompt_of(3, 30), list(range(8))
     with torch.inference_mode():
         got, want = _run_alone(plain_step, ids, table), _run_alone(native_step, ids, table)
@@ -262,6 +263,30 @@ def test_bfloat16_attention_is_taken_where_the_cpu_has_it_and_named_in_the_finge
     assert (auto.fingerprint != float32.fingerprint) == has_bf16
 
 
+def test_a_bfloat16_step_keeps_kv_as_bfloat16_the_rounding_of_the_float32_steps(tiny, tmp_path):
+    """With bfloat16 attention the pool holds K and V in bfloat16: the values the float32
+    pool holds, rounded to nearest even (layer 0's K/V, which no attention output feeds, are
+    the same values on both steps). A pool of the other dtype is refused, not misread."""
+    bf16 = _load(tiny["llama"], tmp_path)
+    float32 = _load(tiny["llama"], tmp_path, cpu_attention="float32")
+    assert float32.weights.step.kv_dtype == torch.float32
+    if not bf16.weights.step.attention_bf16:
+        pytest.skip("this CPU has no AVX512_BF16: the step's attention is float32 here")
+    assert bf16.weights.step.kv_dtype == torch.bfloat16
+    with pytest.raises(ValueError, match="KV pool"):
+        bf16.weights.step.bind(_pool(float32, 4), max_positions=64)
+    ids = prompt_of(6, 40)
+    table = list(range(-(-len(ids) // BS)))[::-1]  # blocks out of order
+    pools = {name: _pool(loaded, len(table)) for name, loaded in (("bf16", bf16), ("float32", float32))}
+    with torch.inference_mode():
+        for name, loaded in (("bf16", bf16), ("float32", float32)):
+            _run_alone(loaded.weights.step.bind(pools[name], max_positions=64), ids, table)
+    got, want = pools["bf16"].kv[0], pools["float32"].kv[0].to(torch.bfloat16)
+    assert got.dtype == torch.bfloat16 and float(want.abs().sum()) > 0
+    assert torch.equal(got, want)
+    assert not torch.equal(pools["bf16"].kv[1], pools["float32"].kv[1].to(torch.bfloat16))  # attention feeds it
+
+
 def test_bfloat16_attention_stays_within_its_rounding_of_the_models_forward(tiny, tmp_path):
     """q, k, e and v rounded to bfloat16 (8 bits), every sum in float32: a decode row's
     output moves from the float32 attention's by that rounding, not more, and both stay
@@ -273,7 +298,7 @@ def test_bfloat16_attention_stays_within_its_rounding_of_the_models_forward(tiny
     ids, table = prompt_of(5, 40), [3, 0, 5, 1, 2, 4, 7, 6, 9, 8]
     with torch.inference_mode():
         want = float32.model.base_model(input_ids=torch.tensor([ids]), use_cache=False).last_hidden_state[0]
-        got = {name: _run_alone(loaded.weights.step.bind(_pool(loaded.model, 10), max_positions=64), ids, table)
+        got = {name: _run_alone(loaded.weights.step.bind(_pool(loaded, 10), max_positions=64), ids, table)
                for name, loaded in (("bf16", bf16), ("float32", float32))}
     scale = float(want.abs().max())
     bf16_error = float((got["bf16"] - want).abs().max()) / scale
@@ -291,6 +316,7 @@ def test_engine_decodes_alike_alone_batched_after_a_hit_and_a_restart(tiny, tmp_
         batched = [r.wait().tokens for r in batch]
         hit = submit(engine, "hit", prompts[4], 12).wait()
         assert engine.runner._step.calls > 0
+        assert engine.kv_cache.kv.dtype == loaded.weights.step.kv_dtype  # the step's own pool
     assert hit.events[0].cached_tokens >= len(prompts[4]) - BS
     assert batched == alone
     assert hit.tokens == alone[4]

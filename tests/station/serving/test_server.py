@@ -76,6 +76,7 @@ async def test_hello_fields(station, tiny_dir):
                          "kv_session_pins", "kv_disk_tier", "structured_output"}
     assert hello["kv_pool"]["blocks_total"] > 0
     assert hello["kv_pool"]["block_size"] == 16
+    assert hello["kv_pool"]["dtype"] == "float32"  # the tiny model's float path: the model's dtype
 
 
 async def test_health_and_stats(station):
