@@ -88,7 +88,7 @@ def step_figures(report: Report, quant, dense, ids: list[int], text: list[int], 
     engine's greedy output (prompts and decodes through the step) against the float model's
     (``float_answers``, to ``prompts``)."""
     tokens = ids + text
-    pool = _pool(quant.model, len(tokens))
+    pool = _pool(quant.model, len(tokens), quant.weights.step.kv_dtype)
     step = quant.weights.step.bind(pool, max_positions=len(tokens))
     head = quant.weights.head or quant.model.get_output_embeddings()
     table = list(range(pool.num_blocks))
@@ -121,10 +121,11 @@ def _partings(dense, prompts: list[list[int]], float_answers: list[list[int]],
     return same, partings
 
 
-def _pool(model, tokens: int):
+def _pool(model, tokens: int, dtype: torch.dtype):
+    """A pool for ``tokens`` in ``dtype`` (the step's ``kv_dtype``: bfloat16 where its attention is)."""
     from station.forward.kv_cache import KVCache, KVCacheShape
 
-    shape = KVCacheShape.from_config(model.config, 16, torch.float32)
+    shape = KVCacheShape.from_config(model.config, 16, dtype)
     return KVCache(shape, -(-tokens // 16), torch.device("cpu"))
 
 
