@@ -72,11 +72,21 @@ static inline float group_sum(const float *v) {
 void gnosis_q4_quantize_row(const float *x, int32_t k, int16_t *xq, float *xd, float *xs) {
     for (int g = 0; g < k / G; g++) {
         const float *v = x + g * G;
+#if defined(Q4_VNNI) || defined(Q4_AVX2)
+        /* the largest magnitude: a max is exact in any order */
+        const __m256 sign = _mm256_set1_ps(-0.0f);
+        const __m256 m = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, _mm256_loadu_ps(v)), _mm256_andnot_ps(sign, _mm256_loadu_ps(v + 8))),
+                                       _mm256_max_ps(_mm256_andnot_ps(sign, _mm256_loadu_ps(v + 16)), _mm256_andnot_ps(sign, _mm256_loadu_ps(v + 24))));
+        __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+        h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+        const float amax = _mm_cvtss_f32(_mm_max_ss(h, _mm_shuffle_ps(h, h, 1)));
+#else
         float amax = 0.0f;
         for (int i = 0; i < G; i++) {
             const float a = fabsf(v[i]);
             amax = a > amax ? a : amax;
         }
+#endif
         const float inv = amax > 0.0f ? 32767.0f / amax : 0.0f;
 #if defined(Q4_VNNI) || defined(Q4_AVX2)
         const __m256 scale = _mm256_set1_ps(inv);
