@@ -25,9 +25,11 @@ from tests.supervisor.conftest import both_running, start_daemon, stop_daemon
 FRAME = 16 * 1024 * 1024
 
 
-# The most texts one embed takes (256), each within the size bound (max_model_len 2048 in
-# SUPERVISION_ENV x 13 characters a token): about 6 s of encoding on an idle machine.
-SLOW_TEXTS = [("lorem ipsum dolor sit amet, " * 1000)[:25_000]] * 256
+# The most texts one embed takes (256), each within the size bound (the test's max_model_len
+# 4096 x 13 characters a token): a job of about 2 s on an idle 2-core machine (half of it at
+# 2048 tokens, when the probes' bounds and interval left a window that a quiet machine missed).
+SLOW_TEXTS = [("lorem ipsum dolor sit amet, " * 2000)[:50_000]] * 256
+STALL_S = 0.5  # the tokenizer workers' bound: a job older than this is stuck
 
 
 async def _until(conn, predicate, timeout: float) -> dict:
@@ -39,8 +41,12 @@ async def _until(conn, predicate, timeout: float) -> dict:
 
 def test_stuck_tokenizer_workers_fail_the_probe_and_the_station_is_restarted(
         tiny_model_dir, tmp_path):
-    daemon = start_daemon(tiny_model_dir, tmp_path, GNOSIS_TOKENIZER_STALL_S="1",
-                          GNOSIS_HEALTH_FAILURES_BEFORE_KILL="3")
+    # Three failed probes 0.2 s apart: the supervisor kills about 1.1 s into a 2 s job, after
+    # the test's own probes (at 0.5 s) and well before the job ends; the next two jobs (queued
+    # behind both workers) leave another such window should a probe fall between jobs.
+    daemon = start_daemon(tiny_model_dir, tmp_path, GNOSIS_TOKENIZER_STALL_S=str(STALL_S),
+                          GNOSIS_HEALTH_FAILURES_BEFORE_KILL="3", GNOSIS_HEALTH_INTERVAL_S="0.2",
+                          GNOSIS_MAX_MODEL_LEN="4096")
     try:
         stuck = daemon.child("station")
         sock = daemon.runtime_dir / "station.sock"
@@ -48,12 +54,12 @@ def test_stuck_tokenizer_workers_fail_the_probe_and_the_station_is_restarted(
         async def wedge() -> tuple[dict, str]:
             async with open_station_client(sock, max_frame_bytes=FRAME) as conn, \
                     contextlib.AsyncExitStack() as streams:
-                for _ in range(2):  # both workers: every other request waits behind them
+                for _ in range(4):  # both workers, twice: every other request waits behind them
                     await streams.enter_async_context(conn.open_stream(
                         "embed", {"texts": SLOW_TEXTS}))
                 health = await _until(conn, lambda h: h["serving"]["stalled"], 30)
                 with pytest.raises(ProbeFailed) as failed:
-                    await station_health(sock, FRAME, 60.0, 1.0)
+                    await station_health(sock, FRAME, 60.0, STALL_S)
                 # The same answer passes a probe with looser bounds: the figures decide.
                 await station_health(sock, FRAME, 60.0, 600.0)
                 return health, str(failed.value)
@@ -65,7 +71,7 @@ def test_stuck_tokenizer_workers_fail_the_probe_and_the_station_is_restarted(
         serving = health["serving"]
         assert health["status"] == "ok"  # the op itself answers: only its figures say stuck
         assert serving["tokenizer_workers"] == 2 and len(serving["tokenizer_jobs_s"]) == 2
-        assert min(serving["tokenizer_jobs_s"]) > 1.0
+        assert min(serving["tokenizer_jobs_s"]) > STALL_S
         assert serving["stalled"].startswith("all 2 tokenizer workers have been on one job")
         assert "serving is stuck: all 2 tokenizer workers" in failure
         status = daemon.wait(lambda s: both_running(s)
