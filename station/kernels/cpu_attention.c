@@ -396,8 +396,8 @@ static inline void to_pairs(const float *x, int n, pair_t *out) {
         _mm256_storeu_si256((__m256i *)((uint16_t *)out + i), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(x + i)));
 }
 
-/* Lane l's pair (a[l], b[l]) from 16-bit values a[0..15] in idx's first 16 and b's in
-   its next: vpermw over the two halves of one register. */
+/* Lane l's pair (a[l], b[l]), from one register holding a[0..15] in its low 16 16-bit
+   values and b[0..15] in its high 16: one vpermw. */
 static inline __m512i interleave16(__m512i ab) {
     const __m512i idx = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
                                          23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
