@@ -88,7 +88,7 @@ def step_figures(report: Report, quant, dense, ids: list[int], text: list[int], 
     engine's greedy output (prompts and decodes through the step) against the float model's
     (``float_answers``, to ``prompts``)."""
     tokens = ids + text
-    pool = _pool(quant.model, len(tokens), quant.weights.step.kv_dtype)
+    pool = quant.weights.step.pool(quant.model, -(-len(tokens) // 16))
     step = quant.weights.step.bind(pool, max_positions=len(tokens))
     head = quant.weights.head or quant.model.get_output_embeddings()
     table = list(range(pool.num_blocks))
@@ -119,14 +119,6 @@ def _partings(dense, prompts: list[list[int]], float_answers: list[list[int]],
         at = next(j for j, (a, b) in enumerate(zip(want, got)) if a != b)
         partings.append((i, at, _margin(dense, ids + want[:at])))
     return same, partings
-
-
-def _pool(model, tokens: int, dtype: torch.dtype):
-    """A pool for ``tokens`` in ``dtype`` (the step's ``kv_dtype``: bfloat16 where its attention is)."""
-    from station.forward.kv_cache import KVCache, KVCacheShape
-
-    shape = KVCacheShape.from_config(model.config, 16, dtype)
-    return KVCache(shape, -(-tokens // 16), torch.device("cpu"))
 
 
 def _engine_greedy(loaded, prompts: list[list[int]], n: int) -> list[list[int]]:

@@ -74,7 +74,7 @@ struct gnosis_step {
     float *tile_out; /* per thread: a matrix tile's outputs (and its up rows') for every row */
     /* attention, per thread: cpu_attention.c's scratch where it takes the shape (vector),
        else the portable loops' scores and sums */
-    int vector_attention, attention_bf16, kv_size; /* kv_size: a pool value's bytes (4, or 2 where bf16) */
+    int vector_attention, attention_bf16;
     float *scores, *acc, *qt, *part;
     int group_start[MAX_ROWS], group_len[MAX_ROWS]; /* this call's attention groups */
     int group_max, pairs; /* rows a group may hold; (row, head) pairs of a thread's scratch */
@@ -367,10 +367,11 @@ static void attention_task(step_t *s, int job, int tid) {
     const int qkv_n = (s->heads + 2 * kvh) * hd, stride = kvh * hd, mp = s->max_pos;
     const int grp = job / kvh, kv = job % kvh, t0 = s->group_start[grp], g = s->group_len[grp];
     if (s->vector_attention) {
+        const size_t kv_size = s->attention_bf16 ? 2 : 4; /* a pool value's bytes */
         const int npad = s->pairs < 16 ? 16 : (s->pairs + 15) / 16 * 16;
         const gnosis_attention_job_t j = {
-            .q = s->qkv + (size_t)t0 * qkv_n + (size_t)kv * rep * hd, .k = (const char *)s->cur->kv.k + kv * hd * s->kv_size,
-            .v = (const char *)s->cur->kv.v + kv * hd * s->kv_size, .table = s->tables + (size_t)t0 * s->table_width,
+            .q = s->qkv + (size_t)t0 * qkv_n + (size_t)kv * rep * hd, .k = (const char *)s->cur->kv.k + kv * hd * kv_size,
+            .v = (const char *)s->cur->kv.v + kv * hd * kv_size, .table = s->tables + (size_t)t0 * s->table_width,
             .out = s->att + (size_t)t0 * s->heads * hd + (size_t)kv * rep * hd, .q_row = qkv_n,
             .out_row = s->heads * hd, .stride = stride, .block_size = bs, .head_dim = hd, .rows = g,
             .rep = rep, .first = (int)s->pos[t0], .scaling = s->scaling, .bf16 = s->attention_bf16};
@@ -613,7 +614,6 @@ gnosis_status_t gnosis_step_create(const gnosis_step_config_t *config, gnosis_st
     int rep = s->heads / s->kv_heads, jobs_per_group = (2 * nt + s->kv_heads - 1) / s->kv_heads;
     s->vector_attention = gnosis_attention_takes(hd) > 0;
     s->attention_bf16 = config->attention_bf16 != 0;
-    s->kv_size = s->attention_bf16 ? 2 : 4;
     s->group_max = B / jobs_per_group;
     if (s->vector_attention) {
         if (s->group_max < 1) s->group_max = 1;

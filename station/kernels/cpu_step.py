@@ -203,6 +203,13 @@ class StepWeights:
         in half the bytes), else float32."""
         return torch.bfloat16 if self.attention_bf16 else torch.float32
 
+    def pool(self, model: nn.Module, blocks: int, block_size: int = 16) -> Any:
+        """A CPU KV pool of ``blocks`` blocks for ``model`` in this step's ``kv_dtype``."""
+        from station.forward.kv_cache import KVCache, KVCacheShape
+
+        shape = KVCacheShape.from_config(model.config, block_size, self.kv_dtype)
+        return KVCache(shape, blocks, torch.device("cpu"))
+
     def bind(self, kv_cache: Any, max_positions: int, threads: int | None = None) -> CpuStep:
         return CpuStep(self, kv_cache, max_positions, threads or torch.get_num_threads())
 
@@ -343,11 +350,8 @@ def checked_and_timed(weights: StepWeights, model: nn.Module, sample: Sequence[n
     """(the step agrees with the model's own forward, seconds a step, seconds torch's int4
     layers' products alone take for the same token); the times None without a ``sample``:
     torch's layers of the first ``sample_layers`` decoder layers, timed and scaled to all."""
-    from station.forward.kv_cache import KVCache, KVCacheShape
-
-    shape = KVCacheShape.from_config(model.config, block_size, weights.kv_dtype)
     blocks = -(-tokens // block_size)
-    step = weights.bind(KVCache(shape, blocks, torch.device("cpu")), max_positions=tokens)
+    step = weights.bind(weights.pool(model, blocks, block_size), max_positions=tokens)
     ids = torch.randint(0, weights.vocab, (tokens,), generator=torch.Generator().manual_seed(0))
     table = list(range(blocks))
     step_s = torch_s = None

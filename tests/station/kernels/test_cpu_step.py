@@ -17,7 +17,7 @@ from gnosis_daemon.settings import Settings
 from station.core.requests import Choices, GenerationRequest, SamplingParams
 from station.kernels.cpu_kernels import _build_and_open, compiler
 from station.kernels.cpu_step import STEP_ROWS, StepWeights
-from station.forward.kv_cache import KVCache, KVCacheShape
+from station.forward.kv_cache import KVCache
 from station.model.loader import load_model
 from tests.station.engine.test_paged_engine import BS, Collector, engine_for, prompt_of, submit
 from tests.support.procs import mapped_file_at
@@ -44,8 +44,7 @@ def _dense(weights: StepWeights) -> list[list[torch.Tensor]]:
 
 def _pool(loaded, blocks: int) -> KVCache:
     """A pool for the loaded model's step, in the dtype it keeps K/V in."""
-    shape = KVCacheShape.from_config(loaded.model.config, BS, loaded.weights.step.kv_dtype)
-    return KVCache(shape, blocks, torch.device("cpu"))
+    return loaded.weights.step.pool(loaded.model, blocks, BS)
 
 
 def _run_alone(step, ids: list[int], table: list[int]) -> torch.Tensor:
