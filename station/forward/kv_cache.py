@@ -115,9 +115,19 @@ class KVCache:
         self.shared = SharedBlocks(shape, total) if shared and device.type == "cpu" else None
         # Zeros, not empty: padded gathers read unused slots under a -inf mask, and
         # 0 * NaN garbage would still poison the weighted sum.
-        self.kv = (self.shared.tensor if self.shared is not None else
-                   torch.zeros(shape.num_layers, 2, total, shape.block_size, shape.num_kv_heads,
-                               shape.head_dim, dtype=shape.dtype, device=device))
+        dims = (shape.num_layers, 2, total, shape.block_size, shape.num_kv_heads, shape.head_dim)
+        self._private: mmap.mmap | None = None
+        if self.shared is not None:
+            self.kv = self.shared.tensor
+        elif device.type == "cpu":
+            # An anonymous private map: the kernel's zero pages, each touched on first write.
+            # torch.zeros writes every byte at start (0.15 s a 512 MiB pool here) and makes
+            # all of it resident before one token is stored.
+            nbytes = prod(dims) * torch.empty((), dtype=shape.dtype).element_size()
+            self._private = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+            self.kv = torch.frombuffer(self._private, dtype=torch.uint8).view(shape.dtype).view(dims)
+        else:
+            self.kv = torch.zeros(dims, dtype=shape.dtype, device=device)
         # [L, 2, blocks * block_size, H, D]: slot-addressed views for writes.
         self.flat = self.kv.view(shape.num_layers, 2, total * shape.block_size,
                                  shape.num_kv_heads, shape.head_dim)
