@@ -10,7 +10,9 @@ while they work: the trio thread keeps serving meanwhile. The single-input
 thread waits for the whole encode, where under ``encode_batch`` it waits only while the ids
 become Python ints. The ids are the ones
 ``tokenizer.encode``/``decode`` give: transformers' fast tokenizer calls the same backend,
-with truncation and padding off.
+with truncation and padding off. Where the tokenizer allows it, a text is encoded as its pieces
+between added tokens, and long pieces' ids are kept between requests
+(``station.model.segment_cache``): a liquid-memory hit's prompt comes back, and so do its pieces.
 
 Chat prompts: the template is rendered to text and encoded with special tokens recognised,
 because the template writes the control tokens (``<|im_start|>``...) as text. Special-token
@@ -33,12 +35,17 @@ import re
 import secrets
 from typing import Any, Callable
 
+from gnosis_daemon.logs import get_logger
+from station.model.segment_cache import SegmentCache, why_not
+
 # Encoded in front of a stretch in the middle of a prompt, then dropped, so that a
 # tokenizer that marks the start of a text (sentencepiece's prefix space, Metaspace with
 # prepend_scheme "first") encodes the stretch as it would mid-text.
 _ANCHOR = "\n"
 
 Render = Callable[[list[dict[str, Any]]], str]
+
+log = get_logger(__name__)
 
 
 def _fast(backend: Any) -> Any:
@@ -61,6 +68,7 @@ class Codec:
         backend = getattr(tokenizer, "backend_tokenizer", None)
         self._plain = self._text = None
         self._mid_needs_anchor = False
+        self.segments: SegmentCache | None = None  # long pieces' ids, kept between requests
         if backend is not None:
             from tokenizers import Tokenizer
 
@@ -73,6 +81,10 @@ class Codec:
                 copy.no_padding()
             self._text.encode_special_tokens = True
             self._mid_needs_anchor = _prepends_first(json.loads(spec).get("pre_tokenizer"))
+            why = why_not(self._plain, json.loads(spec))
+            if why is None:
+                self.segments = SegmentCache(self._plain, self._encode_whole)
+            log.info("tokenize_cache", on=why is None, why_not=why)
         self._anchor_ids = self.encode_as_text(_ANCHOR) if self._mid_needs_anchor else []
 
     # -- plain calls
@@ -83,6 +95,15 @@ class Codec:
         if self._plain is None:
             return [list(self.tokenizer.encode(t, add_special_tokens=add_special_tokens))
                     for t in texts]
+        if self.segments is None:
+            return self._encode_whole(texts, add_special_tokens)
+        out = [self.segments.encode(t, add_special_tokens) for t in texts]
+        rest = [t for t, ids in zip(texts, out) if ids is None]
+        whole = iter(self._encode_whole(rest, add_special_tokens) if rest else ())
+        return [ids if ids is not None else next(whole) for ids in out]
+
+    def _encode_whole(self, texts: list[str], add_special_tokens: bool) -> list[list[int]]:
+        assert self._plain is not None
         return [e.ids for e in _fast(self._plain)(texts, add_special_tokens=add_special_tokens)]
 
     def encode_as_text(self, text: str) -> list[int]:
