@@ -274,7 +274,7 @@ class PagedEngine:
                     self.loop_idle = True
                     if until_idle:
                         return
-                    self._cond.wait(self.kv.pins.wait_s())  # a pin's expiry wakes it too
+                    self._cond.wait(self._idle_wait_s())  # a pin's expiry wakes it too
                 self.loop_idle, self.loop_turned = False, time.monotonic()
                 if self._stopping:
                     return
@@ -347,6 +347,12 @@ class PagedEngine:
             self.calls.on_logits(seq, logits[row])
         for seq, token, lp in zip(gens, tokens, lps):
             self.outcomes.token(seq, token, lp)
+
+    def _idle_wait_s(self) -> float | None:
+        """How long the idle loop may sleep: until a TTL pin expires or a session's use is
+        due at the disk tier; None: until woken."""
+        waits = [self.kv.pins.wait_s(), self.tier.wait_s() if self.tier is not None else None]
+        return min((w for w in waits if w is not None), default=None)
 
     def _forget(self, request_id: str) -> None:
         with self._cond:

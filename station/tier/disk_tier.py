@@ -10,7 +10,8 @@ never waits on a disk (docs/engine.md, "The disk tier"):
   once, its blocks referenced until the job is done. Done, the session is ``durable`` (an
   eviction moves it to the disk index), or, evicted meanwhile, a disk session. A newer save
   of an id replaces its queued job. Save to durable is the write-behind lag. Uses of a
-  durable session are sent as ``touch``: the disk budget evicts the least recently used.
+  durable session are sent as ``touch`` (a session's first at once, later ones at most every
+  10 s, ``jobs.Touches``): the disk budget evicts the least recently used.
   Queued writes are never dropped for being many: past half the pool their parts go out
   ``urgent`` (written at the station's priority at once), and new work waits for blocks
   the writer frees. Only a disk that stalls (a write part in flight for ``stall_s``, with half the
@@ -69,6 +70,8 @@ class DiskTier:
         self._load: LoadJob | None = None  # in flight
         self._next_id = 0
         self._closed = False
+        self.touches = jobs.Touches()  # uses on their way to the disk's LRU
+        self._flushing = False  # a clean stop: every pending use is handed over
         self._reader = threading.Thread(target=self._read_loop, name="kv-io-reader", daemon=True)
         self._reader.start()
 
@@ -85,7 +88,8 @@ class DiskTier:
             self._apply(answer)
         for session in self.kv.take_writes():
             self._queue_write(session)
-        for session_id, last_used in self.kv.take_touches().items():
+        self.touches.add(self.kv.take_touches())
+        for session_id, last_used in self.touches.due(flush=self._flushing):
             if ("write", session_id) not in self._jobs:  # a queued write carries the use
                 self._queue(WriteJob("touch", session_id, time.perf_counter(), last_used=last_used))
         self._drop_if_stalled()
@@ -101,7 +105,12 @@ class DiskTier:
                 "kv_io_cpu_s": self.io.cpu_s(), **{f"disk_{k}": v for k, v in self.store_stats.items()}}
 
     def has_work(self) -> bool:  # answers to apply, or sessions saved or used to hand over
-        return bool(self._answers or self.kv.to_write or self.kv.to_touch)  # len() is atomic
+        return bool(self._answers or self.kv.to_write or self.kv.to_touch  # len() is atomic
+                    or self.touches.wait_s() == 0)
+
+    def wait_s(self) -> float | None:
+        """Seconds until a session's use is due to be handed over (the engine's idle wait)."""
+        return self.touches.wait_s()
 
     def busy(self) -> bool:  # loads in flight: the scheduler's waiters are admitted at their end
         with self._lock:
@@ -149,6 +158,7 @@ class DiskTier:
         """Stop the I/O process; with ``flush``, after every queued write reached disk (a
         clean stop). The engine thread has stopped: this thread applies the last answers."""
         deadline = time.monotonic() + CLOSE_TIMEOUT_S
+        self._flushing = flush  # every pending use goes too
         self.before_step()  # the last saves
         if not flush:
             for job in self._jobs.values():
