@@ -6,7 +6,10 @@ at 4-token blocks, prompts of up to 53 tokens: several windows), through its soc
 * alone, a short and a long prompt; the long one again (a prefix hit);
 * 8 streams at once (batched decodes beside prompt chunks of 16 tokens);
 * ``n = 2`` (the second choice forks from the first's prefill);
-* a SIGKILL and a new station: the saved session read back from the disk tier.
+* a SIGKILL and a new station: the saved session read back from the disk tier (for
+  ``RESTARTED``: the tier reads and writes the same bytes for every family, whose
+  attention over them the prefix hit above has checked; each restart is a ~5 s station
+  start, and these three cover full, sliding and soft-capped alternating layers).
 
 Each greedy answer is ``generate``'s token for token, and ``hello`` names each layer's kind
 and the start check that passed before the station served.
@@ -29,6 +32,7 @@ from tests.support.tiny_models import ATTENTION_FAMILIES, WINDOW, build_tiny_mod
 ENV = {"GNOSIS_KV_BLOCK_SIZE": "4", "GNOSIS_PREFILL_CHUNK_TOKENS": "16"}
 TENANT = "t"
 NEW = 10  # tokens generated per answer
+RESTARTED = ("llama", "mistral_sw", "gemma2")
 
 
 def prompt_of(seed: int, length: int) -> list[int]:
@@ -103,6 +107,8 @@ def test_family_answers_as_generate_alone_batched_hit_forked_and_after_a_restart
         want = reference(path, prompt_of(3, 41))
         assert [c["token_ids"] for c in forked["choices"]] == [want, want]
 
+        if family not in RESTARTED:
+            return
         wait_written(station, sessions=1)
         station.proc.send_signal(signal.SIGKILL)
         station.proc.wait()
