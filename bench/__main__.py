@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="run only the disk-tier rows and print them (writes no file)")
     parser.add_argument("--tier-busy-rounds", type=int, default=BUSY_MIN_ROUNDS,
                         help="the fewest busy and idle rounds of the decode-beside-a-writer rows "
-                             "(one round's noise here is 10-20%%; the suite's tiny run takes 2)")
+                             "(one round's noise here is 10-20%%; the suite's tiny run takes 1)")
     parser.add_argument("--profile", action="store_true",
                         help="only print where a decode token's time goes (bench.profile)")
     add_peer_arguments(parser)
