@@ -14,12 +14,15 @@ piece. The cache keeps the ids of pieces of at least ``MIN_CHARS`` characters, l
 recently used first out, ``max_tokens`` ids in all (4 bytes each).
 
 That holds where no added token strips the whitespace beside it or matches only whole words
-(``lstrip``/``rstrip``/``single_word``), where no normalized added token meets a normalizer,
-and where the pre-tokenizer does not treat the start of the text differently from the start
-of a piece, as a Metaspace ``prepend_scheme: first`` does (sentencepiece's shape: Llama 2,
-Mistral). A byte-level ``add_prefix_space`` and the normalizers act on each piece already.
-``why_not`` names the first of these a tokenizer has, and the codec then encodes whole texts
-as before. As a guard against a case this reasoning misses, the first ``CHECKS`` texts
+(``lstrip``/``rstrip``/``single_word``) and no normalized added token meets a normalizer;
+``why_not`` names the first such token, and the codec then encodes whole texts as before. A
+byte-level ``add_prefix_space`` and the normalizers act on each piece already. A pre-tokenizer
+that marks only the start of the text (Metaspace ``prepend_scheme: first``: sentencepiece's
+shape, Llama 2 and Mistral) gets ``anchor``: a piece after the first is encoded behind it,
+as mid-text, and the anchor's ids taken off (a token across the join sends the text to the
+whole encode); the first piece and the later ones are kept apart.
+
+As a guard against a case this reasoning misses, the first ``CHECKS`` texts
 encoded in pieces are also encoded whole and compared; a difference turns the cache off for
 good (logged as ``tokenize_cache_disabled``) and the whole text's ids are used.
 """
@@ -51,23 +54,6 @@ def why_not(backend: Any, spec: dict[str, Any]) -> str | None:
             return f"added token {token.content!r} strips whitespace or matches whole words"
         if token.normalized and normalizer is not None:
             return f"added token {token.content!r} is matched after normalization"
-    for part in (spec.get("pre_tokenizer"), spec.get("normalizer")):
-        reason = _start_sensitive(part)
-        if reason:
-            return reason
-    return None
-
-
-def _start_sensitive(spec: dict[str, Any] | None) -> str | None:
-    if not spec:
-        return None
-    for key in ("pretokenizers", "normalizers"):
-        for inner in spec.get(key) or ():
-            reason = _start_sensitive(inner)
-            if reason:
-                return reason
-    if spec.get("type") == "Metaspace" and spec.get("prepend_scheme", "always") != "always":
-        return "the Metaspace pre-tokenizer marks the start of the text only"
     return None
 
 
@@ -75,14 +61,17 @@ class SegmentCache:
     """Encode texts piece by piece (the pieces between added tokens), reusing the ids of
     long pieces seen before. Thread-safe: the station's tokenizer threads share one."""
 
-    def __init__(self, backend: Any, encode: Encode, max_tokens: int = MAX_TOKENS) -> None:
+    def __init__(self, backend: Any, encode: Encode, max_tokens: int = MAX_TOKENS,
+                 anchor: str | None = None) -> None:
         self._encode = encode  # the codec's batch encode: the very calls a whole text takes
+        self._anchor = anchor  # encoded in front of a piece after the first (see above)
+        self._anchor_ids = encode([anchor], False)[0] if anchor else []
         added = backend.get_added_tokens_decoder()
         self._added_ids = {token.content: int(i) for i, token in added.items()}
         contents = sorted(self._added_ids, key=len, reverse=True)  # leftmost, then longest
         self._split = re.compile("(" + "|".join(re.escape(c) for c in contents) + ")") if contents else None
         self.max_tokens = max_tokens
-        self._entries: OrderedDict[str, array] = OrderedDict()
+        self._entries: OrderedDict[tuple[bool, str], array] = OrderedDict()  # (mid, piece)
         self._tokens = 0
         self._lock = threading.Lock()
         self.checks_left = CHECKS
@@ -98,15 +87,18 @@ class SegmentCache:
         pieces = self._split.split(text) if self._split is not None else [text]
         if not any(len(p) >= MIN_CHARS for p in pieces[::2]):
             return None  # nothing to keep or reuse: one encode of the whole is cheaper
+        key = self._key
         found: dict[int, array] = {}
         with self._lock:
             for i in range(0, len(pieces), 2):  # even: text between added tokens
-                ids = self._entries.get(pieces[i]) if len(pieces[i]) >= MIN_CHARS else None
+                ids = self._entries.get(key(pieces, i)) if len(pieces[i]) >= MIN_CHARS else None
                 if ids is not None:
-                    self._entries.move_to_end(pieces[i])
+                    self._entries.move_to_end(key(pieces, i))
                     found[i] = ids
         todo = [i for i in range(0, len(pieces), 2) if pieces[i] and i not in found]
-        fresh = dict(zip(todo, self._encode([pieces[i] for i in todo], False))) if todo else {}
+        fresh = dict(zip(todo, self._encode_pieces(pieces, todo))) if todo else {}
+        if any(ids is None for ids in fresh.values()):
+            return None  # a token across an anchor's join: the whole text's encode
         out: list[int] = []
         for i, piece in enumerate(pieces):
             if i % 2:
@@ -114,7 +106,7 @@ class SegmentCache:
             elif i in found:
                 out.extend(found[i])
             elif piece:
-                out.extend(fresh[i])
+                out.extend(fresh[i] or ())
         if add_special_tokens:
             assert self._around is not None
             out = self._around[0] + out + self._around[1]
@@ -123,7 +115,7 @@ class SegmentCache:
             self.misses += sum(1 for i in todo if len(pieces[i]) >= MIN_CHARS)
             for i in todo:
                 if len(pieces[i]) >= MIN_CHARS:
-                    self._keep(pieces[i], array("i", fresh[i]))
+                    self._keep(key(pieces, i), array("i", fresh[i] or ()))
             # a lone piece without specials around it was encoded whole: nothing to compare
             check = self.checks_left > 0 and (len(pieces) > 1 or add_special_tokens)
             if check:
@@ -137,7 +129,21 @@ class SegmentCache:
                 return whole
         return out
 
-    def _keep(self, piece: str, ids: array) -> None:
+    def _key(self, pieces: list[str], i: int) -> tuple[bool, str]:
+        """A piece's cache key: with an anchor, a piece after the first is kept apart."""
+        return self._anchor is not None and i > 0, pieces[i]
+
+    def _encode_pieces(self, pieces: list[str], todo: list[int]) -> list[list[int] | None]:
+        """The ids of ``pieces[i]`` for each ``i`` in ``todo``, in one batch call; None for a
+        piece behind the anchor whose ids do not start with the anchor's own."""
+        anchor, n = self._anchor, len(self._anchor_ids)
+        if anchor is None:
+            return list(self._encode([pieces[i] for i in todo], False))
+        got = self._encode([anchor + pieces[i] if i > 0 else pieces[i] for i in todo], False)
+        return [ids if i == 0 else (ids[n:] if ids[:n] == self._anchor_ids else None)
+                for i, ids in zip(todo, got)]
+
+    def _keep(self, piece: tuple[bool, str], ids: array) -> None:
         if piece in self._entries or len(ids) > self.max_tokens:
             return
         self._entries[piece] = ids

@@ -83,7 +83,8 @@ class Codec:
             self._mid_needs_anchor = _prepends_first(json.loads(spec).get("pre_tokenizer"))
             why = why_not(self._plain, json.loads(spec))
             if why is None:
-                self.segments = SegmentCache(self._plain, self._encode_whole)
+                self.segments = SegmentCache(self._plain, self._encode_whole,
+                                             anchor=_ANCHOR if self._mid_needs_anchor else None)
             log.info("tokenize_cache", on=why is None, why_not=why)
         self._anchor_ids = self.encode_as_text(_ANCHOR) if self._mid_needs_anchor else []
 

@@ -77,11 +77,21 @@ def test_the_cache_holds_at_most_its_tokens_and_drops_the_least_recently_used():
     assert cache.hits - before == 3 and cache.tokens == 3 * MIN_CHARS
 
 
-def test_a_tokenizer_that_marks_the_start_of_the_text_gets_no_cache():
-    tok = metaspace_tokenizer()
-    assert segment_cache.why_not(tok.backend_tokenizer, _spec(tok)) == (
-        "the Metaspace pre-tokenizer marks the start of the text only")
-    assert Codec(tok).segments is None
+def test_a_tokenizer_that_marks_the_start_of_the_text_encodes_later_pieces_as_mid_text():
+    tok = metaspace_tokenizer()  # Metaspace, prepend_scheme "first": sentencepiece's shape
+    codec = Codec(tok)
+    cache = codec.segments
+    assert cache is not None and segment_cache.why_not(tok.backend_tokenizer, _spec(tok)) is None
+    body = "the user is here. " * (MIN_CHARS // 18 + 1)
+    texts = [body, body + "<|im_end|>" + body, "<|im_start|>" + body + "<|im_end|>\n" + body,
+             "<|im_start|>user\n" + body + "<|im_end|><|im_start|>" + body]
+    for _ in range(2):
+        for text in texts:
+            for add in (False, True):
+                assert codec.encode(text, add) == tok.encode(text, add_special_tokens=add), text[:60]
+    assert cache.enabled and cache.hits > 0
+    # the same piece first and mid-text: two entries, two encodings (a prefix only at the start)
+    assert cache._entries[False, body] != cache._entries[True, body]
 
 
 def test_an_added_token_that_strips_whitespace_gets_no_cache():
@@ -95,7 +105,8 @@ def test_an_added_token_that_strips_whitespace_gets_no_cache():
 
 
 def test_pieces_that_differ_from_the_whole_turn_the_cache_off_and_the_whole_is_used():
-    # A tokenizer why_not refuses, given a cache anyway: its pieces encode differently.
+    # A start-marking tokenizer given a cache without its anchor: later pieces encode
+    # differently alone (each gains the prefix the whole text gives only its start).
     tok = metaspace_tokenizer()
     codec = Codec(tok)
     cache = SegmentCache(codec._plain, codec._encode_whole)
