@@ -7,10 +7,20 @@ import fcntl
 import json
 import os
 import shutil
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # One torch (OpenMP) thread a worker, as the stations the tests start have: two workers
+    # on two cores, a worker's second OpenMP thread spun between a tiny model's ops on the
+    # core the other worker needs (the station and model tests ran 12-15% longer with two).
+    # Tests of the multithreaded paths ask for their threads (``threads=2``).
+    os.environ["OMP_NUM_THREADS"] = "1"
+    if "torch" in sys.modules:
+        sys.modules["torch"].set_num_threads(1)
 
 
 def pytest_collection_modifyitems(config, items):
