@@ -37,8 +37,9 @@ lint: $(STAMP)
 	$(PY) -m mypy
 
 # Two pytest workers (pytest-xdist), a test module each at a time (its module-scoped stations
-# are started once): about 9 minutes on two cores against 15 on one. TEST_JOBS=0 runs the
-# suite in this one process.
+# are started once), one torch thread each (tests/conftest.py): 11-12 minutes on two cores
+# (most of it ~5 s station starts, torch's and transformers' imports). Three workers were no
+# faster and starved the timing-bound tests. TEST_JOBS=0 runs the suite in this one process.
 TEST_JOBS ?= 2
 test: lint compiled
 	$(PY) -m pytest $(if $(filter 0,$(TEST_JOBS)),,-n $(TEST_JOBS) --dist loadscope) $(PYTEST_ARGS)
