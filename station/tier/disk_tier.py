@@ -87,6 +87,7 @@ class DiskTier:
                 answer = self._answers.popleft()
             self._apply(answer)
         for session in self.kv.take_writes():
+            self.touches.drop(session.session_id)  # an older use must not follow its write
             self._queue_write(session)
         self.touches.add(self.kv.take_touches())
         for session_id, last_used in self.touches.due(flush=self._flushing):

@@ -74,6 +74,10 @@ class Touches:
     def add(self, uses: dict[str, float]) -> None:
         self._pending.update(uses)
 
+    def drop(self, session_id: str) -> None:
+        """A write of the session is queued: it carries the session's newest use."""
+        self._pending.pop(session_id, None)
+
     def due(self, flush: bool = False) -> list[tuple[str, float]]:
         """The (session id, last use) to hand over now; they leave the pending ones."""
         now, out = self.clock(), []

@@ -31,6 +31,15 @@ def test_a_first_use_goes_at_once_and_later_ones_together_when_due():
     assert touches.wait_s() is None
 
 
+def test_a_queued_write_drops_the_pending_use_it_carries():
+    touches = Touches(every_s=10.0, clock=Clock())
+    touches.add({"a": 1.0})
+    touches.due()
+    touches.add({"a": 2.0})
+    touches.drop("a")
+    assert touches.wait_s() is None and touches.due(flush=True) == []
+
+
 def test_a_clean_stop_hands_over_every_pending_use():
     clock = Clock()
     touches = Touches(every_s=10.0, clock=clock)
