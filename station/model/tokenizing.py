@@ -92,11 +92,15 @@ class Codec:
     def encode(self, text: str, add_special_tokens: bool) -> list[int]:
         return self.encode_many([text], add_special_tokens)[0]
 
-    def encode_many(self, texts: list[str], add_special_tokens: bool) -> list[list[int]]:
+    def encode_many(self, texts: list[str], add_special_tokens: bool,
+                    keep: bool = True) -> list[list[int]]:
+        """``keep``: through the segment cache (prompts, whose pieces come back with their
+        KV); False for texts that seldom do (embeddings' inputs), which would only push the
+        prompts' pieces out."""
         if self._plain is None:
             return [list(self.tokenizer.encode(t, add_special_tokens=add_special_tokens))
                     for t in texts]
-        if self.segments is None:
+        if self.segments is None or not keep:
             return self._encode_whole(texts, add_special_tokens)
         out = [self.segments.encode(t, add_special_tokens) for t in texts]
         rest = [t for t, ids in zip(texts, out) if ids is None]

@@ -125,7 +125,7 @@ def parse_embed(ctx: OpContext, args: dict[str, Any]) -> dict[str, Any] | Tokeni
 
 def encode_embed_texts(loaded: LoadedModel, texts: list[str]) -> dict[str, Any]:
     """Worker thread: the texts' token ids (the tokenizer's special tokens added)."""
-    return _checked_inputs(loaded, codec(loaded).encode_many(texts, True))
+    return _checked_inputs(loaded, codec(loaded).encode_many(texts, True, keep=False))
 
 
 def _checked_inputs(loaded: LoadedModel, token_lists: list[list[int]]) -> dict[str, Any]:

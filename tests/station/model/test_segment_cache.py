@@ -124,3 +124,12 @@ def _spec(tok) -> dict:
     import json
 
     return json.loads(tok.backend_tokenizer.to_str())
+
+
+def test_texts_not_kept_leave_the_cache_as_it_was():
+    # embeddings' inputs (encode_many(..., keep=False)): encoded whole, nothing kept
+    tok = build_tokenizer()
+    codec = Codec(tok)
+    texts = [long_text(30 + i) for i in range(3)]
+    assert codec.encode_many(texts, True, keep=False) == [tok.encode(t) for t in texts]
+    assert codec.segments is not None and codec.segments.tokens == 0 and codec.segments.misses == 0
