@@ -4,6 +4,7 @@ A liquid-memory hit skips the prompt's prefill, and what is left of its first-to
 mostly tokenizing: a 2,000-token prompt takes ~4 ms to encode here, more than the station
 spends on the hit. The stretches that come back are the ones whose KV comes back: the same
 long system prompt, the earlier turns of a conversation, the same prompt sent again.
+(Embeddings' texts do not go through it: ``Codec.encode_many(..., keep=False)``.)
 
 What makes a cache of stretches exact: a ``tokenizers`` encode first cuts the text at the
 tokenizer's added tokens (``<|im_start|>``, ``<|im_end|>``...), then normalizes, pre-tokenizes
@@ -41,7 +42,7 @@ log = get_logger(__name__)
 
 MIN_CHARS = 256  # shorter pieces encode in well under 0.1 ms: not worth a slot
 MAX_TOKENS = 1 << 20  # ids kept in all: 4 MiB of ids plus the pieces' text
-CHECKS = 16  # encodes that reuse a piece and are compared with the whole text's encode
+CHECKS = 16  # texts encoded in pieces that are also encoded whole and compared
 
 Encode = Callable[[list[str], bool], list[list[int]]]  # texts, add_special_tokens -> ids
 
