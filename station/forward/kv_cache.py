@@ -20,7 +20,6 @@ from __future__ import annotations
 import mmap
 import os
 from dataclasses import dataclass
-from math import prod
 
 import torch
 
@@ -59,6 +58,15 @@ class KVCacheShape:
         elem = torch.empty((), dtype=self.dtype).element_size()
         return self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim * elem
 
+    def dims(self, num_blocks: int) -> tuple[int, int, int, int, int, int]:
+        """A pool's tensor shape: [L, 2, num_blocks, block_size, H, D]."""
+        return (self.num_layers, 2, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+
+
+def _blocks_over(buffer: mmap.mmap, shape: KVCacheShape, num_blocks: int) -> torch.Tensor:
+    """The pool's tensor over a map of its bytes (the kernel's zeros until written)."""
+    return torch.frombuffer(buffer, dtype=torch.uint8).view(shape.dtype).view(shape.dims(num_blocks))
+
 
 def num_blocks_for(shape: KVCacheShape, settings, device: torch.device) -> int:
     if device.type == "cuda":
@@ -83,13 +91,12 @@ class SharedBlocks:
     CUDA as pinned host memory (a staging area's fast, asynchronous copies)."""
 
     def __init__(self, shape: KVCacheShape, num_blocks: int, pin: bool = False) -> None:
-        dims = (shape.num_layers, 2, num_blocks, shape.block_size, shape.num_kv_heads, shape.head_dim)
         self.num_blocks = num_blocks
-        self.nbytes = prod(dims) * torch.empty((), dtype=shape.dtype).element_size()
+        self.nbytes = num_blocks * shape.bytes_per_block
         self.fd = os.memfd_create("gnosis-kv-blocks", os.MFD_CLOEXEC)
         os.ftruncate(self.fd, self.nbytes)  # reads as zeros until written
         self._map = mmap.mmap(self.fd, self.nbytes)
-        self.tensor = torch.frombuffer(self._map, dtype=torch.uint8).view(shape.dtype).view(dims)
+        self.tensor = _blocks_over(self._map, shape, num_blocks)
         self.pinned = False
         if pin and torch.cuda.is_available():
             err = torch.cuda.cudart().cudaHostRegister(self.tensor.data_ptr(), self.nbytes, 0)
@@ -115,7 +122,6 @@ class KVCache:
         self.shared = SharedBlocks(shape, total) if shared and device.type == "cpu" else None
         # Zeros, not empty: padded gathers read unused slots under a -inf mask, and
         # 0 * NaN garbage would still poison the weighted sum.
-        dims = (shape.num_layers, 2, total, shape.block_size, shape.num_kv_heads, shape.head_dim)
         self._private: mmap.mmap | None = None
         if self.shared is not None:
             self.kv = self.shared.tensor
@@ -123,11 +129,11 @@ class KVCache:
             # An anonymous private map: the kernel's zero pages, each touched on first write.
             # torch.zeros writes every byte at start (0.15 s a 512 MiB pool here) and makes
             # all of it resident before one token is stored.
-            nbytes = prod(dims) * torch.empty((), dtype=shape.dtype).element_size()
-            self._private = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-            self.kv = torch.frombuffer(self._private, dtype=torch.uint8).view(shape.dtype).view(dims)
+            self._private = mmap.mmap(-1, total * shape.bytes_per_block,
+                                      flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+            self.kv = _blocks_over(self._private, shape, total)
         else:
-            self.kv = torch.zeros(dims, dtype=shape.dtype, device=device)
+            self.kv = torch.zeros(shape.dims(total), dtype=shape.dtype, device=device)
         # [L, 2, blocks * block_size, H, D]: slot-addressed views for writes.
         self.flat = self.kv.view(shape.num_layers, 2, total * shape.block_size,
                                  shape.num_kv_heads, shape.head_dim)
