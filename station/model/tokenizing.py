@@ -80,8 +80,9 @@ class Codec:
                 copy.no_truncation()
                 copy.no_padding()
             self._text.encode_special_tokens = True
-            self._mid_needs_anchor = _prepends_first(json.loads(spec).get("pre_tokenizer"))
-            why = why_not(self._plain, json.loads(spec))
+            parsed = json.loads(spec)
+            self._mid_needs_anchor = _prepends_first(parsed.get("pre_tokenizer"))
+            why = why_not(self._plain, parsed)
             if why is None:
                 self.segments = SegmentCache(self._plain, self._encode_whole,
                                              anchor=_ANCHOR if self._mid_needs_anchor else None)
