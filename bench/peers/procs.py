@@ -21,12 +21,15 @@ from bench.peers.http_side import Completion, CountMismatch, peer_endpoint
 
 
 class PeerProc:
-    def __init__(self, mode: str, model: Path, threads: int, log_path: Path, port: int = 0) -> None:
+    def __init__(self, mode: str, model: Path, threads: int, log_path: Path, port: int = 0,
+                 flash_attn: bool = False) -> None:
         self.mode = mode
+        self.flash_attn = flash_attn
         self.log_path = log_path
         self.log = open(log_path, "ab")  # noqa: SIM115 - closed in stop()
         cmd = [sys.executable, "-m", "bench.peers.llama_worker", mode, "--model", str(model),
-               "--threads", str(threads)] + (["--port", str(port)] if port else [])
+               "--threads", str(threads)] + (["--port", str(port)] if port else []) \
+            + (["--flash-attn"] if flash_attn else [])
         self.proc = subprocess.Popen(cmd, cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=self.log, text=True, bufsize=1)
         self.hello = self._read(timeout=600)
@@ -101,8 +104,9 @@ class InprocPeer(PeerProc):
 class ServerPeer(PeerProc):
     """llama-cpp-python's OpenAI server; ``endpoint`` is what its requests go through."""
 
-    def __init__(self, model: Path, threads: int, log_path: Path, port: int) -> None:
-        super().__init__("server", model, threads, log_path, port)
+    def __init__(self, model: Path, threads: int, log_path: Path, port: int,
+                 flash_attn: bool = False) -> None:
+        super().__init__("server", model, threads, log_path, port, flash_attn)
         deadline = time.monotonic() + 120
         while True:
             try:

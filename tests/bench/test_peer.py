@@ -74,6 +74,26 @@ def test_single_stream_takes_the_better_peer_figure_per_round():
     assert "per round 0.400 0.500 1.000" in detail
 
 
+def test_ttft_rows_take_the_faster_peer_side_per_round_miss_and_hit_apart():
+    def c(ttft_s):
+        return SimpleNamespace(ttft_s=ttft_s)
+
+    rows = figures.TTFTRows()
+    # round 1: the server (flash attention) has the faster miss, the in-process child the
+    # faster hit; round 2 the other way round
+    rows.add({"daemon": [c(2.0), c(1.0)], "llama.cpp server": [c(8.0), c(2.0)],
+              "llama.cpp in-process": [c(10.0), c(1.25)]},
+             "daemon", "llama.cpp server", "llama.cpp in-process")
+    rows.add({"daemon": [c(3.0), c(1.0)], "llama.cpp server": [c(12.0), c(2.0)],
+              "llama.cpp in-process": [c(10.0), c(2.5)]},
+             "daemon", "llama.cpp server", "llama.cpp in-process")
+    assert rows.miss.ratios == [0.25, 0.3]
+    assert rows.hit.ratios == [0.8, 0.5]
+    assert rows.ms(0, 0) == "server 10000, in-process 10000"  # each side's median miss
+    assert rows.ms(1, 1) == "server 2000.0, in-process 1875.0"
+    assert rows.seen["daemon"][0].ttft_s == 3.0  # the last round's completions
+
+
 class _FakePeer:
     def __init__(self, log, name):
         self.log, self.name = log, name
@@ -197,8 +217,10 @@ def test_the_ttft_rows_have_goals_for_the_default_model_only():
     bench = _bench(_args(), daemon, server, _Scripted(9.0, 9.0))
     bench.rows()
     rows = {row.name: row for row in bench.result.report.rows}
-    miss = rows["long-prompt TTFT (miss), daemon / llama.cpp server (~64 tokens)"]
-    hit = rows["prefix-hit TTFT (the same prompt again), daemon / llama.cpp server"]
+    miss = rows["long-prompt TTFT (miss), daemon / llama.cpp (better of server and in-process; "
+                "~64 tokens)"]
+    hit = rows["prefix-hit TTFT (the same prompt again), daemon / llama.cpp (better of server "
+               "and in-process)"]
     assert (miss.value, miss.op, miss.bar, miss.met) == (0.2, "<=", 0.25, True)
     assert (hit.value, hit.op, hit.bar, hit.met) == (1.25, "<=", 1.0, False)
     other = _bench(_args(), _Scripted(1.0, 0.05), _Scripted(5.0, 0.04), _Scripted(9.0, 9.0))
