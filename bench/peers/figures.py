@@ -27,6 +27,7 @@ from gnosis_daemon.client import open_station_client
 
 T = TypeVar("T")  # what ``interleaved`` measures
 
+PLAIN = "llama.cpp server without flash attention"  # the TTFT rows' second llama.cpp server
 SINGLE = "single-stream decode tok/s, daemon / llama.cpp (better of server and in-process)"
 DECODE_PNG = "decode_by_concurrency.png"
 TTFT_PNG = "ttft_by_prompt.png"
@@ -111,8 +112,8 @@ def measured_facts(args, model: Path, plots: bool = True) -> list[str]:
     return [f"measured: {datetime.now(timezone.utc).strftime('%Y-%m-%d %H:%M UTC')} on "
             f"{cpu_model()}, {os.cpu_count()} CPUs",
             f"peer: llama-cpp-python {llama_cpp_version()}, n_threads {os.cpu_count() or 1}, "
-            f"`use_extra_bufts=False`, server with `flash_attn=True`, in-process without, "
-            f"on {model.name}",
+            f"`use_extra_bufts=False`, one server with `flash_attn=True` and one without, "
+            f"in-process without, on {model.name}",
             f"decode tokens {args.decode_tokens}, long prompt ~{args.prompt_tokens} tokens, "
             f"{args.streams} streams, {args.rounds} rounds a row"
             + (f", {args.plot_rounds} a plot point" if plots else "")]
@@ -125,7 +126,8 @@ class Running:
 
     bench: PeerBench
     port: int  # the daemon's host
-    server: ServerPeer
+    server: ServerPeer  # with flash attention
+    plain: ServerPeer  # without
     inproc: InprocPeer
     hello: dict  # the station's hello (model, attention kinds, start check)
     start_s: float  # station spawn to its first hello answered
@@ -154,13 +156,17 @@ def running_sides(settings, args, model: Path, tmp: Path, result: PeerResult,
         server = ServerPeer(model, threads, tmp / f"{tag}-server.log", free_port(), flash_attn=True)
         peers.append(server)
         server.pause()
+        plain = ServerPeer(model, threads, tmp / f"{tag}-server-plain.log", free_port())
+        peers.append(plain)
+        plain.pause()
         inproc = InprocPeer(model, threads, tmp / f"{tag}-inproc.log")
         peers.append(inproc)
         inproc.pause()
         bench = PeerBench(args, peers, Side("daemon", daemon_endpoint(port)),
                           Side("llama.cpp server", server.endpoint, server),
-                          Side("llama.cpp in-process", inproc, inproc), result)
-        yield Running(bench, port, server, inproc, hello, start_s)
+                          Side("llama.cpp in-process", inproc, inproc), result,
+                          Side(PLAIN, plain.endpoint, plain))
+        yield Running(bench, port, server, plain, inproc, hello, start_s)
     finally:
         for peer in peers:
             peer.stop()
@@ -179,9 +185,11 @@ def station_hello(sock: Path) -> dict:
 
 class PeerBench:
     def __init__(self, args, peers: list[PeerProc], daemon: Side, server: Side, inproc: Side,
-                 result: PeerResult) -> None:
+                 result: PeerResult, plain: Side | None = None) -> None:
         self.args, self.peers, self.result = args, peers, result
         self.daemon, self.server, self.inproc = daemon, server, inproc
+        # the TTFT rows' llama.cpp servers: with flash attention (``server``), and without
+        self.ttft_peers = [server] + ([plain] if plain is not None else [])
         self.n = args.decode_tokens
 
     def interleaved(self, sides: list[Side], rounds: int,
@@ -230,21 +238,22 @@ class PeerBench:
                    f"daemon {agg.median(0):.1f} tok/s, llama.cpp server {agg.median(1):.1f} tok/s "
                    f"({args.streams} x {n} tokens); {agg.spread()}")
 
-        # llama.cpp's figure of a round: the faster of its server (flash attention: the
-        # faster prefill) and its in-process child (without: the faster single token)
-        ttft = TTFTRows()
-        for got in self.interleaved([d, s, i], args.rounds, lambda side, r: miss_then_hit(
+        # llama.cpp's figure of a round: the faster of its two servers, with flash attention
+        # (the faster prompt) and without (the faster single token at a long context)
+        ttft, peers = TTFTRows(), self.ttft_peers
+        for got in self.interleaved([d, *peers], args.rounds, lambda side, r: miss_then_hit(
                 side, text_prompt(args.prompt_tokens, seed=1000 + r))):
-            ttft.add(got, d.name, s.name, i.name)
+            ttft.add(got, d.name, *(p.name for p in peers))
         daemon_hit = ttft.seen[d.name][1]
-        report.add(f"long-prompt TTFT (miss), daemon / llama.cpp (better of server and "
-                   f"in-process; ~{args.prompt_tokens:,} tokens)", ttft.miss.ratio, *ceiling(0.25),
+        report.add(f"long-prompt TTFT (miss), daemon / llama.cpp server (the faster of with and "
+                   f"without flash attention; ~{args.prompt_tokens:,} tokens)", ttft.miss.ratio,
+                   *ceiling(0.25),
                    f"daemon {ttft.miss.median(0) * 1000:.0f} ms, llama.cpp "
                    f"{ttft.miss.median(1) * 1000:.0f} ms ({ttft.ms(0, 0)}) "
                    f"({ttft.seen[d.name][0].prompt_tokens} prompt tokens on the daemon); "
                    f"{ttft.miss.spread()}")
-        report.add("prefix-hit TTFT (the same prompt again), daemon / llama.cpp (better of server "
-                   "and in-process)", ttft.hit.ratio, *ceiling(1.0),
+        report.add("prefix-hit TTFT (the same prompt again), daemon / llama.cpp server (the faster "
+                   "of with and without flash attention)", ttft.hit.ratio, *ceiling(1.0),
                    f"daemon {ttft.hit.median(0) * 1000:.1f} ms (cached {daemon_hit.cached_tokens} "
                    f"of {daemon_hit.prompt_tokens}), llama.cpp {ttft.hit.median(1) * 1000:.1f} ms "
                    f"({ttft.ms(1, 1)}); {ttft.hit.spread()}")

@@ -31,13 +31,14 @@ the same text prompts through the same OpenAI `/v1/completions` client, greedy
 completion's count is checked from its response (`usage`, else `finish_reason: "length"`);
 a count that differs voids the run. llama.cpp runs in child processes of its own with
 `n_threads` = the CPU count, paused (SIGSTOP) whenever it is not the side being measured, so
-it takes no CPU from the daemon's rounds. Its single-stream and TTFT figures are the better
-of two measurements, both listed: its OpenAI server, and the library generating on its own
-main thread (`create_completion(stream=True)` in a child process; on a small machine the
-server, whose OpenMP threads are driven from a worker thread, is slower and less steady).
-The server runs with llama.cpp's fused attention (`flash_attn=True`, its CLI's `-fa`), which
-evaluates a 2,000-token prompt about 9% faster here; the in-process child runs without it,
-which is 5-6% faster on one token at that context (a prefix hit's last token). Rounds
+it takes no CPU from the daemon's rounds. Its server runs with llama.cpp's fused attention
+(`flash_attn=True`, its CLI's `-fa`), which evaluates a 2,000-token prompt about 9% faster
+here. Its single-stream figure is the better of two measurements, both listed: that server,
+and the library generating on its own main thread (`create_completion(stream=True)` in a
+child process, without flash attention; on a small machine the server, whose OpenMP threads
+are driven from a worker thread, is slower and less steady). Its TTFT figures are the
+better of two servers, both listed: that one, and one without flash attention, which is
+5-6% faster on one token at a 2,000-token context (a prefix hit's last token). Rounds
 interleave the sides (alternating which goes first); a row is the median of the per-round
 ratios daemon / llama.cpp, every round listed. Single-stream decode rate: tokens after the
 first over the time from the first streamed chunk to the finish. Aggregate rate at N
