@@ -72,10 +72,13 @@ class Collector:
 
 
 @contextmanager
-def engine_for(loaded, num_blocks: int | None = 256, **overrides):
+def engine_for(loaded, num_blocks: int | None = 256, start: bool = True, **overrides):
+    """An engine on its thread for the block; ``start`` False: the caller starts it (requests
+    added before then are all in its first step)."""
     settings = Settings(runtime_dir="/tmp/unused-rt", kv_block_size=BS, **overrides)
     engine = PagedEngine(loaded, settings, num_blocks=num_blocks)
-    engine.start()
+    if start:
+        engine.start()
     try:
         yield engine
     finally:

@@ -62,8 +62,10 @@ def test_greedy_output_through_the_static_step_equals_generate(tiny, family):
     windowed families (8 tokens) apply each layer's window inside the static step."""
     path, loaded = tiny(family)
     prompts = [prompt_of(40 + i, 3 + 13 * i) for i in range(5)]
-    with engine_for(loaded, decode_graphs="on") as engine:
+    # queued before the engine starts, so that they go in one step on a busy machine too
+    with engine_for(loaded, start=False, decode_graphs="on") as engine:
         results = [submit(engine, f"g{i}", p, 20) for i, p in enumerate(prompts)]
+        engine.start()
         for i, (p, r) in enumerate(zip(prompts, results)):
             assert r.wait().tokens == reference(path, p, 20), f"request {i}"
         used = set(engine.runner._graphs._static)
