@@ -27,7 +27,7 @@ Prints one JSON line ``{"ready": ..., "eog": [...]}`` once loaded.
 by default in llama-cpp-python 0.3). On the default model and 2 cores here it made a
 2,000-token prompt's evaluation 9% faster (median 8.02 s against 8.88 s, six alternating
 rounds in one process) and a token at that context 5-6% slower (decode 14.7 against
-13.8 ms, a prefix hit's last token 14.6 against 13.9 ms): the bench runs one child with it
+13.8 ms, a prefix hit's last token 14.6 against 13.9 ms): the bench runs a server with it
 and one without, and each TTFT row takes the faster (``bench.peers.figures``).
 """
 

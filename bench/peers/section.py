@@ -38,7 +38,8 @@ and the library generating on its own main thread (`create_completion(stream=Tru
 child process, without flash attention; on a small machine the server, whose OpenMP threads
 are driven from a worker thread, is slower and less steady). Its TTFT figures are the
 better of two servers, both listed: that one, and one without flash attention, which is
-5-6% faster on one token at a 2,000-token context (a prefix hit's last token). Rounds
+5-6% faster on one token at a 2,000-token context (a prefix hit's last token); the plots'
+llama.cpp lines are the server's with flash attention. Rounds
 interleave the sides (alternating which goes first); a row is the median of the per-round
 ratios daemon / llama.cpp, every round listed. Single-stream decode rate: tokens after the
 first over the time from the first streamed chunk to the finish. Aggregate rate at N
