@@ -246,24 +246,20 @@ static void matmul_task(step_t *s, int chunk, int tid) {
         for (int t = 0; t < s->b; t++) silu_mul(y + (size_t)t * TILE_ROWS, u + (size_t)t * TILE_ROWS, TILE_ROWS);
     }
     const int add = s->out_mode == OUT_ADD;
+    for (int t = 0; t < s->b; t++) {
+        float *out = s->out + (size_t)t * rows + n0;
+        const float *yt = y + (size_t)t * TILE_ROWS;
 #if STEP_SIMD
-    if (n == TILE_ROWS) { /* a whole tile: two vectors a row, the same additions lane by lane
-                             (a memcpy call or a scalar loop per 16 outputs was 5-7% of the
-                             products' regions on a 2,000-token prompt) */
-        for (int t = 0; t < s->b; t++) {
-            float *out = s->out + (size_t)t * rows + n0;
-            const float *yt = y + (size_t)t * TILE_ROWS;
+        if (n == TILE_ROWS) { /* a whole tile: two vectors, the same additions lane by lane (a
+                                 memcpy call or a scalar loop per 16 outputs was 5-7% of the
+                                 products' regions on a 2,000-token prompt) */
             for (int i = 0; i < TILE_ROWS; i += 8) {
                 const __m256 v = _mm256_loadu_ps(yt + i);
                 _mm256_storeu_ps(out + i, add ? _mm256_add_ps(_mm256_loadu_ps(out + i), v) : v);
             }
+            continue;
         }
-        return;
-    }
 #endif
-    for (int t = 0; t < s->b; t++) {
-        float *out = s->out + (size_t)t * rows + n0;
-        const float *yt = y + (size_t)t * TILE_ROWS;
         if (add)
             for (int i = 0; i < n; i++) out[i] += yt[i];
         else
