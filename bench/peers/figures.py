@@ -126,8 +126,7 @@ class Running:
 
     bench: PeerBench
     port: int  # the daemon's host
-    server: ServerPeer  # with flash attention
-    plain: ServerPeer  # without
+    server: ServerPeer  # with flash attention (the one without is a side of ``bench``'s)
     inproc: InprocPeer
     hello: dict  # the station's hello (model, attention kinds, start check)
     start_s: float  # station spawn to its first hello answered
@@ -166,7 +165,7 @@ def running_sides(settings, args, model: Path, tmp: Path, result: PeerResult,
                           Side("llama.cpp server", server.endpoint, server),
                           Side("llama.cpp in-process", inproc, inproc), result,
                           Side(PLAIN, plain.endpoint, plain))
-        yield Running(bench, port, server, plain, inproc, hello, start_s)
+        yield Running(bench, port, server, inproc, hello, start_s)
     finally:
         for peer in peers:
             peer.stop()
