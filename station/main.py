@@ -36,6 +36,7 @@ from station.engine.loop import PagedEngine
 from station.tier.io.process import KVIOProcess
 from station.tier.start import open_tier
 from station.plan.start_check import prove_engine
+from station.serving.detok import ascii_pieces
 from station.serving.kv_events import KVEventPublisher, start_publisher
 from station.serving.server import StationServer
 
@@ -93,6 +94,7 @@ class _TorchThread:
                      loaded_from=loaded.loaded_from, mapped=loaded.mapped, device=str(loaded.device),
                      dtype=str(loaded.dtype), fingerprint=loaded.fingerprint[:16])
             engine = PagedEngine(loaded, self.settings)
+            ascii_pieces(loaded.tokenizer)  # the detokenizer's shortcut, made before requests come
             # The paged path against the model's own forward, past its longest window:
             # ModelRefused when they disagree (before any router or tier sees the pool).
             self.start_check = prove_engine(engine, self.settings)

@@ -130,6 +130,31 @@ class TokensEvent:
                    index=read.optional(data, "index", int))
 
 
+class OneTokenFrames:
+    """One request's ``tokens`` event frames for one token and its text, without logprobs
+    or a choice index: ``event_frame(request_id, TokensEvent.wire([token_id], text))``, byte
+    for byte, with the part that never changes (the frame's id, kind and the event's type)
+    packed once. The station sends one a token a stream: packing only the id and the text
+    takes about 0.6 us where the whole map took 2."""
+
+    def __init__(self, request_id: int | str) -> None:
+        import msgpack
+
+        # A msgpack map is its size byte, then each key and value in order: the frame
+        # {"id", "kind", "data"} whose data {"type", "token_ids", "text"} holds a list of one.
+        head = msgpack.Packer(use_bin_type=True)
+        self._head = b"".join([b"\x83", head.pack("id"), head.pack(request_id), head.pack("kind"),
+                               head.pack("event"), head.pack("data"), b"\x83", head.pack("type"),
+                               head.pack(TokensEvent.TYPE), head.pack("token_ids"), b"\x91"])
+        self._text_key = head.pack("text")
+        self._pack = msgpack.Packer(use_bin_type=True).pack
+
+    def frame(self, token_id: int, text: str) -> bytes:
+        pack = self._pack
+        frame: bytes = self._head + pack(token_id) + self._text_key + pack(text)
+        return frame
+
+
 GenerateEvent = PrefillEvent | TokensEvent
 
 

@@ -29,6 +29,7 @@ from gnosis_daemon.logs import get_logger
 from gnosis_daemon.protocol import ErrorCode, error_frame, event_frame, result_frame
 from station.serving.detok import IncrementalDetokenizer
 from gnosis_daemon.wire import ChoiceResult, GenerateResult, LogprobEntry, PrefillEvent, TokensEvent
+from gnosis_daemon.wire.events import OneTokenFrames
 from station.core.requests import EngineEvent, Failed, Finished, GenerationRequest, Prefill, Token
 from station.serving.ops import CheckedGenerate
 from station.serving.token_text import token_texts
@@ -130,6 +131,7 @@ class GenerateStream:
         self.asked = gen.args.choices
         self.n = self.asked.n
         self.texts = token_texts(tokenizer) if self.asked.asked else None
+        self._one_token = OneTokenFrames(frame_id)  # the common frame: no logprobs, one choice
         self.choices = [_Choice(i, choice_id(engine_id, i), gen, tokenizer) for i in range(self.n)]
         self._by_id = {c.engine_id: c for c in self.choices}
         sampling = gen.args.sampling
@@ -257,7 +259,10 @@ class GenerateStream:
         entries = None
         if event.logprobs is not None and self.texts is not None:
             entries = (self.texts.entry(event.logprobs),)
-        self._send(self._tokens(choice, [token_id], out.text, entries))
+        if entries is None and self.n == 1:
+            self._send(self._one_token.frame(token_id, out.text))
+        else:
+            self._send(self._tokens(choice, [token_id], out.text, entries))
         if out.stopped:
             assert self._engine is not None
             if self.gen.args.sessions.save_final_session and choice.index == 0:

@@ -13,7 +13,7 @@ from gnosis_daemon.wire import LogprobEntry, TopLogprob
 
 
 @functools.lru_cache(maxsize=1)
-def _byte_decoder() -> dict[str, int]:
+def byte_decoder() -> dict[str, int]:
     # GPT-2's byte <-> printable character table (what ByteLevel pre-tokenizers write).
     bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + \
         list(range(ord("®"), ord("ÿ") + 1))
@@ -54,7 +54,7 @@ class TokenTexts:
             return b""
         if token_id in self._special:
             return piece.encode("utf-8")
-        table = _byte_decoder()
+        table = byte_decoder()
         if self._byte_level and all(ch in table for ch in piece):
             return bytes(table[ch] for ch in piece)
         if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):

@@ -89,3 +89,59 @@ def test_trailing_broken_byte_is_flushed_at_finish(tok):
     detok = IncrementalDetokenizer(tok)
     assert "".join(detok.feed([i]).text for i in ids) == "a"
     assert detok.finish().startswith("\ufffd")
+
+
+# -- the ASCII shortcut: the same text as the window path, token for token
+@pytest.fixture(scope="module", params=["bytes", "merges", "default", "metaspace"])
+def any_tok(request):
+    from tests.station.model.test_tokenizing import MERGES, metaspace_tokenizer
+
+    if request.param == "default":
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(request.getfixturevalue("default_model_cache").cache)
+    if request.param == "metaspace":
+        return metaspace_tokenizer()
+    return build_tokenizer(MERGES if request.param == "merges" else ())
+
+
+def _pieces(tok, ids, prompt, stop, shortcut: bool) -> tuple[list, str, str]:
+    detok = IncrementalDetokenizer(tok, prompt, stop)
+    if not shortcut:
+        detok._ascii = []  # every token through the window's two decodes
+    out = [(o.text, o.stopped) for o in (detok.feed([i]) for i in ids)]
+    return out, detok.finish(), detok.text
+
+
+def test_the_ascii_shortcut_streams_what_the_window_path_streams(any_tok):
+    import random
+
+    from station.serving.detok import ascii_pieces
+
+    pieces = ascii_pieces(any_tok)
+    byte_level = "ByteLevel" in type(any_tok.backend_tokenizer.decoder).__name__
+    # Byte-level tokenizers list their ASCII tokens; any other decoder takes no shortcut.
+    assert (sum(p is not None for p in pieces) > 90) == byte_level
+    rng = random.Random(5)
+    vocab = len(any_tok)
+    texts = ["Hello, world! The user asked: what is 2+2?\n\n", "héllo wörld 😀 日本語 <|im_end|> ok",
+             "<|im_start|>assistant\nSure.<|im_end|>"]
+    for text in texts:
+        ids = any_tok.encode(text, add_special_tokens=False)
+        for stop in ((), ("world",), ("😀",)):
+            assert _pieces(any_tok, ids, [1, 2], stop, True) == _pieces(any_tok, ids, [1, 2], stop, False)
+    for _ in range(30):  # random ids: broken UTF-8, special tokens, anything a model samples
+        ids = [rng.randrange(vocab) for _ in range(rng.randrange(1, 40))]
+        prompt = [rng.randrange(vocab) for _ in range(3)]
+        assert _pieces(any_tok, ids, prompt, ("ab",), True) == _pieces(any_tok, ids, prompt, ("ab",), False)
+
+
+def test_a_shortcut_token_after_held_back_bytes_releases_them_as_the_window_path_does(tok):
+    from station.serving.detok import ascii_pieces
+
+    euro = tok.encode("€", add_special_tokens=False)  # three byte tokens
+    a = tok.encode("a", add_special_tokens=False)
+    assert len(euro) == 3 and ascii_pieces(tok)[a[0]] == "a"
+    for ids, want in ((euro[:2] + a, ["", "", "\ufffda"]), (euro + a, ["", "", "€", "a"])):
+        for shortcut in (True, False):
+            assert [t for t, _ in _pieces(tok, ids, [], (), shortcut)[0]] == want

@@ -170,7 +170,7 @@ async def test_a_bug_handling_one_event_is_that_requests_internal_error_and_noth
     stream.route(sink, engine)  # type: ignore[arg-type]
     async with trio.open_nursery() as nursery:
         nursery.start_soon(stream.pump)
-        stream.arrive(Token("g:1:7", 72))  # "H" in the tiny byte-level vocabulary
+        stream.arrive(Token("g:1:7", 72))  # "i" in the tiny byte-level vocabulary
         stream.arrive(object())  # type: ignore[arg-type]  # an event no stream knows: a bug
         with trio.fail_after(5):
             while not stream.done:
@@ -183,3 +183,16 @@ async def test_a_bug_handling_one_event_is_that_requests_internal_error_and_noth
     assert stream.outcome == "internal"
     stream.arrive(Token("g:1:7", 73))  # a late event after the end: dropped
     assert len(sink.frames) == 2
+
+
+def test_one_token_frames_are_the_event_frames_byte_for_byte():
+    from gnosis_daemon.protocol import event_frame
+    from gnosis_daemon.wire import TokensEvent
+    from gnosis_daemon.wire.events import OneTokenFrames
+
+    for request_id in (0, 7, 2**31, -3, "req-1", "x" * 300):
+        frames = OneTokenFrames(request_id)
+        for token_id in (0, 1, 127, 128, 65535, 2**20):
+            for text in ("", "a", "é😀", "x" * 40, "y" * 70000):
+                assert frames.frame(token_id, text) == \
+                    event_frame(request_id, TokensEvent.wire([token_id], text))
