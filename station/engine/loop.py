@@ -36,7 +36,7 @@ from __future__ import annotations
 import collections
 import threading
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
@@ -111,6 +111,9 @@ class PagedEngine:
         self._thread: threading.Thread | None = None
         self.tier: DiskTier | None = None  # attach_disk_tier
         self.kv_events: Any = None  # kv_events.KVEventPublisher.attach
+        # Called on this thread after each turn of the loop: the station's relay writes the
+        # frames of the turn's events then (station.serving.stream.EventRelay.turn_done).
+        self.turn_done: list[Callable[[], None]] = []
         # The health op's heartbeat: idle while the loop waits for work, else when it turned.
         self.num_steps, self.loop_idle, self.loop_turned = 0, True, time.monotonic()
         log.info("kv_pool_ready", num_blocks=num_blocks, block_size=self.block_size,
@@ -313,6 +316,11 @@ class PagedEngine:
                         self.tier.after_step()
             if self.calls.embeds:
                 self.calls.embed_step(self.settings.prefill_chunk_tokens)
+            for listener in self.turn_done:
+                try:
+                    listener()
+                except Exception:  # a broken listener must not kill the engine thread
+                    log.exception("engine_turn_listener_failed")
 
     def step(self) -> None:
         """schedule -> run -> postprocess (engine thread only)."""

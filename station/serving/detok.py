@@ -14,7 +14,7 @@ own text: the window's decode is the emitted prefix's decode followed by those c
 token's text once per tokenizer, each entry checked against the tokenizer's own decode, and
 ``feed`` emits it without the two decodes. Any other token, or one after held-back bytes,
 takes the window path. The stream's text is the same either way; the shortcut saves about
-2 us a token on the station's trio thread (docs/benchmarks.md, "Per-step host overhead").
+2.7 us a token of the station's per-step work (docs/benchmarks.md, "Per-step host overhead").
 
 Stop strings: text that might be the start of a stop string is held back until the next
 token settles it, so a stop string is never streamed; when one appears, the output is cut

@@ -170,7 +170,7 @@ class StationServer:
                 self.engine.abort(gen.engine_id)
                 gen.close()
             conn.generates.clear()
-            conn.closed = True
+            conn.close()
             # Its held sequences and their blocks, and its engine calls still in
             # progress (an embed stops at the engine's next step boundary).
             self.engine.release_owner(conn.number)
@@ -315,7 +315,10 @@ class StationServer:
         token = trio.lowlevel.current_trio_token()
         if spec.streaming:
             if self._relay is None or self._relay.token is not token:
+                if self._relay is not None:
+                    self.engine.turn_done.remove(self._relay.turn_done)
                 self._relay = EventRelay(token)  # one per trio run: every stream's events
+                self.engine.turn_done.append(self._relay.turn_done)
             engine_id = f"{req.rid or 'gen'}:{conn.number}:{req.id}"
             gen = spec.handler(req.id, engine_id, args, self.loaded.tokenizer,
                                self.loaded.eos_token_ids, self._relay)

@@ -1,15 +1,20 @@
-"""One ``generate`` request on the trio side: engine events in, protocol frames out.
+"""One ``generate`` request: engine events in, protocol frames out, on the engine's thread.
 
-The engine calls ``on_event`` on its own thread. The server's ``EventRelay`` hands trio
-every event a step made in one ``TrioToken.run_sync_soon``, and each event is handled there
-and then, synchronously (``GenerateStream.arrive``): one ``prefill`` event, ``tokens``
-events carrying newly completed text, then exactly one result or error, each frame put on
-its connection's write queue, which the relay then flushes in one non-blocking write (the
-connection's writer task takes what a full socket buffer leaves). The engine never blocks
-on a slow client (the queue is unbounded, as a channel was before), and a step's events
-cost no task switch, channel or lock per stream: a task per stream, woken through a channel
-and writing under the connection's lock, cost the trio thread about 3 ms more a step at 32
-streams (docs/benchmarks.md, "Per-step host overhead").
+The engine calls ``on_event`` on its own thread, and the event is handled there and then
+(``GenerateStream.arrive``): one ``prefill`` event, ``tokens`` events carrying newly
+completed text, then exactly one result or error, each frame put on its connection's write
+queue. At the end of each turn of its loop the engine calls the ``EventRelay``, which writes
+each connection that got frames in one non-blocking write (the connection's writer task on
+trio takes what a full socket buffer leaves). Trio hears of a stream only at its end, to
+wake the task that logs it. The engine never blocks on a slow client (the queue is
+unbounded), and a step's events cost no wake-up of trio's thread.
+
+Those events were handled on trio's thread until this layout, handed over in one batch a
+step. The two threads then took the GIL in turn every step, from two cores: at 32 streams
+through the socket a step took 0.82-1.40 ms beyond the model's forward (median of four runs
+1.29), against 0.71-1.28 (0.77) this way (docs/benchmarks.md, "Per-step host overhead").
+Trio still injects events of its own (the shutdown's error) and ends streams whose
+connection went, so each stream's state is changed under its own lock.
 
 Stop strings are found here, by the detokenizer: the request is aborted in the engine and
 ends with finish_reason ``stop`` at once; with ``save_final_session`` the engine is asked to
@@ -21,7 +26,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 import trio
 
@@ -60,37 +65,39 @@ class _Unrouted:
 
 
 class EventRelay:
-    """Engine thread -> trio: the events put while trio is busy reach it as one batch.
+    """The engine's events to their streams, on the engine's thread, and what needs trio.
 
-    ``put`` queues (stream, event); the put that finds the queue empty schedules one
-    ``drain`` with ``run_sync_soon``, which hands everything queued by then to its streams
-    in order. So a step's 32 token events are one wake-up of the trio thread, not 32.
+    ``put`` (every stream's ``on_event``) hands the event to its stream now; ``turn_done``
+    (the engine calls it after each turn of its loop) writes each connection that got
+    frames since, once. ``on_trio`` runs a function on trio's thread: at once when called
+    there, else through ``run_sync_soon`` (a stream's end wakes its task).
     """
 
     def __init__(self, token: trio.lowlevel.TrioToken) -> None:
         self.token = token
-        self._lock = threading.Lock()
-        self._queued: list[tuple[GenerateStream, EngineEvent]] = []
+        self._trio_thread = threading.get_ident()  # made on trio's thread (the server's)
+        self._written: dict[int, FrameSink] = {}  # connections with frames this turn
 
     def put(self, stream: GenerateStream, event: EngineEvent) -> None:
-        with self._lock:
-            self._queued.append((stream, event))
-            if len(self._queued) > 1:
-                return  # a drain is already scheduled: it takes this one too
+        """Engine thread: the event's frames onto its connection's queue."""
+        stream.arrive(event)
+        self._written.setdefault(id(stream.sink), stream.sink)
+
+    def turn_done(self) -> None:
+        """Engine thread, after a turn of its loop: each connection's frames in one write."""
+        if self._written:
+            sinks, self._written = self._written, {}
+            for sink in sinks.values():
+                sink.flush()
+
+    def on_trio(self, fn: Callable[[], object]) -> None:
+        if threading.get_ident() == self._trio_thread:
+            fn()
+            return
         try:
-            self.token.run_sync_soon(self._drain)
+            self.token.run_sync_soon(fn)
         except trio.RunFinishedError:
             pass  # trio is gone (shutdown): nobody is left to tell
-
-    def _drain(self) -> None:
-        with self._lock:
-            batch, self._queued = self._queued, []
-        sinks: dict[int, FrameSink] = {}
-        for stream, event in batch:
-            stream.arrive(event)
-            sinks.setdefault(id(stream.sink), stream.sink)
-        for sink in sinks.values():  # each connection's frames of this batch: one write
-            sink.flush()
 
 
 class _Choice:
@@ -122,6 +129,7 @@ class GenerateStream:
         self.engine_id = engine_id
         self.gen = gen
         self._relay = relay
+        self._lock = threading.Lock()  # its state: the engine's thread and trio's change it
         self.sink: FrameSink = _Unrouted()
         self._engine: PagedEngine | None = None
         self._ended = trio.Event()
@@ -155,35 +163,39 @@ class GenerateStream:
         return self.gen.request(self.engine_id)
 
     def on_event(self, event: EngineEvent) -> None:
-        """Engine thread: hand the event to trio (never blocks)."""
+        """Engine thread: the event's frames onto the write queue (never blocks)."""
         self._relay.put(self, event)
 
     def inject(self, event: EngineEvent) -> None:
-        """Trio thread: put a server-made event (shutdown) in the stream."""
+        """Trio thread: put a server-made event (shutdown) in the stream, and write it."""
         self.arrive(event)
         self.sink.flush()
 
     def close(self) -> None:
-        """The request is over on this side (its connection went): later events drop."""
-        self._end()
+        """Trio thread: the request is over on this side (its connection went): later
+        events drop."""
+        with self._lock:
+            self._end()
 
     def arrive(self, event: EngineEvent) -> None:
-        """Trio thread: the event's frames onto the write queue, now. An event after the
+        """Either thread: the event's frames onto the write queue, now. An event after the
         end is dropped; a bug here ends this request with an ``internal`` error frame and
         the station serves on."""
-        if self.done:
-            return
-        try:
-            outcome = self._handle(event)
-        except Exception as exc:  # noqa: BLE001 - one request's bug is that request's error
-            log.exception("generate_event_failed", engine_event=type(event).__name__)
-            self._send(error_frame(self.frame_id, ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}"))
-            self._abort_all()
-            self.done, outcome = True, "internal"
-        if outcome is not None:
-            self.outcome = outcome
-        if self.done:
-            self._end()
+        with self._lock:
+            if self.done:
+                return
+            try:
+                outcome = self._handle(event)
+            except Exception as exc:  # noqa: BLE001 - one request's bug is that request's error
+                log.exception("generate_event_failed", engine_event=type(event).__name__)
+                self._send(error_frame(self.frame_id, ErrorCode.INTERNAL,
+                                       f"{type(exc).__name__}: {exc}"))
+                self._abort_all()
+                self.done, outcome = True, "internal"
+            if outcome is not None:
+                self.outcome = outcome
+            if self.done:
+                self._end()
 
     async def pump(self) -> None:
         """Wait for this request's final frame (or its connection's end); log one
@@ -191,7 +203,8 @@ class GenerateStream:
         try:
             await self._ended.wait()
         finally:
-            self._end()
+            with self._lock:
+                self._end()
             for choice in self.choices[1:]:  # the server aborts the first one
                 if not choice.done and self._engine is not None:
                     self._engine.abort(choice.engine_id)
@@ -199,7 +212,7 @@ class GenerateStream:
 
     def _end(self) -> None:
         self.done = True
-        self._ended.set()
+        self._relay.on_trio(self._ended.set)
 
     def _send(self, frame: bytes) -> None:
         self.sink.queue(frame)

@@ -1,6 +1,7 @@
-"""The engine-to-trio relay and a connection's write queue, on a real trio loop, a real
-engine-side thread and a real socket pair: a step's events reach their streams in order
-through one wake-up of trio, and each connection's frames of that batch leave in one write;
+"""The relay and a connection's write queue, on a real trio loop, a real engine-side thread
+and a real socket pair: a step's events are handled on the engine's thread as they come, in
+order, each connection's frames of a turn leave in one write, and trio is woken only for a
+stream's end or a full socket; frames written from both threads arrive whole and in order;
 a stream whose handling of an event fails ends with an internal error frame, alone."""
 
 from __future__ import annotations
@@ -8,6 +9,7 @@ from __future__ import annotations
 import socket
 import threading
 
+import msgpack
 import trio
 
 from station.serving.connection import Connection
@@ -33,63 +35,77 @@ class _Stream:
         self.name, self.sink, self._arrived = name, sink, arrived
 
     def arrive(self, event: object) -> None:
-        self._arrived.append((self.name, event))
+        self._arrived.append((self.name, event, threading.get_ident()))
         self.sink.queue(f"{self.name}:{event}".encode())
 
 
-async def test_a_steps_events_are_one_batch_in_order_and_one_flush_per_connection():
+class _Counting:
+    """A trio token whose ``run_sync_soon`` calls are counted (each one wakes trio)."""
+
+    def __init__(self, real: trio.lowlevel.TrioToken) -> None:
+        self.real, self.scheduled = real, []
+
+    def run_sync_soon(self, fn, *args):
+        self.scheduled.append(fn)
+        self.real.run_sync_soon(fn, *args)
+
+
+async def test_a_steps_events_are_handled_on_the_engine_thread_in_order_one_write_a_turn():
     relay = EventRelay(trio.lowlevel.current_trio_token())
+    relay.token = counting = _Counting(relay.token)  # type: ignore[assignment]
     arrived: list = []
     sinks = [_Sink(), _Sink()]
     streams = [_Stream(f"s{i}", sinks[i % 2], arrived) for i in range(6)]
-    scheduled = []
-    real = relay.token.run_sync_soon
+    flushes_before_turn_end: list[int] = []
 
-    class _Counting:  # the relay's one run_sync_soon per batch, counted
-        def run_sync_soon(self, fn, *args):
-            scheduled.append(fn)
-            real(fn, *args)
-
-    relay.token = _Counting()  # type: ignore[assignment]
-
-    def engine_step() -> None:  # the engine thread's events of one step: 3 tokens each
+    def engine_turn() -> None:  # the engine thread's events of one step: 3 tokens each
         for k in range(3):
             for stream in streams:
                 relay.put(stream, k)  # type: ignore[arg-type]
+        flushes_before_turn_end.extend(sink.flushes for sink in sinks)
+        relay.turn_done()
 
-    thread = threading.Thread(target=engine_step)
+    thread = threading.Thread(target=engine_turn)
     thread.start()
-    thread.join()  # trio's thread blocked meanwhile, as when it is busy: nothing drained yet
-    assert arrived == [] and len(scheduled) == 1
-    with trio.fail_after(5):
-        while len(arrived) < 18:
-            await trio.sleep(0.01)
-    assert len(scheduled) == 1  # one drain took all 18
-    assert arrived == [(s.name, k) for k in range(3) for s in streams]
+    thread.join()  # trio's thread blocked meanwhile: the events did not need it
+    assert [(name, k) for name, k, _ in arrived] == [(s.name, k) for k in range(3) for s in streams]
+    assert {ident for _, _, ident in arrived} == {thread.ident}
+    assert flushes_before_turn_end == [0, 0] and [sink.flushes for sink in sinks] == [1, 1]
+    assert counting.scheduled == []  # trio was never woken
+    relay.turn_done()  # a turn without events writes nothing
     assert [sink.flushes for sink in sinks] == [1, 1]
-    for i, stream in enumerate(streams):
+    for stream in streams:
         mine = [f for f in stream.sink.frames if f.startswith(f"{stream.name}:".encode())]
-        assert mine == [f"{stream.name}:{k}".encode() for k in range(3)], i
+        assert mine == [f"{stream.name}:{k}".encode() for k in range(3)]
 
 
-async def test_a_put_from_another_thread_while_trio_drains_is_not_lost():
+async def test_a_streams_end_on_the_engine_thread_wakes_its_task_on_trio():
+    from station.core.requests import Finished, Token
+
     relay = EventRelay(trio.lowlevel.current_trio_token())
-    arrived: list = []
-    sink = _Sink()
-    stream = _Stream("s", sink, arrived)
-    n = 2000
+    relay.token = counting = _Counting(relay.token)  # type: ignore[assignment]
+    sink, engine = _Sink(), _Engine()
+    stream = _stream(relay)
+    stream.route(sink, engine)  # type: ignore[arg-type]
 
-    def engine() -> None:
-        for k in range(n):
-            relay.put(stream, k)  # type: ignore[arg-type]
+    def engine_turn() -> None:
+        relay.put(stream, Token("g:1:7", 72))
+        relay.put(stream, Finished("g:1:7", "length", 2, 1, 0))
+        relay.turn_done()
 
-    thread = threading.Thread(target=engine)
-    thread.start()
-    with trio.fail_after(20):
-        while len(arrived) < n:
-            await trio.sleep(0)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(stream.pump)
+        await trio.sleep(0)
+        thread = threading.Thread(target=engine_turn)
+        thread.start()
+        with trio.fail_after(5):
+            while not stream.done or len(counting.scheduled) < 1:
+                await trio.sleep(0.01)
     thread.join()
-    assert [k for _, k in arrived] == list(range(n))
+    frames = [msgpack.unpackb(f) for f in sink.frames]
+    assert [f["kind"] for f in frames] == ["event", "result"]
+    assert frames[0]["data"] == {"type": "tokens", "token_ids": [72], "text": "i"}  # its byte
+    assert stream.outcome == "length" and len(counting.scheduled) == 1  # the end, only
 
 
 async def test_flush_writes_the_queue_in_one_write_and_the_writer_takes_over_when_busy():
@@ -104,26 +120,78 @@ async def test_flush_writes_the_queue_in_one_write_and_the_writer_takes_over_whe
         assert theirs.recv(100) == b"a1b22c333"
         assert not conn.writing
 
-        # While a write holds the lock, flush leaves the frames to the writer, in order.
-        async with conn.send_lock:
-            conn.queue(b"d4")
-            conn.flush()
-            assert conn.writing
-            await trio.sleep(0.05)
-            assert conn.writing  # nothing went out beside the write under way
+        # A reply larger than the socket's buffer: trio's write waits for the reader.
+        big = b"R" * (4 << 20)
+        nursery.start_soon(conn.send, big)
         with trio.fail_after(5):
-            while conn.writing:
+            while not conn._sending:
                 await trio.sleep(0.01)
-        await conn.send(b"e5")  # an op's reply after the queued frames
+        conn.queue(b"d4")
+        conn.flush()  # a write is under way: the frame waits for the writer, after it
+        assert conn.writing
         got = b""
-        with trio.fail_after(5):
-            while got != b"d4e5":
-                await trio.sleep(0.01)
+        with trio.fail_after(10):
+            while not got.endswith(b"d4"):
+                await trio.sleep(0)
                 try:
-                    got += theirs.recv(100)
+                    got += theirs.recv(1 << 20)
                 except BlockingIOError:
                     pass
+        assert got == big + b"d4"
+        await conn.send(b"e5")  # an op's reply after the queued frames
+        with trio.fail_after(5):
+            while True:
+                try:
+                    assert theirs.recv(100) == b"e5"
+                    break
+                except BlockingIOError:
+                    await trio.sleep(0.01)
         nursery.cancel_scope.cancel()
+    theirs.close()
+    ours.close()
+
+
+async def test_frames_from_the_engine_thread_and_trio_replies_arrive_whole_and_in_order():
+    """The engine thread queues and flushes frames while trio sends replies, through a
+    small socket buffer the reader empties slowly: every frame arrives whole, each side's
+    in its own order."""
+    ours, theirs = socket.socketpair()
+    ours.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+    conn = Connection(1, trio.SocketStream(trio.socket.from_stdlib_socket(ours)))
+    n = 3000
+    received: list = []
+
+    def reader() -> None:
+        unpacker = msgpack.Unpacker()
+        while len(received) < 2 * n:
+            data = theirs.recv(1500)
+            if not data:
+                return
+            unpacker.feed(data)
+            received.extend(unpacker)
+
+    def engine() -> None:
+        for k in range(n):
+            conn.queue(msgpack.packb({"engine": k, "pad": "x" * (k % 97)}))
+            if k % 7 == 6:
+                conn.flush()
+        conn.flush()
+
+    read = threading.Thread(target=reader)
+    read.start()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(conn.write_queued)
+        thread = threading.Thread(target=engine)
+        thread.start()
+        for k in range(n):
+            await conn.send(msgpack.packb({"reply": k, "pad": "y" * (k % 89)}))
+        with trio.fail_after(30):
+            while thread.is_alive() or conn.writing:
+                await trio.sleep(0.01)
+        nursery.cancel_scope.cancel()
+    read.join(30)
+    assert [m["engine"] for m in received if "engine" in m] == list(range(n))
+    assert [m["reply"] for m in received if "reply" in m] == list(range(n))
     theirs.close()
     ours.close()
 
