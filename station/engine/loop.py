@@ -169,6 +169,7 @@ class PagedEngine:
         for _handler, _owner, done, _kwargs in calls:
             if done is not None:
                 done(None, OpError(ErrorCode.SHUTTING_DOWN, "the station is shutting down"))
+        self._end_turn()  # the leftovers' events (the loop's thread is gone: no race)
         self.calls.shutdown()
 
     def add_request(self, request: GenerationRequest, on_event: EventCallback) -> None:
@@ -316,11 +317,14 @@ class PagedEngine:
                         self.tier.after_step()
             if self.calls.embeds:
                 self.calls.embed_step(self.settings.prefill_chunk_tokens)
-            for listener in self.turn_done:
-                try:
-                    listener()
-                except Exception:  # a broken listener must not kill the engine thread
-                    log.exception("engine_turn_listener_failed")
+            self._end_turn()
+
+    def _end_turn(self) -> None:
+        for listener in self.turn_done:
+            try:
+                listener()
+            except Exception:  # a broken listener must not kill the engine thread
+                log.exception("engine_turn_listener_failed")
 
     def step(self) -> None:
         """schedule -> run -> postprocess (engine thread only)."""

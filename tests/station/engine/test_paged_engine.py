@@ -282,3 +282,31 @@ def test_shutdown_ends_unfinished_requests_with_shutting_down(tiny):
     assert engine.kv.pool.num_held_blocks == 0
     with pytest.raises(OpError, match="shutting down"):
         submit(engine, "late", prompt_of(8, 5), 4)
+
+
+def test_turn_listeners_follow_each_turns_events_on_the_engine_thread_and_shutdowns_leftovers(tiny):
+    """The station writes a turn's frames when its listener is called: after every event of
+    that turn, on the engine's thread; and once more after shutdown fails what was left."""
+    _, loaded = tiny("llama")
+    log: list = []  # ("event", kind, thread) and ("turn", None, thread), in order
+
+    def recorder(rid: str):
+        def on_event(event):
+            log.append(("event", type(event).__name__, threading.get_ident()))
+            if isinstance(event, Token) and rid == "a":
+                decoding.set()
+        return on_event
+
+    decoding = threading.Event()
+    with engine_for(loaded, max_batch_size=1) as engine:
+        engine.turn_done.append(lambda: log.append(("turn", None, threading.get_ident())))
+        for rid in ("a", "b"):  # b waits behind a (one row a step) until shutdown fails both
+            engine.add_request(GenerationRequest(rid, prompt_of(3, 12), SamplingParams(
+                max_tokens=100_000, temperature=0.0, ignore_eos=True)), recorder(rid))
+        assert decoding.wait(30)
+        loop_thread = engine._thread.ident
+    here = threading.get_ident()
+    looped = [entry for entry in log if entry[2] == loop_thread]
+    assert [kind for what, kind, _ in looped if what == "event"][:2] == ["Prefill", "Token"]
+    assert looped[-1][0] == "turn"  # the loop's last events were followed by a call, there
+    assert log[len(looped):] == [("event", "Failed", here), ("event", "Failed", here), ("turn", None, here)]
