@@ -15,7 +15,7 @@ import trio
 
 from gnosis_daemon.protocol import ErrorCode
 from station.serving.engine_ops import EngineCall
-from station.serving.stream import GenerateStream
+from station.serving.stream import GenerateStream, TrioCalls
 
 
 class Preparing:
@@ -49,8 +49,7 @@ class Connection:
         self._unsent: list[bytes] = []  # frames not yet written, in order
         self._sending = False  # a trio write is under way: nobody else writes meanwhile
         self._wanted = trio.Event()  # set: queued frames wait for the writer
-        self._token = trio.lowlevel.current_trio_token()
-        self._trio_thread = threading.get_ident()
+        self._on_trio = TrioCalls()  # wakes the writer from the engine's thread
         self.generates: dict[Any, GenerateStream] = {}
         self.calls: dict[Any, EngineCall] = {}  # in-flight engine calls by frame id
         self.preparing: dict[Any, Preparing] = {}  # tokenizer work on a worker thread
@@ -98,13 +97,7 @@ class Connection:
                 self._unsent = [data[sent:]] if sent < len(data) else []
             if not self._unsent:
                 return
-        if threading.get_ident() == self._trio_thread:
-            self._wanted.set()
-        else:
-            try:
-                self._token.run_sync_soon(self._wanted.set)
-            except trio.RunFinishedError:
-                pass  # trio is gone: nothing is written any more
+        self._on_trio(self._wanted.set)
 
     async def write_queued(self) -> None:
         """The connection's writer task: what ``flush`` could not write at once, in order,

@@ -75,18 +75,17 @@ class IncrementalDetokenizer:
         """Add sampled tokens; return the text they completed (empty once stopped)."""
         if self.stopped:
             return DetokOutput("", True)
-        ascii = self._ascii
+        pieces = self._ascii
         for token_id in token_ids:
             token_id = int(token_id)
-            text = ascii[token_id] if 0 <= token_id < len(ascii) else None
-            # Everything before it emitted: its text is what the window path would emit.
-            if text is not None and self._read_offset == len(self._ids):
-                self._ids.append(token_id)
+            text = pieces[token_id] if 0 <= token_id < len(pieces) else None
+            caught_up = self._read_offset == len(self._ids)  # everything before it emitted
+            self._ids.append(token_id)
+            if text is not None and caught_up:  # what the window path would emit
                 self._prefix_offset = self._read_offset
                 self._read_offset = len(self._ids)
                 self._pending += text
             else:
-                self._ids.append(token_id)
                 self._pending += self._next_piece()
         return self._release(final=False)
 

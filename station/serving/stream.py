@@ -64,19 +64,40 @@ class _Unrouted:
         pass
 
 
+class TrioCalls:
+    """Calls a function on trio's thread from either thread: at once on trio's, else through
+    the run's ``run_sync_soon`` (nothing once the run is over). Made on trio's thread."""
+
+    def __init__(self, token: trio.lowlevel.TrioToken | None = None) -> None:
+        self.token = token or trio.lowlevel.current_trio_token()
+        self._thread = threading.get_ident()
+
+    def __call__(self, fn: Callable[[], object]) -> None:
+        if threading.get_ident() == self._thread:
+            fn()
+            return
+        try:
+            self.token.run_sync_soon(fn)
+        except trio.RunFinishedError:
+            pass  # trio is gone (shutdown): nobody is left to tell
+
+
 class EventRelay:
     """The engine's events to their streams, on the engine's thread, and what needs trio.
 
     ``put`` (every stream's ``on_event``) hands the event to its stream now; ``turn_done``
     (the engine calls it after each turn of its loop) writes each connection that got
-    frames since, once. ``on_trio`` runs a function on trio's thread: at once when called
-    there, else through ``run_sync_soon`` (a stream's end wakes its task).
+    frames since, once. ``on_trio`` runs a function on trio's thread (a stream's end wakes
+    its task).
     """
 
     def __init__(self, token: trio.lowlevel.TrioToken) -> None:
-        self.token = token
-        self._trio_thread = threading.get_ident()  # made on trio's thread (the server's)
+        self.on_trio = TrioCalls(token)  # made on trio's thread (the server's)
         self._written: dict[int, FrameSink] = {}  # connections with frames this turn
+
+    @property
+    def token(self) -> trio.lowlevel.TrioToken:
+        return self.on_trio.token
 
     def put(self, stream: GenerateStream, event: EngineEvent) -> None:
         """Engine thread: the event's frames onto its connection's queue."""
@@ -89,15 +110,6 @@ class EventRelay:
             sinks, self._written = self._written, {}
             for sink in sinks.values():
                 sink.flush()
-
-    def on_trio(self, fn: Callable[[], object]) -> None:
-        if threading.get_ident() == self._trio_thread:
-            fn()
-            return
-        try:
-            self.token.run_sync_soon(fn)
-        except trio.RunFinishedError:
-            pass  # trio is gone (shutdown): nobody is left to tell
 
 
 class _Choice:
@@ -119,8 +131,9 @@ class GenerateStream:
     """State of one in-flight generate: its choices' detokenizers, timings, its outcome.
 
     ``route`` gives it its connection's write queue and the engine before the engine is
-    given its request; from then on ``arrive`` (trio thread) turns each event into frames,
-    and ``pump`` (its task) waits for the end and logs it.
+    given its request; from then on ``arrive`` turns each event into frames (on the engine's
+    thread, or trio's for its own events), and ``pump`` (its task) waits for the end and
+    logs it.
     """
 
     def __init__(self, frame_id: Any, engine_id: str, gen: CheckedGenerate, tokenizer: Any,

@@ -52,7 +52,7 @@ class _Counting:
 
 async def test_a_steps_events_are_handled_on_the_engine_thread_in_order_one_write_a_turn():
     relay = EventRelay(trio.lowlevel.current_trio_token())
-    relay.token = counting = _Counting(relay.token)  # type: ignore[assignment]
+    relay.on_trio.token = counting = _Counting(relay.token)  # type: ignore[assignment]
     arrived: list = []
     sinks = [_Sink(), _Sink()]
     streams = [_Stream(f"s{i}", sinks[i % 2], arrived) for i in range(6)]
@@ -83,7 +83,7 @@ async def test_a_streams_end_on_the_engine_thread_wakes_its_task_on_trio():
     from station.core.requests import Finished, Token
 
     relay = EventRelay(trio.lowlevel.current_trio_token())
-    relay.token = counting = _Counting(relay.token)  # type: ignore[assignment]
+    relay.on_trio.token = counting = _Counting(relay.token)  # type: ignore[assignment]
     sink, engine = _Sink(), _Engine()
     stream = _stream(relay)
     stream.route(sink, engine)  # type: ignore[arg-type]
