@@ -118,6 +118,7 @@ class PagedEngine:
         self.num_steps, self.loop_idle, self.loop_turned = 0, True, time.monotonic()
         log.info("kv_pool_ready", num_blocks=num_blocks, block_size=self.block_size,
                  bytes_per_block=shape.bytes_per_block, bytes_total=self.kv_cache.bytes_total)
+        self.kv_cache.prefault(lambda fields: log.info("kv_pool_prefaulted", **fields))
 
     # -- the server's interface (any thread)
     def start(self) -> None:
