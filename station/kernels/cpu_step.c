@@ -184,10 +184,29 @@ static void parallel(step_t *s, task_fn fn, int chunks) {
 
 /* -- arithmetic */
 
+/* RMS norm of n values (n a multiple of 16: the step's widths are whole groups). The sum of
+   squares is 16 partial sums (sum l takes fma(h_i, h_i, sum) for i = l mod 16, in order,
+   from 0), then (l + l+8), (l + l+4), (l + l+2), (0 + 1): on every build the same bits, and
+   16 short chains instead of one of n dependent additions (a row's norm was a third of
+   the time a prompt spent outside its products and attention). */
 static void rms_norm(const float *h, const float *w, float *out, int n, float eps) {
-    float ss = 0.0f;
-    for (int i = 0; i < n; i++) ss += h[i] * h[i];
-    float r = 1.0f / sqrtf(ss / n + eps);
+    float part[16];
+#if STEP_SIMD
+    __m256 a = _mm256_setzero_ps(), b = _mm256_setzero_ps();
+    for (int i = 0; i < n; i += 16) {
+        const __m256 x = _mm256_loadu_ps(h + i), y = _mm256_loadu_ps(h + i + 8);
+        a = _mm256_fmadd_ps(x, x, a);
+        b = _mm256_fmadd_ps(y, y, b);
+    }
+    _mm256_storeu_ps(part, a);
+    _mm256_storeu_ps(part + 8, b);
+#else
+    for (int l = 0; l < 16; l++) part[l] = 0.0f;
+    for (int i = 0; i < n; i++) part[i % 16] = fmaf(h[i], h[i], part[i % 16]);
+#endif
+    for (int width = 8; width >= 1; width /= 2)
+        for (int l = 0; l < width; l++) part[l] += part[l + width];
+    float r = 1.0f / sqrtf(part[0] / n + eps);
     for (int i = 0; i < n; i++) out[i] = w[i] * (h[i] * r);
 }
 

@@ -182,8 +182,10 @@ class StepWeights:
     def arithmetic(self) -> str:
         """Names what the step's bits depend on (for the fingerprint: KV one arithmetic
         wrote is never served to another): the products' (alike on every build) and which
-        attention this build runs."""
-        return "q4-int16-tiles," + ATTENTION_ARITHMETIC[self.attention_kind]
+        attention this build runs. ``norm-16-sums``: the RMS norms' sums of squares in 16
+        partial sums (cpu_step.c's rms_norm; before 2026-12-08 one running sum), so KV an
+        older station saved is not served as this one's."""
+        return "q4-int16-tiles,norm-16-sums," + ATTENTION_ARITHMETIC[self.attention_kind]
 
     def kernels(self) -> str:
         """What this machine's build computes the step with, for the decode plan."""
