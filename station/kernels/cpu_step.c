@@ -617,6 +617,10 @@ static int takes_layer(const gnosis_layer_weights_t *w, const gnosis_model_shape
            w->down.rows == m->hidden && w->down.cols == m->intermediate;
 }
 
+/* n bytes on whole cache lines: a row's outputs that two threads write (tiles of 16 floats,
+   64 bytes) then never share a line, where malloc's 16-byte alignment split each across two. */
+static void *lines(size_t n) { return aligned_alloc(64, (n + 63) / 64 * 64); }
+
 /* The step and what it allocated (free(NULL) is nothing). */
 static void free_buffers(step_t *s) {
     free(s->layer); free(s->h); free(s->x); free(s->qkv); free(s->att); free(s->act);
@@ -653,11 +657,11 @@ gnosis_status_t gnosis_step_create(const gnosis_step_config_t *config, gnosis_st
     int B = s->max_rows, widest = s->inter > qkv_n ? s->inter : qkv_n;
     widest = widest > att_n ? widest : att_n;
     widest = widest > s->hidden ? widest : s->hidden;
-    s->h = malloc(sizeof(float) * B * s->hidden);
-    s->x = malloc(sizeof(float) * B * widest);
-    s->qkv = malloc(sizeof(float) * B * qkv_n);
-    s->att = malloc(sizeof(float) * B * att_n);
-    s->act = malloc(sizeof(float) * B * s->inter);
+    s->h = lines(sizeof(float) * B * s->hidden);
+    s->x = lines(sizeof(float) * B * widest);
+    s->qkv = lines(sizeof(float) * B * qkv_n);
+    s->att = lines(sizeof(float) * B * att_n);
+    s->act = lines(sizeof(float) * B * s->inter);
     /* A group of a prompt's rows reads each K/V row once for all of them; few enough rows
        a group that each thread has about two jobs of attention. */
     int rep = s->heads / s->kv_heads, jobs_per_group = (2 * nt + s->kv_heads - 1) / s->kv_heads;
@@ -668,23 +672,23 @@ gnosis_status_t gnosis_step_create(const gnosis_step_config_t *config, gnosis_st
         if (s->group_max < 1) s->group_max = 1;
         s->pairs = s->group_max * rep;
         const size_t npad = s->pairs < 16 ? 16 : (size_t)(s->pairs + 15) / 16 * 16;
-        s->scores = malloc(sizeof(float) * nt * npad * (s->max_pos + 32));
-        s->qt = malloc(sizeof(float) * nt * hd * (npad < 32 ? 32 : npad));
-        s->part = malloc(sizeof(float) * nt * 16 * npad);
-        s->acc = malloc(sizeof(float) * nt * hd * npad);
+        s->scores = lines(sizeof(float) * nt * npad * (s->max_pos + 32));
+        s->qt = lines(sizeof(float) * nt * hd * (npad < 32 ? 32 : npad));
+        s->part = lines(sizeof(float) * nt * 16 * npad);
+        s->acc = lines(sizeof(float) * nt * hd * npad);
     } else { /* up to 32 (row, head) pairs a group (one row where a K/V head serves more) */
         s->pairs = rep > 32 ? rep : B * rep < 32 ? B * rep : 32;
         if (s->group_max > s->pairs / rep) s->group_max = s->pairs / rep;
         if (s->group_max < 1) s->group_max = 1;
-        s->scores = malloc(sizeof(float) * (size_t)nt * s->pairs * s->max_pos);
-        s->acc = malloc(sizeof(float) * (size_t)nt * s->pairs * hd);
-        s->qt = malloc(sizeof(float));
-        s->part = malloc(sizeof(float));
+        s->scores = lines(sizeof(float) * (size_t)nt * s->pairs * s->max_pos);
+        s->acc = lines(sizeof(float) * (size_t)nt * s->pairs * hd);
+        s->qt = lines(sizeof(float));
+        s->part = lines(sizeof(float));
     }
-    s->xq = malloc(sizeof(int16_t) * B * widest);
-    s->xd = malloc(sizeof(float) * B * (widest / G + 1));
-    s->xs = malloc(sizeof(float) * B * (widest / G + 1));
-    s->tile_out = malloc(sizeof(float) * nt * 2 * B * TILE_ROWS);
+    s->xq = lines(sizeof(int16_t) * B * widest);
+    s->xd = lines(sizeof(float) * B * (widest / G + 1));
+    s->xs = lines(sizeof(float) * B * (widest / G + 1));
+    s->tile_out = lines(sizeof(float) * nt * 2 * B * TILE_ROWS);
     if (!s->layer || !s->h || !s->x || !s->qkv || !s->att || !s->act || !s->scores || !s->acc || !s->qt ||
         !s->part || !s->xq || !s->xd || !s->xs || !s->tile_out) {
         free_buffers(s);

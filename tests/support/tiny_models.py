@@ -81,7 +81,8 @@ def build_tokenizer(merges: list[tuple[str, str]] | tuple = (), chat_template: s
 
 
 def tiny_config(family: str = "llama", vocab_size: int = 259,
-                max_position_embeddings: int = 4096):
+                max_position_embeddings: int = 4096, shape: dict | None = None):
+    """``shape``: sizes in place of the tiny ones (``hidden_size``, heads...)."""
     from transformers import LlamaConfig, MistralConfig, Qwen2Config
 
     common = dict(
@@ -98,6 +99,7 @@ def tiny_config(family: str = "llama", vocab_size: int = 259,
         pad_token_id=256,
         tie_word_embeddings=False,
     )
+    common.update(shape or {})
     if family == "llama":
         return LlamaConfig(**common)
     if family == "mistral":
@@ -136,9 +138,10 @@ def _window_config(family: str, common: dict):
 
 def build_tiny_model(path: str | Path, family: str = "llama", seed: int | None = None,
                      max_position_embeddings: int = 4096,
-                     chat_template: str = CHATML_TEMPLATE) -> Path:
+                     chat_template: str = CHATML_TEMPLATE, shape: dict | None = None) -> Path:
     """Write a tiny random model + tokenizer to ``path`` and return it (seed: per family;
-    ``chat_template``: ``TOOLS_TEMPLATE`` for a model whose template renders tools)."""
+    ``chat_template``: ``TOOLS_TEMPLATE`` for a model whose template renders tools;
+    ``shape``: ``tiny_config``'s)."""
     if seed is None:
         seed = FAMILIES.index(family) if family in FAMILIES else 0
     import torch
@@ -148,7 +151,7 @@ def build_tiny_model(path: str | Path, family: str = "llama", seed: int | None =
     path.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer(chat_template=chat_template)
     config = tiny_config(family, vocab_size=len(tokenizer),
-                         max_position_embeddings=max_position_embeddings)
+                         max_position_embeddings=max_position_embeddings, shape=shape)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.generation_config.eos_token_id = config.eos_token_id
