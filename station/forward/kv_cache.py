@@ -9,8 +9,8 @@ Sizing: CPU uses ``settings.kv_cache_bytes``; CUDA uses ``settings.kv_cache_gpu_
 of the memory still free after the weights are loaded.
 
 Residency: a CPU pool is mapped, not written, at startup (its pages are the kernel's zeros
-until written), then ``prefault`` writes its pages in on a background thread at idle
-priority (``MADV_POPULATE_WRITE``), in the order the block pool hands blocks out. Otherwise
+until written), then ``prefault`` writes its pages in on a background thread
+(``MADV_POPULATE_WRITE``), in the order the block pool hands blocks out. Otherwise
 the first prompts would take a page fault every 4 KiB of K/V inside the step (4-5% of a
 2,000-token miss on the default model here). Once that thread is done the whole pool
 (``kv_cache_bytes``) is resident.
@@ -87,10 +87,9 @@ PREFAULT_CHUNK_BYTES = 8 << 20  # the pool's bytes one turn of the prefault cove
 def _prefault(cache_ref: weakref.ref[KVCache], done: Callable[[dict[str, Any]], None]) -> None:
     """``KVCache.prefault``'s thread: block chunks in id order, each chunk's range in every
     (layer, K/V) plane; ends early if the pool is gone or the kernel lacks the advice."""
-    try:  # only what the station leaves idle (0: the calling thread)
-        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
-    except (AttributeError, OSError):
-        pass
+    # At the station's own priority, not SCHED_IDLE: each advice holds the process's mmap
+    # lock, and a thread that only runs on an idle core could hold it, preempted, while the
+    # engine thread waits to map memory (an inversion with no bound on a busy host).
     madvise = ctypes.CDLL(None, use_errno=True).madvise
     madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     page = mmap.PAGESIZE
@@ -194,8 +193,8 @@ class KVCache:
                             for i in range(shape.num_layers)]
 
     def prefault(self, done: Callable[[dict[str, Any]], None]) -> threading.Thread | None:
-        """Write in a CPU pool's pages on a background thread at idle priority (the module's
-        "Residency"); ``done`` gets what it did. A CUDA pool: nothing (None). The thread
+        """Write in a CPU pool's pages on a background thread (the module's "Residency");
+        ``done`` gets what it did. A CUDA pool: nothing (None). The thread
         holds the pool only while it advises a chunk, so a dropped pool is freed."""
         if self.device.type != "cpu":
             return None
