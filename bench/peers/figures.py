@@ -250,7 +250,8 @@ class PeerBench:
                    f"daemon {ttft.miss.median(0) * 1000:.0f} ms, llama.cpp "
                    f"{ttft.miss.median(1) * 1000:.0f} ms ({ttft.ms(0, 0)}) "
                    f"({ttft.seen[d.name][0].prompt_tokens} prompt tokens on the daemon); "
-                   f"{ttft.miss.spread()}")
+                   f"{ttft.miss.spread()}; ms per round, daemon/llama.cpp "
+                   + " ".join(f"{a * 1000:.0f}/{b * 1000:.0f}" for a, b in ttft.miss.pairs))
         report.add("prefix-hit TTFT (the same prompt again), daemon / llama.cpp server (the faster "
                    "of with and without flash attention)", ttft.hit.ratio, *ceiling(1.0),
                    f"daemon {ttft.hit.median(0) * 1000:.1f} ms (cached {daemon_hit.cached_tokens} "
