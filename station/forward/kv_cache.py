@@ -11,8 +11,8 @@ of the memory still free after the weights are loaded.
 Residency: a CPU pool is mapped, not written, at startup (its pages are the kernel's zeros
 until written), then ``prefault`` writes its pages in on a background thread
 (``MADV_POPULATE_WRITE``), in the order the block pool hands blocks out. Otherwise
-the first prompts would take a page fault every 4 KiB of K/V inside the step (4-5% of a
-2,000-token miss on the default model here). Once that thread is done the whole pool
+the first prompts would take a page fault every 4 KiB of K/V inside the step (3-6% of a
+miss on the default model here). Once that thread is done the whole pool
 (``kv_cache_bytes``) is resident.
 
 Shared memory: with the disk tier on a CPU pool, the pool lives in an anonymous shared

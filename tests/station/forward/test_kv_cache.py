@@ -45,4 +45,3 @@ def test_prefault_makes_the_pool_resident_without_changing_a_byte(shared):
     assert torch.equal(cache.kv[1, 0, 7], written)
     cache.kv[1, 0, 7] = 0
     assert not cache.kv.view(torch.int16).any()  # the advice wrote nothing
-

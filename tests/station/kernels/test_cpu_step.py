@@ -26,8 +26,8 @@ from tests.support.tiny_models import build_tiny_model
 pytestmark = pytest.mark.skipif(compiler() is None, reason="no C compiler here (cc, gcc or $CC)")
 
 
-# head_dim 64 (the default model's): the q/k/v product applies rotary and stores K/V as each
-# head's tiles are computed (OUT_QKV_ROTARY); the tiny models' 16 take the per-row rotary
+# head_dim 64 (the default model's) beside the tiny models' 16: a head four tiles of the
+# q/k/v product, a bfloat16 K/V row two cache lines, the attention's blocks at that width
 WIDE_HEADS = {"hidden_size": 128, "num_attention_heads": 2, "num_key_value_heads": 1}
 
 
