@@ -135,6 +135,7 @@ class BlockPool:
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
         # Order is the eviction order: head = next to allocate.
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self.high_water = 0  # one past the highest block id ever handed out (the pool's used span)
         self.cached_block_hash_to_block: dict[BlockHash, KVBlock] = {}
         # The tail index: (tail key, first token) -> the cached blocks (full and partial) that
         # follow that chain and start with that token.
@@ -299,6 +300,8 @@ class BlockPool:
         out: list[KVBlock] = []
         for _ in range(num_blocks):
             block_id, _ = self._free.popitem(last=False)
+            if block_id >= self.high_water:
+                self.high_water = block_id + 1
             block = self.blocks[block_id]
             assert not block.held
             self._evict(block)

@@ -331,6 +331,7 @@ class PagedEngine:
         """schedule -> run -> postprocess (engine thread only)."""
         sched = self.scheduler
         out = sched.schedule()
+        self.kv_cache.need(self.kv.pool.high_water)  # the next blocks' pages written in ahead
         if self.tier is not None:
             self.tier.submit_loads(out.loads)
         for seq in out.finished:

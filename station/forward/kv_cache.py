@@ -9,11 +9,12 @@ Sizing: CPU uses ``settings.kv_cache_bytes``; CUDA uses ``settings.kv_cache_gpu_
 of the memory still free after the weights are loaded.
 
 Residency: a CPU pool is mapped, not written, at startup (its pages are the kernel's zeros
-until written), then ``prefault`` writes its pages in on a background thread
-(``MADV_POPULATE_WRITE``), in the order the block pool hands blocks out. Otherwise
-the first prompts would take a page fault every 4 KiB of K/V inside the step (3-6% of a
-miss on the default model here). Once that thread is done the whole pool
-(``kv_cache_bytes``) is resident.
+until written). ``prefault`` writes its pages in on a background thread
+(``MADV_POPULATE_WRITE``), in the order the block pool hands blocks out, and keeps
+``PREFAULT_AHEAD_BYTES`` of them ready past the highest block handed out so far (``need``,
+called each step). Otherwise a prompt would take a page fault every 4 KiB of new K/V inside
+the step (3-6% of a miss on the default model here). The pool becomes resident as it is used,
+that much ahead.
 
 Shared memory: with the disk tier on a CPU pool, the pool lives in an anonymous shared
 memory file (``SharedBlocks``, a memfd) that the tier's I/O process maps too, so it copies
@@ -81,19 +82,31 @@ def _blocks_over(buffer: mmap.mmap, shape: KVCacheShape, num_blocks: int) -> tor
 
 
 MADV_POPULATE_WRITE = 23  # Linux 5.14+: page tables filled writable, no byte written
-PREFAULT_CHUNK_BYTES = 8 << 20  # the pool's bytes one turn of the prefault covers
+PREFAULT_CHUNK_BYTES = 8 << 20  # the pool's bytes one advice turn covers
+PREFAULT_AHEAD_BYTES = 64 << 20  # kept ready past the used span (a few thousand tokens' K/V)
+PREFAULT_POLL_S = 1.0  # how often an idle prefault thread looks whether its pool is gone
 
 
-def _prefault(cache_ref: weakref.ref[KVCache], done: Callable[[dict[str, Any]], None]) -> None:
-    """``KVCache.prefault``'s thread: block chunks in id order, each chunk's range in every
-    (layer, K/V) plane; ends early if the pool is gone or the kernel lacks the advice."""
+class _Prefault:
+    """What ``KVCache.prefault``'s thread and ``KVCache.need`` share: the blocks to have
+    ready (``target``) under a condition."""
+
+    def __init__(self, target: int, ahead: int) -> None:
+        self.cv = threading.Condition()
+        self.target, self.ahead = target, ahead
+
+
+def _prefault(cache_ref: weakref.ref[KVCache], state: _Prefault,
+              done: Callable[[dict[str, Any]], None]) -> None:
+    """``KVCache.prefault``'s thread: blocks [0, target) in id order, a chunk's range in every
+    (layer, K/V) plane at a time; ends once every block is ready, when the pool is gone, or
+    when the kernel lacks the advice."""
     # At the station's own priority, not SCHED_IDLE: each advice holds the process's mmap
     # lock, and a thread that only runs on an idle core could hold it, preempted, while the
     # engine thread waits to map memory (an inversion with no bound on a busy host).
     madvise = ctypes.CDLL(None, use_errno=True).madvise
     madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     page = mmap.PAGESIZE
-    start = time.monotonic()
     cache = cache_ref()
     if cache is None:
         return
@@ -101,21 +114,28 @@ def _prefault(cache_ref: weakref.ref[KVCache], done: Callable[[dict[str, Any]], 
     plane_block = cache.kv[0, 0, 0].numel() * cache.kv.element_size()  # one block of one plane
     step = max(1, PREFAULT_CHUNK_BYTES // (plane_block * planes))
     del cache
-    for b0 in range(0, total, step):
+    ready, busy_s = 0, 0.0
+    while ready < total:
+        with state.cv:
+            if state.target <= ready:
+                state.cv.wait(PREFAULT_POLL_S)
+            target = min(state.target, total)
         cache = cache_ref()  # held across the chunk: its map stays while advised
         if cache is None:
             return
-        base = cache.kv.data_ptr()
+        start = time.monotonic()
+        base, end = cache.kv.data_ptr(), min(ready + step, target)
         for plane in range(planes):
-            lo = base + (plane * total + b0) * plane_block
-            hi = lo + (min(b0 + step, total) - b0) * plane_block
+            lo = base + (plane * total + ready) * plane_block
+            hi = base + (plane * total + end) * plane_block
             lo -= lo % page
-            if madvise(lo, hi - lo, MADV_POPULATE_WRITE) != 0:
-                err = ctypes.get_errno()
-                done({"ok": False, "error": os.strerror(err), "blocks_done": b0})
+            if end > ready and madvise(lo, hi - lo, MADV_POPULATE_WRITE) != 0:
+                done({"ok": False, "error": os.strerror(ctypes.get_errno()), "blocks_ready": ready})
                 return
+        busy_s += time.monotonic() - start
+        ready = max(ready, end)
         del cache
-    done({"ok": True, "blocks": total, "seconds": round(time.monotonic() - start, 3)})
+    done({"ok": True, "blocks": total, "seconds": round(busy_s, 3)})
 
 
 def num_blocks_for(shape: KVCacheShape, settings, device: torch.device) -> int:
@@ -167,6 +187,7 @@ class KVCache:
         # ``scratch_blocks``: blocks past ``num_blocks`` that no sequence ever owns; the padded
         # rows of a decode graph write there (``station.forward.decode_graphs``).
         self.scratch_block = num_blocks if scratch_blocks else None
+        self._prefault: _Prefault | None = None  # prefault's thread's state, once started
         total = num_blocks + scratch_blocks
         # ``shared`` (a CPU pool only): the blocks in shared memory, for the tier's I/O process.
         self.shared = SharedBlocks(shape, total) if shared and device.type == "cpu" else None
@@ -192,15 +213,29 @@ class KVCache:
         self.layer_views = [(self.flat[i, 0], self.flat[i, 1], self.kv[i, 0], self.kv[i, 1])
                             for i in range(shape.num_layers)]
 
-    def prefault(self, done: Callable[[dict[str, Any]], None]) -> threading.Thread | None:
-        """Write in a CPU pool's pages on a background thread (the module's "Residency");
-        ``done`` gets what it did. A CUDA pool: nothing (None). The thread
-        holds the pool only while it advises a chunk, so a dropped pool is freed."""
+    def prefault(self, done: Callable[[dict[str, Any]], None],
+                 ahead_bytes: int = PREFAULT_AHEAD_BYTES) -> threading.Thread | None:
+        """Write in a CPU pool's pages on a background thread (the module's "Residency"),
+        ``ahead_bytes`` of blocks at once and then as ``need`` asks; ``done`` gets what it
+        did once every block is ready. A CUDA pool: nothing (None). The thread holds the pool
+        only while it advises a chunk, so a dropped pool is freed."""
         if self.device.type != "cpu":
             return None
-        thread = threading.Thread(target=_prefault, args=(weakref.ref(self), done), name="kv-prefault", daemon=True)
+        ahead = max(1, ahead_bytes // self.shape.bytes_per_block)
+        self._prefault = _Prefault(ahead, ahead)
+        thread = threading.Thread(target=_prefault, args=(weakref.ref(self), self._prefault, done),
+                                  name="kv-prefault", daemon=True)
         thread.start()
         return thread
+
+    def need(self, high_water: int) -> None:
+        """Blocks below ``high_water`` have been handed out: have ``ahead`` more ready
+        (cheap when nothing changes: the engine calls it every step)."""
+        state = self._prefault
+        if state is not None and high_water + state.ahead > state.target:
+            with state.cv:
+                state.target = high_water + state.ahead
+                state.cv.notify()
 
     @property
     def bytes_total(self) -> int:

@@ -310,3 +310,13 @@ def test_turn_listeners_follow_each_turns_events_on_the_engine_thread_and_shutdo
     assert [kind for what, kind, _ in looped if what == "event"][:2] == ["Prefill", "Token"]
     assert looped[-1][0] == "turn"  # the loop's last events were followed by a call, there
     assert log[len(looped):] == [("event", "Failed", here), ("event", "Failed", here), ("turn", None, here)]
+
+
+def test_the_engine_keeps_its_pools_pages_ready_ahead_of_the_blocks_it_hands_out(tiny):
+    _path, loaded = tiny("llama")
+    with engine_for(loaded, num_blocks=4096) as engine:
+        state = engine.kv_cache._prefault
+        assert state is not None and state.target == state.ahead  # PREFAULT_AHEAD_BYTES' worth at start
+        submit(engine, "long", prompt_of(3, 40 * BS), 2).wait()
+        high = engine.kv.pool.high_water
+        assert high >= 40 and state.target == high + state.ahead  # asked for as the blocks went out

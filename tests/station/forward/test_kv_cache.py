@@ -1,12 +1,14 @@
-"""The CPU KV pool's pages written in ahead of the step (``KVCache.prefault``): every page
-of the pool resident once its thread is done, in the shared (memfd) and the private map
-alike, and no byte changed: K/V already written stays, the rest stays zero."""
+"""The CPU KV pool's pages written in ahead of the step (``KVCache.prefault``): a span of
+blocks ahead of the ones handed out made resident, then more as ``need`` asks, up to the
+whole pool, in the shared (memfd) and the private map alike, and no byte changed: K/V
+already written stays, the rest stays zero."""
 
 from __future__ import annotations
 
 import ctypes
 import mmap
 import threading
+import time
 
 import pytest
 import torch
@@ -29,19 +31,46 @@ def _resident_pages(tensor: torch.Tensor) -> tuple[int, int]:
     return sum(v & 1 for v in vec), pages
 
 
+def _ready_blocks(cache: KVCache) -> int:
+    """Blocks whose pages are all resident in every (layer, K/V) plane, counted from 0."""
+    n = 0
+    while n < cache.kv.shape[2] and all(_resident_pages(cache.kv[layer, kv, n])[0] == _resident_pages(
+            cache.kv[layer, kv, n])[1] for layer in range(SHAPE.num_layers) for kv in range(2)):
+        n += 1
+    return n
+
+
+def _wait_for(check, timeout: float = 30.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
 @pytest.mark.parametrize("shared", [False, True], ids=["private", "memfd"])
-def test_prefault_makes_the_pool_resident_without_changing_a_byte(shared):
+def test_prefault_keeps_blocks_ready_ahead_of_use_without_changing_a_byte(shared):
     cache = KVCache(SHAPE, 40, torch.device("cpu"), shared=shared, scratch_blocks=1)
     resident, pages = _resident_pages(cache.kv)
     assert resident < pages // 4  # mapped, not written: the kernel's zeros
     written = torch.randn(SHAPE.block_size, SHAPE.num_kv_heads, SHAPE.head_dim).to(SHAPE.dtype)
-    cache.kv[1, 0, 7] = written  # a block K/V was written into before the thread ran
+    cache.kv[1, 0, 30] = written  # a block K/V was written into before the thread reached it
     got: list[dict] = []
     finished = threading.Event()
-    thread = cache.prefault(lambda fields: (got.append(fields), finished.set()))
-    assert thread is not None and finished.wait(30)
+    ahead = 8  # blocks
+    thread = cache.prefault(lambda fields: (got.append(fields), finished.set()),
+                            ahead_bytes=ahead * SHAPE.bytes_per_block)
+    assert thread is not None
+    assert _wait_for(lambda: _ready_blocks(cache) >= ahead)
+    time.sleep(0.2)
+    assert _ready_blocks(cache) < 12 and not finished.is_set()  # no further until asked
+    cache.need(20)  # blocks below 20 handed out: ready up to 28
+    assert _wait_for(lambda: _ready_blocks(cache) >= 28)
+    cache.need(40)
+    assert finished.wait(30)
     assert got == [{"ok": True, "blocks": 41, "seconds": got[0]["seconds"]}]
     assert _resident_pages(cache.kv) == (pages, pages)
-    assert torch.equal(cache.kv[1, 0, 7], written)
-    cache.kv[1, 0, 7] = 0
+    assert torch.equal(cache.kv[1, 0, 30], written)
+    cache.kv[1, 0, 30] = 0
     assert not cache.kv.view(torch.int16).any()  # the advice wrote nothing
