@@ -91,12 +91,12 @@ class _Prefault:
     """What ``KVCache.prefault``'s thread and ``KVCache.need`` share: the blocks to have
     ready (``target``) under a condition."""
 
-    def __init__(self, target: int, ahead: int) -> None:
+    def __init__(self, ahead: int) -> None:
         self.cv = threading.Condition()
-        self.target, self.ahead = target, ahead
+        self.target = self.ahead = ahead  # the first ``ahead`` blocks at once
 
 
-def _prefault(cache_ref: weakref.ref[KVCache], state: _Prefault,
+def _prefault_thread(cache_ref: weakref.ref[KVCache], state: _Prefault,
               done: Callable[[dict[str, Any]], None]) -> None:
     """``KVCache.prefault``'s thread: blocks [0, target) in id order, a chunk's range in every
     (layer, K/V) plane at a time; ends once every block is ready, when the pool is gone, or
@@ -119,21 +119,20 @@ def _prefault(cache_ref: weakref.ref[KVCache], state: _Prefault,
         with state.cv:
             if state.target <= ready:
                 state.cv.wait(PREFAULT_POLL_S)
-            target = min(state.target, total)
+            end = min(state.target, total, ready + step)
         cache = cache_ref()  # held across the chunk: its map stays while advised
         if cache is None:
             return
-        start = time.monotonic()
-        base, end = cache.kv.data_ptr(), min(ready + step, target)
-        for plane in range(planes):
-            lo = base + (plane * total + ready) * plane_block
-            hi = base + (plane * total + end) * plane_block
-            lo -= lo % page
-            if end > ready and madvise(lo, hi - lo, MADV_POPULATE_WRITE) != 0:
-                done({"ok": False, "error": os.strerror(ctypes.get_errno()), "blocks_ready": ready})
-                return
-        busy_s += time.monotonic() - start
-        ready = max(ready, end)
+        if end > ready:
+            start, base = time.monotonic(), cache.kv.data_ptr()
+            for plane in range(planes):
+                lo = base + (plane * total + ready) * plane_block
+                hi = base + (plane * total + end) * plane_block
+                if madvise(lo - lo % page, hi - lo + lo % page, MADV_POPULATE_WRITE) != 0:
+                    done({"ok": False, "error": os.strerror(ctypes.get_errno()), "blocks_ready": ready})
+                    return
+            busy_s += time.monotonic() - start
+            ready = end
         del cache
     done({"ok": True, "blocks": total, "seconds": round(busy_s, 3)})
 
@@ -222,8 +221,8 @@ class KVCache:
         if self.device.type != "cpu":
             return None
         ahead = max(1, ahead_bytes // self.shape.bytes_per_block)
-        self._prefault = _Prefault(ahead, ahead)
-        thread = threading.Thread(target=_prefault, args=(weakref.ref(self), self._prefault, done),
+        self._prefault = _Prefault(ahead)
+        thread = threading.Thread(target=_prefault_thread, args=(weakref.ref(self), self._prefault, done),
                                   name="kv-prefault", daemon=True)
         thread.start()
         return thread

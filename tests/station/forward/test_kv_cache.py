@@ -33,9 +33,13 @@ def _resident_pages(tensor: torch.Tensor) -> tuple[int, int]:
 
 def _ready_blocks(cache: KVCache) -> int:
     """Blocks whose pages are all resident in every (layer, K/V) plane, counted from 0."""
+    def ready(block: int) -> bool:
+        counts = [_resident_pages(cache.kv[layer, kv, block]) for layer in range(SHAPE.num_layers)
+                  for kv in range(2)]
+        return all(resident == pages for resident, pages in counts)
+
     n = 0
-    while n < cache.kv.shape[2] and all(_resident_pages(cache.kv[layer, kv, n])[0] == _resident_pages(
-            cache.kv[layer, kv, n])[1] for layer in range(SHAPE.num_layers) for kv in range(2)):
+    while n < cache.kv.shape[2] and ready(n):
         n += 1
     return n
 
