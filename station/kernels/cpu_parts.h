@@ -11,13 +11,14 @@
 
 /* -- the 4-bit products (cpu_q4.c) */
 
-/* One row of activations for the products: per 32-value group, int16 values xq, their
-   step xd (the group's largest magnitude / 32767) and the group's float32 sum xs. */
-void gnosis_q4_quantize_row(const float *x, int32_t k, int16_t *xq, float *xd, float *xs);
+/* One row of activations for the products: int16 values xq; per 32-value group g the left
+   shift xsh[g] (0..7) that brings its integer sums to steps of the row's *xr (its largest
+   magnitude / 32767 / 128), and the group's float32 sum xs[g]. */
+void gnosis_q4_quantize_row(const float *x, int32_t k, int16_t *xq, int32_t *xsh, float *xs, float *xr);
 /* y[r][i] = row 16 tile + i of w times token row r (r < rows; rows of xq are w->cols apart,
-   of xd and xs w->cols / GNOSIS_GROUP), bias included: [rows, GNOSIS_Q4_TILE]. */
-void gnosis_q4_tile(const gnosis_q4_matrix_t *w, int32_t tile, const int16_t *xq, const float *xd,
-                    const float *xs, int32_t rows, float *y);
+   of xsh and xs w->cols / GNOSIS_GROUP, of xr 1), bias included: [rows, GNOSIS_Q4_TILE]. */
+void gnosis_q4_tile(const gnosis_q4_matrix_t *w, int32_t tile, const int16_t *xq, const int32_t *xsh,
+                    const float *xs, const float *xr, int32_t rows, float *y);
 
 /* -- attention (cpu_attention.c) */
 

@@ -3,19 +3,25 @@
    and the tiled layout they read, which cpu_step.py writes from a GGUF file's groups).
 
    The arithmetic of one output of one token row, whatever the rows beside it:
-     - the row's activations, per 32-value group: d = max|x| / 32767,
-       q = round(x * 32767 / max|x|) (int16), s = the group's float32 sum in index order;
+     - the row's activations: A = the row's largest magnitude, d = A / 32767; per 32-value
+       group g a shift s_g, the largest of 0..7 with max|x of g| * 2^s_g <= A, so a group
+       far below the row's largest keeps up to 7 more bits; q = round(x * 2^s_g * 32767 / A)
+       (int16), and the group's float32 sum in index order;
      - per group g: an exact integer sum over the group of w_q * x_q (4-bit weights 0..15
-       times int16 activations, never more than 32 * 15 * 32767 in magnitude);
-     - acc = fma((float)sum_g, step_g * d_g, acc), then tail = fma(min_g, s_g, tail), both
-       over the groups in order, from 0; the output is acc + tail (+ bias).
-   So the float operations of an output are the same sequence in a decode row and in a
-   prompt's row, in a batch of 1 or of 64, and on every instruction set below: the AVX-512
-   VNNI build (vpdpwssd, 32 products an instruction into 16 outputs' sums), the AVX2 build
-   (vpmaddwd) and the plain C one give the same bits. Beside the float32 forward on the
-   same 4-bit values, the only added rounding is the activations' to 15 bits per group
-   (torch's int4 kernels round them to bfloat16, 8 bits; int8 activations, tried, were
-   4x further from the float forward than bfloat16 on the test models). */
+       times int16 activations, below 2^24 in magnitude), shifted left by 7 - s_g (below
+       2^31, and exact as a float32), so every group's sum counts steps of d / 128;
+     - acc = fma((float)shifted_g, step_g, acc), then tail = fma(min_g, sum_g, tail), both
+       over the groups in order, from 0; the output is fma(acc, d / 128, tail) (+ bias).
+   One scale per row, not per group, leaves a group's sum one multiply-add and an integer
+   shift where a per-group scale took a multiply more (measured 6% of the products, AMD
+   Zen 4, 2026-12-08). The float operations of an output are the same sequence in a decode
+   row and in a prompt's row, in a batch of 1 or of 64, and on every instruction set below:
+   the AVX-512 VNNI build (vpdpwssd, 32 products an instruction into 16 outputs' sums), the
+   AVX2 build (vpmaddwd) and the plain C one give the same bits. Beside the float32 forward
+   on the same 4-bit values, the only added rounding is the activations' to 15 bits of their
+   row's largest (up to 22 for a group 128 times smaller; torch's int4 kernels round them
+   to bfloat16, 8 bits; int8 activations, tried, were 4x further from the float forward
+   than bfloat16 on the test models). */
 
 #include <math.h>
 #include <stdint.h>
@@ -69,36 +75,50 @@ static inline float group_sum(const float *v) {
 #endif
 }
 
-void gnosis_q4_quantize_row(const float *x, int32_t k, int16_t *xq, float *xd, float *xs) {
-    for (int g = 0; g < k / G; g++) {
-        const float *v = x + g * G;
+/* A group's largest magnitude (a max is exact in any order). */
+static inline float group_amax(const float *v) {
 #if defined(Q4_VNNI) || defined(Q4_AVX2)
-        /* the largest magnitude: a max is exact in any order */
-        const __m256 sign = _mm256_set1_ps(-0.0f);
-        const __m256 m = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, _mm256_loadu_ps(v)), _mm256_andnot_ps(sign, _mm256_loadu_ps(v + 8))),
-                                       _mm256_max_ps(_mm256_andnot_ps(sign, _mm256_loadu_ps(v + 16)), _mm256_andnot_ps(sign, _mm256_loadu_ps(v + 24))));
-        __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
-        h = _mm_max_ps(h, _mm_movehl_ps(h, h));
-        const float amax = _mm_cvtss_f32(_mm_max_ss(h, _mm_shuffle_ps(h, h, 1)));
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    const __m256 m = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, _mm256_loadu_ps(v)), _mm256_andnot_ps(sign, _mm256_loadu_ps(v + 8))),
+                                   _mm256_max_ps(_mm256_andnot_ps(sign, _mm256_loadu_ps(v + 16)), _mm256_andnot_ps(sign, _mm256_loadu_ps(v + 24))));
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    return _mm_cvtss_f32(_mm_max_ss(h, _mm_shuffle_ps(h, h, 1)));
 #else
-        float amax = 0.0f;
-        for (int i = 0; i < G; i++) {
-            const float a = fabsf(v[i]);
-            amax = a > amax ? a : amax;
-        }
+    float amax = 0.0f;
+    for (int i = 0; i < G; i++) {
+        const float a = fabsf(v[i]);
+        amax = a > amax ? a : amax;
+    }
+    return amax;
 #endif
-        const float inv = amax > 0.0f ? 32767.0f / amax : 0.0f;
+}
+
+void gnosis_q4_quantize_row(const float *x, int32_t k, int16_t *xq, int32_t *xsh, float *xs, float *xr) {
+    const int groups = k / G;
+    float top = 0.0f;
+    for (int g = 0; g < groups; g++) { /* xs holds each group's largest until its sum */
+        xs[g] = group_amax(x + g * G);
+        top = xs[g] > top ? xs[g] : top;
+    }
+    const float inv = top > 0.0f ? 32767.0f / top : 0.0f;
+    *xr = top / 32767.0f / 128.0f;
+    for (int g = 0; g < groups; g++) {
+        const float *v = x + g * G;
+        int shift = 0; /* amax * 2^(shift + 1) <= top, both sides exact */
+        while (shift < 7 && xs[g] * (float)(2 << shift) <= top) shift++;
+        const float scale = inv * (float)(1 << shift);
 #if defined(Q4_VNNI) || defined(Q4_AVX2)
-        const __m256 scale = _mm256_set1_ps(inv);
+        const __m256 sc = _mm256_set1_ps(scale);
         for (int i = 0; i < G; i += 16) { /* round to nearest even, as lrintf */
-            const __m256i lo = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(v + i), scale));
-            const __m256i hi = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(v + i + 8), scale));
+            const __m256i lo = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(v + i), sc));
+            const __m256i hi = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(v + i + 8), sc));
             _mm256_storeu_si256((__m256i *)(xq + g * G + i), _mm256_permute4x64_epi64(_mm256_packs_epi32(lo, hi), 0xd8));
         }
 #else
-        for (int i = 0; i < G; i++) xq[g * G + i] = (int16_t)lrintf(v[i] * inv);
+        for (int i = 0; i < G; i++) xq[g * G + i] = (int16_t)lrintf(v[i] * scale);
 #endif
-        xd[g] = amax / 32767.0f;
+        xsh[g] = 7 - shift;
         xs[g] = group_sum(v);
     }
 }
@@ -107,8 +127,9 @@ void gnosis_q4_quantize_row(const float *x, int32_t k, int16_t *xq, float *xd, f
 /* bt token rows (a constant: the loops unroll, every sum in a register) of one tile. */
 static inline __attribute__((always_inline)) void tile_rows(const uint8_t *q, const uint16_t *sp,
                                                             const uint16_t *mp, int groups, int k,
-                                                            const int16_t *xq, const float *xd,
-                                                            const float *xs, const int bt, float *y) {
+                                                            const int16_t *xq, const int32_t *xsh,
+                                                            const float *xs, const float *xr, const int bt,
+                                                            float *y) {
     __m512 acc[ROW_BLOCK], tail[ROW_BLOCK];
     for (int t = 0; t < bt; t++) acc[t] = tail[t] = _mm512_setzero_ps();
     const __m512i low = _mm512_set1_epi16(0x0f);
@@ -132,20 +153,21 @@ static inline __attribute__((always_inline)) void tile_rows(const uint8_t *q, co
         const __m512 st = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(sp + (size_t)g * T)));
         const __m512 mn = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(mp + (size_t)g * T)));
         for (int t = 0; t < bt; t++) {
-            const __m512 scale = _mm512_mul_ps(st, _mm512_set1_ps(xd[t * groups + g]));
-            acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[t]), scale, acc[t]);
+            const __m512i shifted = _mm512_sllv_epi32(sum[t], _mm512_set1_epi32(xsh[t * groups + g]));
+            acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(shifted), st, acc[t]);
             tail[t] = _mm512_fmadd_ps(mn, _mm512_set1_ps(xs[t * groups + g]), tail[t]);
         }
     }
-    for (int t = 0; t < bt; t++) _mm512_storeu_ps(y + (size_t)t * T, _mm512_add_ps(acc[t], tail[t]));
+    for (int t = 0; t < bt; t++)
+        _mm512_storeu_ps(y + (size_t)t * T, _mm512_fmadd_ps(acc[t], _mm512_set1_ps(xr[t]), tail[t]));
 }
 #elif defined(Q4_AVX2)
 /* As the AVX-512 build, eight of the tile's rows at a time (h: which eight). */
 static inline __attribute__((always_inline)) void tile_half(const uint8_t *q, const uint16_t *sp,
                                                             const uint16_t *mp, int groups, int k,
-                                                            const int16_t *xq, const float *xd,
-                                                            const float *xs, const int bt, int h,
-                                                            float *y) {
+                                                            const int16_t *xq, const int32_t *xsh,
+                                                            const float *xs, const float *xr, const int bt,
+                                                            int h, float *y) {
     __m256 acc[4], tail[4];
     for (int t = 0; t < bt; t++) acc[t] = tail[t] = _mm256_setzero_ps();
     const __m256i low = _mm256_set1_epi16(0x0f);
@@ -168,33 +190,39 @@ static inline __attribute__((always_inline)) void tile_half(const uint8_t *q, co
         const __m256 st = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sp + (size_t)g * T + 8 * h)));
         const __m256 mn = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(mp + (size_t)g * T + 8 * h)));
         for (int t = 0; t < bt; t++) {
-            const __m256 scale = _mm256_mul_ps(st, _mm256_set1_ps(xd[t * groups + g]));
-            acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[t]), scale, acc[t]);
+            const __m256i shifted = _mm256_sllv_epi32(sum[t], _mm256_set1_epi32(xsh[t * groups + g]));
+            acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(shifted), st, acc[t]);
             tail[t] = _mm256_fmadd_ps(mn, _mm256_set1_ps(xs[t * groups + g]), tail[t]);
         }
     }
-    for (int t = 0; t < bt; t++) _mm256_storeu_ps(y + (size_t)t * T + 8 * h, _mm256_add_ps(acc[t], tail[t]));
+    for (int t = 0; t < bt; t++)
+        _mm256_storeu_ps(y + (size_t)t * T + 8 * h, _mm256_fmadd_ps(acc[t], _mm256_set1_ps(xr[t]), tail[t]));
 }
 
 static inline __attribute__((always_inline)) void tile_rows(const uint8_t *q, const uint16_t *sp,
                                                             const uint16_t *mp, int groups, int k,
-                                                            const int16_t *xq, const float *xd,
-                                                            const float *xs, const int bt, float *y) {
+                                                            const int16_t *xq, const int32_t *xsh,
+                                                            const float *xs, const float *xr, const int bt,
+                                                            float *y) {
     for (int t0 = 0; t0 < bt; t0 += 4) {
         const int n = bt - t0 < 4 ? bt - t0 : 4;
+        const int16_t *x = xq + (size_t)t0 * k;
+        const int32_t *e = xsh + t0 * groups;
+        const float *s = xs + t0 * groups, *r = xr + t0;
         for (int h = 0; h < 2; h++) {
             switch (n) {
-            case 1: tile_half(q, sp, mp, groups, k, xq + (size_t)t0 * k, xd + t0 * groups, xs + t0 * groups, 1, h, y + t0 * T); break;
-            case 2: tile_half(q, sp, mp, groups, k, xq + (size_t)t0 * k, xd + t0 * groups, xs + t0 * groups, 2, h, y + t0 * T); break;
-            case 3: tile_half(q, sp, mp, groups, k, xq + (size_t)t0 * k, xd + t0 * groups, xs + t0 * groups, 3, h, y + t0 * T); break;
-            default: tile_half(q, sp, mp, groups, k, xq + (size_t)t0 * k, xd + t0 * groups, xs + t0 * groups, 4, h, y + t0 * T); break;
+            case 1: tile_half(q, sp, mp, groups, k, x, e, s, r, 1, h, y + t0 * T); break;
+            case 2: tile_half(q, sp, mp, groups, k, x, e, s, r, 2, h, y + t0 * T); break;
+            case 3: tile_half(q, sp, mp, groups, k, x, e, s, r, 3, h, y + t0 * T); break;
+            default: tile_half(q, sp, mp, groups, k, x, e, s, r, 4, h, y + t0 * T); break;
             }
         }
     }
 }
 #else
 static void tile_rows(const uint8_t *q, const uint16_t *sp, const uint16_t *mp, int groups, int k,
-                      const int16_t *xq, const float *xd, const float *xs, const int bt, float *y) {
+                      const int16_t *xq, const int32_t *xsh, const float *xs, const float *xr, const int bt,
+                      float *y) {
     for (int t = 0; t < bt; t++)
         for (int i = 0; i < T; i++) {
             float acc = 0.0f, tail = 0.0f;
@@ -207,34 +235,35 @@ static void tile_rows(const uint8_t *q, const uint16_t *sp, const uint16_t *mp, 
                         const uint8_t byte = qg[32 * c + j];
                         sum += (byte & 15) * xg[2 * c + j] + (byte >> 4) * xg[2 * c + 16 + j];
                     }
-                const float scale = half_to_float(sp[(size_t)g * T + i]) * xd[t * groups + g];
-                acc = fmaf((float)sum, scale, acc);
+                const int32_t shifted = sum * (1 << xsh[t * groups + g]); /* |sum| < 2^24: no overflow */
+                acc = fmaf((float)shifted, half_to_float(sp[(size_t)g * T + i]), acc);
                 tail = fmaf(half_to_float(mp[(size_t)g * T + i]), xs[t * groups + g], tail);
             }
-            y[(size_t)t * T + i] = acc + tail;
+            y[(size_t)t * T + i] = fmaf(acc, xr[t], tail);
         }
 }
 #endif
 
-void gnosis_q4_tile(const gnosis_q4_matrix_t *w, int32_t tile, const int16_t *xq, const float *xd,
-                    const float *xs, int32_t rows, float *y) {
+void gnosis_q4_tile(const gnosis_q4_matrix_t *w, int32_t tile, const int16_t *xq, const int32_t *xsh,
+                    const float *xs, const float *xr, int32_t rows, float *y) {
     const int k = w->cols, groups = k / G;
     const uint8_t *q = w->q + (size_t)tile * groups * (T * G / 2);
     const uint16_t *sp = w->step + (size_t)tile * groups * T, *mp = w->min + (size_t)tile * groups * T;
     for (int t0 = 0; t0 < rows; t0 += ROW_BLOCK) {
         const int bt = rows - t0 < ROW_BLOCK ? rows - t0 : ROW_BLOCK;
         const int16_t *x = xq + (size_t)t0 * k;
-        const float *d = xd + (size_t)t0 * groups, *s = xs + (size_t)t0 * groups;
+        const int32_t *e = xsh + (size_t)t0 * groups;
+        const float *s = xs + (size_t)t0 * groups, *r = xr + t0;
         float *out = y + (size_t)t0 * T;
         switch (bt) {
-        case 1: tile_rows(q, sp, mp, groups, k, x, d, s, 1, out); break;
-        case 2: tile_rows(q, sp, mp, groups, k, x, d, s, 2, out); break;
-        case 3: tile_rows(q, sp, mp, groups, k, x, d, s, 3, out); break;
-        case 4: tile_rows(q, sp, mp, groups, k, x, d, s, 4, out); break;
-        case 5: tile_rows(q, sp, mp, groups, k, x, d, s, 5, out); break;
-        case 6: tile_rows(q, sp, mp, groups, k, x, d, s, 6, out); break;
-        case 7: tile_rows(q, sp, mp, groups, k, x, d, s, 7, out); break;
-        default: tile_rows(q, sp, mp, groups, k, x, d, s, 8, out); break;
+        case 1: tile_rows(q, sp, mp, groups, k, x, e, s, r, 1, out); break;
+        case 2: tile_rows(q, sp, mp, groups, k, x, e, s, r, 2, out); break;
+        case 3: tile_rows(q, sp, mp, groups, k, x, e, s, r, 3, out); break;
+        case 4: tile_rows(q, sp, mp, groups, k, x, e, s, r, 4, out); break;
+        case 5: tile_rows(q, sp, mp, groups, k, x, e, s, r, 5, out); break;
+        case 6: tile_rows(q, sp, mp, groups, k, x, e, s, r, 6, out); break;
+        case 7: tile_rows(q, sp, mp, groups, k, x, e, s, r, 7, out); break;
+        default: tile_rows(q, sp, mp, groups, k, x, e, s, r, 8, out); break;
         }
     }
     if (w->bias)
@@ -260,7 +289,8 @@ const char *gnosis_q4_simd(void) {
 typedef struct {
     const gnosis_q4_matrix_t *w;
     const int16_t *xq;
-    const float *xd, *xs;
+    const int32_t *xsh;
+    const float *xs, *xr;
     float *y, *scratch; /* y: [rows, ld]; scratch: [rows, T] */
     int32_t t0, t1, first, rows, ld;
 } q4_job_t;
@@ -268,7 +298,7 @@ typedef struct {
 static void *q4_job(void *arg) {
     const q4_job_t *j = (const q4_job_t *)arg;
     for (int t = j->t0; t < j->t1; t++) {
-        gnosis_q4_tile(j->w, j->first + t, j->xq, j->xd, j->xs, j->rows, j->scratch);
+        gnosis_q4_tile(j->w, j->first + t, j->xq, j->xsh, j->xs, j->xr, j->rows, j->scratch);
         for (int r = 0; r < j->rows; r++)
             memcpy(j->y + (size_t)r * j->ld + (size_t)t * T, j->scratch + (size_t)r * T, sizeof(float) * T);
     }
@@ -283,22 +313,23 @@ gnosis_status_t gnosis_q4_linear(const gnosis_q4_matrix_t *w, int32_t first, int
     if (threads > GNOSIS_MAX_THREADS) threads = GNOSIS_MAX_THREADS;
     if (threads > tiles) threads = tiles > 0 ? tiles : 1;
     int16_t *xq = malloc(sizeof(int16_t) * ((size_t)rows * k + 1));
-    float *xd = malloc(sizeof(float) * ((size_t)rows * groups + 1)), *xs = malloc(sizeof(float) * ((size_t)rows * groups + 1));
+    int32_t *xsh = malloc(sizeof(int32_t) * ((size_t)rows * groups + 1));
+    float *xs = malloc(sizeof(float) * ((size_t)rows * groups + 1)), *xr = malloc(sizeof(float) * ((size_t)rows + 1));
     float *scratch = malloc(sizeof(float) * ((size_t)threads * rows * T + 1));
     gnosis_status_t status = GNOSIS_OK;
-    if (!xq || !xd || !xs || !scratch) {
+    if (!xq || !xsh || !xs || !xr || !scratch) {
         status = GNOSIS_NO_MEMORY;
         goto done;
     }
     for (int r = 0; r < rows; r++)
-        gnosis_q4_quantize_row(x + (size_t)r * k, k, xq + (size_t)r * k, xd + (size_t)r * groups, xs + (size_t)r * groups);
+        gnosis_q4_quantize_row(x + (size_t)r * k, k, xq + (size_t)r * k, xsh + (size_t)r * groups, xs + (size_t)r * groups, xr + r);
     pthread_t tid[GNOSIS_MAX_THREADS];
     q4_job_t jobs[GNOSIS_MAX_THREADS];
     int started[GNOSIS_MAX_THREADS] = {0};
     const int per = (tiles + threads - 1) / threads;
     for (int i = 0; i < threads; i++) {
         const int a = i * per < tiles ? i * per : tiles, b = a + per < tiles ? a + per : tiles;
-        jobs[i] = (q4_job_t){w, xq, xd, xs, y, scratch + (size_t)i * rows * T, a, b, first, rows, tiles * T};
+        jobs[i] = (q4_job_t){w, xq, xsh, xs, xr, y, scratch + (size_t)i * rows * T, a, b, first, rows, tiles * T};
         if (i > 0 && a < b) {
             started[i] = pthread_create(&tid[i], NULL, q4_job, &jobs[i]) == 0;
             if (!started[i]) status = GNOSIS_NO_THREAD; /* its tiles run on this thread below */
@@ -312,6 +343,6 @@ gnosis_status_t gnosis_q4_linear(const gnosis_q4_matrix_t *w, int32_t first, int
             q4_job(&jobs[i]);
     }
 done:
-    free(xq), free(xd), free(xs), free(scratch);
+    free(xq), free(xsh), free(xs), free(xr), free(scratch);
     return status;
 }

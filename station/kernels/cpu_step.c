@@ -69,7 +69,8 @@ struct gnosis_step {
     const float *embed, *final_norm, *cos, *sin;
     layer_t *layer;
     /* scratch, sized for max_rows rows */
-    float *h, *x, *qkv, *att, *act, *xd, *xs;
+    float *h, *x, *qkv, *att, *act, *xs, *xr;
+    int32_t *xsh;
     int16_t *xq;
     float *tile_out; /* per thread: a matrix tile's outputs (and its up rows') for every row */
     /* attention, per thread: cpu_attention.c's scratch where it takes the shape (vector),
@@ -259,9 +260,9 @@ static void matmul_task(step_t *s, int chunk, int tid) {
     const int rows = s->out_mode == OUT_SILU_GATE_UP ? w->rows / 2 : w->rows;
     const int n0 = chunk * TILE_ROWS, n = rows - n0 < TILE_ROWS ? rows - n0 : TILE_ROWS;
     float *y = s->tile_out + (size_t)tid * 2 * s->max_rows * TILE_ROWS, *u = y + (size_t)s->max_rows * TILE_ROWS;
-    gnosis_q4_tile(w, chunk, s->xq, s->xd, s->xs, s->b, y);
+    gnosis_q4_tile(w, chunk, s->xq, s->xsh, s->xs, s->xr, s->b, y);
     if (s->out_mode == OUT_SILU_GATE_UP) {  /* the up rows' tile sits rows / 16 tiles on */
-        gnosis_q4_tile(w, chunk + rows / TILE_ROWS, s->xq, s->xd, s->xs, s->b, u);
+        gnosis_q4_tile(w, chunk + rows / TILE_ROWS, s->xq, s->xsh, s->xs, s->xr, s->b, u);
         for (int t = 0; t < s->b; t++) silu_mul(y + (size_t)t * TILE_ROWS, u + (size_t)t * TILE_ROWS, TILE_ROWS);
     }
     const int add = s->out_mode == OUT_ADD;
@@ -293,7 +294,8 @@ static void quantize_task(step_t *s, int chunk, int tid) {
     const int k = s->mat->cols, groups = k / G;
     float *x = (float *)s->in + (size_t)chunk * k;
     if (s->norm) rms_norm(s->h + (size_t)chunk * k, s->norm, x, k, s->eps);
-    gnosis_q4_quantize_row(x, k, s->xq + (size_t)chunk * k, s->xd + (size_t)chunk * groups, s->xs + (size_t)chunk * groups);
+    gnosis_q4_quantize_row(x, k, s->xq + (size_t)chunk * k, s->xsh + (size_t)chunk * groups, s->xs + (size_t)chunk * groups,
+                           s->xr + chunk);
 }
 
 #define ROWS_ALONE 8 /* rows the calling thread takes alone (a parallel region costs more) */
@@ -624,7 +626,7 @@ static void *lines(size_t n) { return aligned_alloc(64, (n + 63) / 64 * 64); }
 /* The step and what it allocated (free(NULL) is nothing). */
 static void free_buffers(step_t *s) {
     free(s->layer); free(s->h); free(s->x); free(s->qkv); free(s->att); free(s->act);
-    free(s->scores); free(s->acc); free(s->qt); free(s->part); free(s->xq); free(s->xd); free(s->xs);
+    free(s->scores); free(s->acc); free(s->qt); free(s->part); free(s->xq); free(s->xsh); free(s->xs); free(s->xr);
     free(s->tile_out);
     free(s);
 }
@@ -686,11 +688,12 @@ gnosis_status_t gnosis_step_create(const gnosis_step_config_t *config, gnosis_st
         s->part = lines(sizeof(float));
     }
     s->xq = lines(sizeof(int16_t) * B * widest);
-    s->xd = lines(sizeof(float) * B * (widest / G + 1));
+    s->xsh = lines(sizeof(int32_t) * B * (widest / G + 1));
     s->xs = lines(sizeof(float) * B * (widest / G + 1));
+    s->xr = lines(sizeof(float) * B);
     s->tile_out = lines(sizeof(float) * nt * 2 * B * TILE_ROWS);
     if (!s->layer || !s->h || !s->x || !s->qkv || !s->att || !s->act || !s->scores || !s->acc || !s->qt ||
-        !s->part || !s->xq || !s->xd || !s->xs || !s->tile_out) {
+        !s->part || !s->xq || !s->xsh || !s->xs || !s->xr || !s->tile_out) {
         free_buffers(s);
         return GNOSIS_NO_MEMORY;
     }

@@ -12,8 +12,9 @@ and prompt tokens alike (``ModelRunner._run_stepped``; a prompt's rows in positi
 so every token's K/V comes from one arithmetic. The vocabulary head stays where it was
 (``VocabHead``, the Q8_0 kernel on the step's threads, or oneDNN).
 
-Numerics: activations are rounded to 15 bits per 32-value group for the integer products
-(torch's int4 kernels round them to 8, bfloat16), the rest is float32. The step is not the
+Numerics: activations are rounded to 15 bits of their row's largest for the integer
+products, a 32-value group far below it keeping up to 7 bits more (torch's int4 kernels
+round them to 8, bfloat16), the rest is float32. The step is not the
 torch path's arithmetic, so a decode token's logits differ from ``model.generate``'s on the
 same weights in the last bits (the fingerprint names the step, so KV of one is never served
 to the other). What holds is what the engine promises: a row is computed from its own
@@ -184,8 +185,10 @@ class StepWeights:
         wrote is never served to another): the products' (alike on every build) and which
         attention this build runs. ``norm-16-sums``: the RMS norms' sums of squares in 16
         partial sums (cpu_step.c's rms_norm; before 2026-12-08 one running sum), so KV an
-        older station saved is not served as this one's."""
-        return "q4-int16-tiles,norm-16-sums," + ATTENTION_ARITHMETIC[self.attention_kind]
+        older station saved is not served as this one's. ``q4-int16-row-scale``: one
+        activation scale per row, a group's integer sum shifted to it (cpu_q4.c; before
+        2026-12-08 ``q4-int16-tiles``, a scale per group)."""
+        return "q4-int16-row-scale,norm-16-sums," + ATTENTION_ARITHMETIC[self.attention_kind]
 
     def kernels(self) -> str:
         """What this machine's build computes the step with, for the decode plan."""
