@@ -70,8 +70,7 @@ static inline __m512 exp16(__m512 x) {
     y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.6666665459e-1f));
     y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(5.0000001201e-1f));
     y = _mm512_fmadd_ps(y, _mm512_mul_ps(x, x), _mm512_add_ps(x, _mm512_set1_ps(1.0f)));
-    __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-    return _mm512_mul_ps(y, _mm512_castsi512_ps(e));
+    return _mm512_scalef_ps(y, n); /* y * 2^n: n >= -126 here, the bits of the product by 2^n */
 }
 
 /* The 16 lanes' sum as the header says: (l + l+8), then (l + l+4), (l + l+2), (0 + 1). */
@@ -224,10 +223,21 @@ static inline int vectors_in_block(int left) { return left == 4 ? 2 : left < MAX
 #define WEIGH_DIMS_MAX 16
 
 /* A score block's sums a[u][v] (positions p + u, pair vectors v0 + v) times scaling into
-   scores[p][x], and into each pair vector's largest m[v] where its pairs see the position. */
+   scores[p][x], and into each pair vector's largest m[v] where its pairs see the position:
+   without masks before see_all, which every pair of the job sees (the masks were 6% of a
+   long prompt's attention). */
 static inline __attribute__((always_inline)) void store_scores(
-        const gnosis_attention_scratch_t *s, int npad, int ctx, int p, int np, int v0, const int nv,
-        __m512 a[QK_POS_MAX][MAX_VEC], __m512 scale, const __m512i *len, __m512 *m) {
+        const gnosis_attention_scratch_t *s, int npad, int ctx, int see_all, int p, int np, int v0,
+        const int nv, __m512 a[QK_POS_MAX][MAX_VEC], __m512 scale, const __m512i *len, __m512 *m) {
+    if (p + np <= see_all) {
+        for (int u = 0; u < np; u++)
+            for (int v = 0; v < nv; v++) {
+                const __m512 sc = _mm512_mul_ps(a[u][v], scale);
+                _mm512_storeu_ps(s->scores + (size_t)(p + u) * npad + (v0 + v) * 16, sc);
+                m[v] = _mm512_max_ps(m[v], sc);
+            }
+        return;
+    }
     for (int u = 0; u < np && p + u < ctx; u++)
         for (int v = 0; v < nv; v++) {
             const __m512 sc = _mm512_mul_ps(a[u][v], scale);
@@ -260,7 +270,7 @@ static inline __attribute__((always_inline)) void score_block(
                 for (int v = 0; v < nv; v++) a[u][v] = _mm512_fmadd_ps(qv[v], kd, a[u][v]);
             }
         }
-        store_scores(s, npad, ctx, p, np, v0, nv, a, scale, len, m);
+        store_scores(s, npad, ctx, j->first + 1, p, np, v0, nv, a, scale, len, m);
     }
     for (int v = 0; v < nv; v++) _mm512_storeu_ps(best + (v0 + v) * 16, m[v]);
 }
@@ -287,12 +297,21 @@ static void scores_by_pair(const gnosis_attention_job_t *j, const gnosis_attenti
 #define P_TILE 64 /* positions whose e_p are computed, then weighed, while in L1 */
 
 /* Many pairs, a tile of positions [p0, p1): e_p into place (zero where a pair does not see
-   p), each added to its pair's partial sum p mod 16. */
+   p), each added to its pair's partial sum p mod 16; before see_all, which every pair sees,
+   without masks. */
 static inline __attribute__((always_inline)) void exp_tile(
-        const gnosis_attention_scratch_t *s, int npad, int p0, int p1, const __m512i *len, const float *best) {
+        const gnosis_attention_scratch_t *s, int npad, int see_all, int p0, int p1, const __m512i *len,
+        const float *best) {
     for (int v = 0; v < npad / 16; v++) {
         const __m512 b = _mm512_loadu_ps(best + 16 * v);
-        for (int p = p0; p < p1; p++) {
+        int p = p0;
+        for (; p < p1 && p < see_all; p++) {
+            float *sc = s->scores + (size_t)p * npad + 16 * v, *pl = s->part + 16 * (16 * v + p % 16);
+            const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(sc), b));
+            _mm512_storeu_ps(sc, e);
+            _mm512_storeu_ps(pl, _mm512_add_ps(_mm512_loadu_ps(pl), e));
+        }
+        for (; p < p1; p++) {
             const __mmask16 valid = pairs_seeing(len[v], p);
             float *sc = s->scores + (size_t)p * npad + 16 * v, *pl = s->part + 16 * (16 * v + p % 16);
             const __m512 e = _mm512_maskz_mov_ps(valid, exp16(_mm512_sub_ps(_mm512_loadu_ps(sc), b)));
@@ -340,7 +359,7 @@ static inline __attribute__((always_inline)) void weigh_block(
 static void weigh_tile(const gnosis_attention_job_t *j, const gnosis_attention_scratch_t *s, int npad,
                        int p0, int p1, const __m512i *len, const float *best, float *acc) {
     const int hd = j->head_dim, nv_all = npad / 16;
-    exp_tile(s, npad, p0, p1, len, best);
+    exp_tile(s, npad, j->first + 1, p0, p1, len, best);
     const float *vrow[P_TILE];
     for (int p = p0; p < p1; p++) vrow[p - p0] = row_at(j->v, j->table, j->block_size, j->stride, p);
     const int all_see = j->first + 1 < p1 ? (j->first + 1 > p0 ? j->first + 1 : p0) : p1;
@@ -532,7 +551,7 @@ static inline __attribute__((always_inline)) void score_block_bf16(
                 for (int v = 0; v < nv; v++) a[u][v] = dp(a[u][v], qv[v], kd);
             }
         }
-        store_scores(s, npad, ctx, p, np, v0, nv, a, scale, len, m);
+        store_scores(s, npad, ctx, j->first + 1, p, np, v0, nv, a, scale, len, m);
     }
     for (int v = 0; v < nv; v++) _mm512_storeu_ps(best + (v0 + v) * 16, m[v]);
 }
@@ -586,7 +605,7 @@ static void weigh_tile_bf16(const gnosis_attention_job_t *j, const gnosis_attent
                             int p0, int p1, const __m512i *len, const float *best, float *acc) {
     const int hd = j->head_dim, nv_all = npad / 16, m1 = (p1 - p0 + 1) / 2;
     const __m512 zero = _mm512_setzero_ps();
-    exp_tile(s, npad, p0, p1, len, best);
+    exp_tile(s, npad, j->first + 1, p0, p1, len, best);
     pair_t *ep = (pair_t *)(s->scores + (size_t)p0 * npad); /* [m1][npad], over the tile's rows */
     for (int m = 0; m < m1; m++) {
         const float *ea = s->scores + (size_t)(p0 + 2 * m) * npad, *eb = ea + npad;
