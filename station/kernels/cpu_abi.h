@@ -99,9 +99,10 @@ typedef struct {
     int32_t max_positions;
 } gnosis_rotary_t;
 
-/* One layer's K and V in the paged pool: [num_blocks * block_size slots, kv_heads,
-   head_dim] each, float32, or bfloat16 where the step's attention_bf16 (the values its
-   attention would round them to); slot = block id * block_size + offset in the block. */
+/* One layer's K and V in the paged pool: [num_blocks, kv_heads, block_size, head_dim]
+   each (a block's rows head by head, so a K/V head's rows of a block are one run of
+   memory), float32, or bfloat16 where the step's attention_bf16 (the values its attention
+   would round them to); slot = block id * block_size + offset in the block. */
 typedef struct {
     void *k, *v;
 } gnosis_kv_layer_t;

@@ -51,8 +51,9 @@ int32_t gnosis_attention_takes(int32_t head_dim) {
 }
 
 /* Position p's K or V row in a float32 pool. */
-static inline const float *row_at(const void *base, const int32_t *table, int bs, int stride, int p) {
-    return (const float *)base + ((size_t)table[p / bs] * bs + p % bs) * stride;
+static inline const float *row_at(const gnosis_attention_job_t *j, const void *base, int p) {
+    return (const float *)base + (size_t)j->table[p / j->block_size] * j->block_stride +
+           (size_t)(p % j->block_size) * j->stride;
 }
 
 /* e^x for 16 floats: Cephes' expf (range reduction by ln 2 in two parts, a degree-6
@@ -124,10 +125,10 @@ static void scores_by_position(const gnosis_attention_job_t *j, const gnosis_att
             const float *rows[16];
             for (int i = 0; i < 16; i++) {
                 const int p = p0 + 16 * h + i;
-                rows[i] = row_at(j->k, j->table, j->block_size, j->stride, p < ctx ? p : ctx - 1);
+                rows[i] = row_at(j, j->k, p < ctx ? p : ctx - 1);
                 if (p + SPAN < ctx) /* the next span's row, on its way while this one computes */
                     for (int off = 0; off < hd; off += 16)
-                        _mm_prefetch((const char *)(row_at(j->k, j->table, j->block_size, j->stride, p + SPAN) + off),
+                        _mm_prefetch((const char *)(row_at(j, j->k, p + SPAN) + off),
                                      _MM_HINT_T0);
             }
             for (int d0 = 0; d0 < hd; d0 += 16) {
@@ -258,7 +259,7 @@ static inline __attribute__((always_inline)) void score_block(
     for (int p = 0; p < ctx; p += np) {
         const float *k[QK_POS_MAX];
         for (int u = 0; u < np; u++)
-            k[u] = row_at(j->k, j->table, j->block_size, j->stride, p + u < ctx ? p + u : ctx - 1);
+            k[u] = row_at(j, j->k, p + u < ctx ? p + u : ctx - 1);
         __m512 a[QK_POS_MAX][MAX_VEC];
         for (int u = 0; u < np; u++)
             for (int v = 0; v < nv; v++) a[u][v] = _mm512_setzero_ps();
@@ -361,7 +362,7 @@ static void weigh_tile(const gnosis_attention_job_t *j, const gnosis_attention_s
     const int hd = j->head_dim, nv_all = npad / 16;
     exp_tile(s, npad, j->first + 1, p0, p1, len, best);
     const float *vrow[P_TILE];
-    for (int p = p0; p < p1; p++) vrow[p - p0] = row_at(j->v, j->table, j->block_size, j->stride, p);
+    for (int p = p0; p < p1; p++) vrow[p - p0] = row_at(j, j->v, p);
     const int all_see = j->first + 1 < p1 ? (j->first + 1 > p0 ? j->first + 1 : p0) : p1;
     for (int v0 = 0, nv; v0 < nv_all; v0 += nv) {
         nv = vectors_in_block(nv_all - v0);
@@ -395,13 +396,14 @@ static void weigh_tile(const gnosis_attention_job_t *j, const gnosis_attention_s
 typedef uint32_t pair_t; /* two bfloat16 values, the lower-indexed one in the low half */
 
 /* Position p's K or V row in a bfloat16 pool; a K row is its own pairs (k[2i], k[2i+1]). */
-static inline const uint16_t *bf16_row_at(const void *base, const int32_t *table, int bs, int stride, int p) {
-    return (const uint16_t *)base + ((size_t)table[p / bs] * bs + p % bs) * stride;
+static inline const uint16_t *bf16_row_at(const gnosis_attention_job_t *j, const void *base, int p) {
+    return (const uint16_t *)base + (size_t)j->table[p / j->block_size] * j->block_stride +
+           (size_t)(p % j->block_size) * j->stride;
 }
 
 /* A bfloat16 row's cache lines from p on, on their way (hd values: hd / 32 lines). */
 static inline void fetch_row(const gnosis_attention_job_t *j, const void *base, int p) {
-    const uint16_t *r = bf16_row_at(base, j->table, j->block_size, j->stride, p);
+    const uint16_t *r = bf16_row_at(j, base, p);
     for (int off = 0; off < j->head_dim; off += 32) _mm_prefetch((const char *)(r + off), _MM_HINT_T0);
 }
 
@@ -454,7 +456,7 @@ static void scores_by_position_bf16(const gnosis_attention_job_t *j, const gnosi
             const pair_t *kp[16];
             for (int i = 0; i < 16; i++) {
                 const int p = p0 + 16 * h + i;
-                kp[i] = (const pair_t *)bf16_row_at(j->k, j->table, j->block_size, j->stride, p < ctx ? p : ctx - 1);
+                kp[i] = (const pair_t *)bf16_row_at(j, j->k, p < ctx ? p : ctx - 1);
                 if (p + SPAN < ctx) fetch_row(j, j->k, p + SPAN);
             }
             for (int i0 = 0; i0 < half; i0 += 16) {
@@ -505,10 +507,10 @@ static void weighted_values_bf16(const gnosis_attention_job_t *j, const float *e
             for (int u = 0; u < PAIR_BLOCK; u++)
                 for (int i = 0; i < 4; i++) r[u][i] = zero;
             for (int p = 0; p < longest; p += 2) {
-                const uint16_t *va = bf16_row_at(j->v, j->table, j->block_size, j->stride, p) + d0;
-                const uint16_t *vb = p + 1 < longest ? bf16_row_at(j->v, j->table, j->block_size, j->stride, p + 1) + d0 : NULL;
+                const uint16_t *va = bf16_row_at(j, j->v, p) + d0;
+                const uint16_t *vb = p + 1 < longest ? bf16_row_at(j, j->v, p + 1) + d0 : NULL;
                 if (p + 8 < longest) /* the pair 8 on's first row (its second: measured slower, 2026-12-07) */
-                    _mm_prefetch((const char *)(bf16_row_at(j->v, j->table, j->block_size, j->stride, p + 8) + d0), _MM_HINT_T0);
+                    _mm_prefetch((const char *)(bf16_row_at(j, j->v, p + 8) + d0), _MM_HINT_T0);
                 __m512i vv[4];
                 for (int i = 0; i < 4; i++)
                     vv[i] = i < nd ? zip_rows(va + 16 * i, vb ? vb + 16 * i : NULL) : _mm512_setzero_si512();
@@ -537,7 +539,7 @@ static inline __attribute__((always_inline)) void score_block_bf16(
     for (int p = 0; p < ctx; p += np) {
         const pair_t *kp[QK_POS_MAX];
         for (int u = 0; u < np; u++) { /* the rows two blocks on fetched as these are read */
-            kp[u] = (const pair_t *)bf16_row_at(j->k, j->table, j->block_size, j->stride, p + u < ctx ? p + u : ctx - 1);
+            kp[u] = (const pair_t *)bf16_row_at(j, j->k, p + u < ctx ? p + u : ctx - 1);
             if (p + u + 2 * np < ctx) fetch_row(j, j->k, p + u + 2 * np);
         }
         __m512 a[QK_POS_MAX][MAX_VEC];
@@ -618,8 +620,8 @@ static void weigh_tile_bf16(const gnosis_attention_job_t *j, const gnosis_attent
     pair_t vt[(P_TILE / 2) * GNOSIS_STEP_MAX_HEAD_DIM];
     for (int p = p1; p < p1 + P_TILE && p < j->first + j->rows; p++) fetch_row(j, j->v, p); /* the next tile's V */
     for (int m = 0; m < m1; m++) {
-        const uint16_t *va = bf16_row_at(j->v, j->table, j->block_size, j->stride, p0 + 2 * m);
-        const uint16_t *vb = p0 + 2 * m + 1 < p1 ? bf16_row_at(j->v, j->table, j->block_size, j->stride, p0 + 2 * m + 1) : NULL;
+        const uint16_t *va = bf16_row_at(j, j->v, p0 + 2 * m);
+        const uint16_t *vb = p0 + 2 * m + 1 < p1 ? bf16_row_at(j, j->v, p0 + 2 * m + 1) : NULL;
         for (int d = 0; d < hd; d += 16)
             _mm512_storeu_si512((void *)(vt + (size_t)m * hd + d), zip_rows(va + d, vb ? vb + d : NULL));
     }
@@ -701,9 +703,9 @@ static void weighted_values(const gnosis_attention_job_t *j, const float *e, int
             for (int u = 0; u < PAIR_BLOCK; u++)
                 for (int i = 0; i < 4; i++) r[u][i] = _mm512_setzero_ps();
             for (int p = 0; p < longest; p++) {
-                const float *vp = row_at(j->v, j->table, j->block_size, j->stride, p) + d0;
+                const float *vp = row_at(j, j->v, p) + d0;
                 if (p + 8 < longest)
-                    _mm_prefetch((const char *)(row_at(j->v, j->table, j->block_size, j->stride, p + 8) + d0), _MM_HINT_T0);
+                    _mm_prefetch((const char *)(row_at(j, j->v, p + 8) + d0), _MM_HINT_T0);
                 __m512 vv[4];
                 for (int i = 0; i < 4; i++) vv[i] = i < nd ? _mm512_loadu_ps(vp + 16 * i) : _mm512_setzero_ps();
                 for (int u = 0; u < PAIR_BLOCK; u++)

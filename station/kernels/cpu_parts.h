@@ -24,14 +24,14 @@ void gnosis_q4_tile(const gnosis_q4_matrix_t *w, int32_t tile, const int16_t *xq
 
 /* One job: the rows of a group (consecutive positions of one sequence, row i at position
    first + i, seeing positions 0..first + i) and one K/V head with the rep query heads it
-   serves. Position p's K and V rows are at (table[p / block_size] * block_size + p %
+   serves. Position p's K and V rows are at table[p / block_size] * block_stride + (p %
    block_size) * stride values into k and v: float32, or bfloat16 where bf16. */
 typedef struct {
     const float *q;     /* row i's query head r at q + i * q_row + r * head_dim */
     const void *k, *v;
     const int32_t *table;
     float *out;         /* row i's head r at out + i * out_row + r * head_dim */
-    int32_t q_row, out_row, stride, block_size, head_dim, rows, rep, first;
+    int32_t q_row, out_row, stride, block_stride, block_size, head_dim, rows, rep, first;
     float scaling;      /* multiplies q . k */
     int32_t bf16;       /* 1: the products on bfloat16 pairs, K and V bfloat16 (only where
                            gnosis_attention_takes says 2) */

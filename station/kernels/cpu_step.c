@@ -370,14 +370,14 @@ static inline void dot4(const float *q, const float *k, int stride, int n, float
    hide that on their own. */
 #define PREFETCH_AHEAD 6
 static inline void prefetch_ahead(const float *base, const int32_t *table, int p, int ctx, int bs,
-                                  int stride, int hd) {
+                                  int block_stride, int hd) {
 #if STEP_SIMD
     int q = p + PREFETCH_AHEAD;
     if (q >= ctx) return;
-    const char *row = (const char *)(base + ((size_t)table[q / bs] * bs + q % bs) * stride);
+    const char *row = (const char *)(base + (size_t)table[q / bs] * block_stride + (size_t)(q % bs) * hd);
     for (int off = 0; off < hd * (int)sizeof(float); off += 64) _mm_prefetch(row + off, _MM_HINT_T0);
 #else
-    (void)base; (void)table; (void)p; (void)ctx; (void)bs; (void)stride; (void)hd;
+    (void)base; (void)table; (void)p; (void)ctx; (void)bs; (void)block_stride; (void)hd;
 #endif
 }
 
@@ -386,7 +386,7 @@ static inline void prefetch_ahead(const float *base, const int32_t *table, int p
 typedef struct {
     const float *base;
     const int32_t *table;
-    int p0, ctx, bs, stride, hd;
+    int p0, ctx, bs, block_stride, hd;
 } ahead_t;
 
 /* a[0 .. 8 * nv) += sc[j] * (v + j * stride)[0 .. 8 * nv) for j < end, position by
@@ -398,7 +398,7 @@ static inline __attribute__((always_inline)) void weighted_v(float *a, const flo
     __m256 r[8];
     for (int u = 0; u < nv; u++) r[u] = _mm256_loadu_ps(a + 8 * u);
     for (int j = 0; j < end; j++, v += stride) {
-        if (pf) prefetch_ahead(pf->base, pf->table, pf->p0 + j, pf->ctx, pf->bs, pf->stride, pf->hd);
+        if (pf) prefetch_ahead(pf->base, pf->table, pf->p0 + j, pf->ctx, pf->bs, pf->block_stride, pf->hd);
         __m256 w8 = _mm256_set1_ps(sc[j]);
         for (int u = 0; u < nv; u++) r[u] = _mm256_fmadd_ps(w8, _mm256_loadu_ps(v + 8 * u), r[u]);
     }
@@ -415,16 +415,18 @@ static inline __attribute__((always_inline)) void weighted_v(float *a, const flo
    of V in position order, so a row's output does not depend on the rows beside it. */
 static void attention_task(step_t *s, int job, int tid) {
     const int hd = s->head_dim, kvh = s->kv_heads, rep = s->heads / kvh, bs = s->block_size;
-    const int qkv_n = (s->heads + 2 * kvh) * hd, stride = kvh * hd, mp = s->max_pos;
+    /* a K/V head's rows in a block: hd apart, from kv * bs * hd; blocks kvh * bs * hd apart */
+    const int qkv_n = (s->heads + 2 * kvh) * hd, stride = hd, blk_stride = kvh * bs * hd, mp = s->max_pos;
     const int grp = job / kvh, kv = job % kvh, t0 = s->group_start[grp], g = s->group_len[grp];
     if (s->vector_attention) {
         const size_t kv_size = s->attention_bf16 ? 2 : 4; /* a pool value's bytes */
         const int npad = s->pairs < 16 ? 16 : (s->pairs + 15) / 16 * 16;
         const gnosis_attention_job_t j = {
-            .q = s->qkv + (size_t)t0 * qkv_n + (size_t)kv * rep * hd, .k = (const char *)s->cur->kv.k + kv * hd * kv_size,
-            .v = (const char *)s->cur->kv.v + kv * hd * kv_size, .table = s->tables + (size_t)t0 * s->table_width,
+            .q = s->qkv + (size_t)t0 * qkv_n + (size_t)kv * rep * hd,
+            .k = (const char *)s->cur->kv.k + (size_t)kv * bs * hd * kv_size,
+            .v = (const char *)s->cur->kv.v + (size_t)kv * bs * hd * kv_size, .table = s->tables + (size_t)t0 * s->table_width,
             .out = s->att + (size_t)t0 * s->heads * hd + (size_t)kv * rep * hd, .q_row = qkv_n,
-            .out_row = s->heads * hd, .stride = stride, .block_size = bs, .head_dim = hd, .rows = g,
+            .out_row = s->heads * hd, .stride = stride, .block_stride = blk_stride, .block_size = bs, .head_dim = hd, .rows = g,
             .rep = rep, .first = (int)s->pos[t0], .scaling = s->scaling, .bf16 = s->attention_bf16};
         const gnosis_attention_scratch_t scratch = {
             .scores = s->scores + (size_t)tid * npad * (mp + 32), .qt = s->qt + (size_t)tid * hd * (npad < 32 ? 32 : npad),
@@ -438,18 +440,19 @@ static void attention_task(step_t *s, int job, int tid) {
     float *acc = s->acc + (size_t)tid * s->pairs * hd;      /* [n][hd] */
     const int32_t *table = s->tables + (size_t)t0 * s->table_width;
     const int first = (int)s->pos[t0], ctx = first + g; /* row i sees positions 0..first + i */
-    const float *kbase = (const float *)s->cur->kv.k + kv * hd, *vbase = (const float *)s->cur->kv.v + kv * hd;
+    const float *kbase = (const float *)s->cur->kv.k + (size_t)kv * bs * hd;
+    const float *vbase = (const float *)s->cur->kv.v + (size_t)kv * bs * hd;
     float best[n], total[n];
     for (int x = 0; x < n; x++) best[x] = -INFINITY;
     for (int p0 = 0, blk = 0; p0 < ctx; p0 += bs, blk++) {
-        const float *k = kbase + (size_t)table[blk] * bs * stride;
+        const float *k = kbase + (size_t)table[blk] * blk_stride;
         int end = ctx - p0 < bs ? ctx - p0 : bs, j = 0;
 #if STEP_SIMD
         /* four positions at a time where every row of the group sees all four: four dot
            products in flight, each summed as dot() sums it */
         if (hd % 8 == 0)
             for (; j + 4 <= end && p0 + j + 3 <= first; j += 4) {
-                for (int u = 0; u < 4; u++) prefetch_ahead(kbase, table, p0 + j + u, ctx, bs, stride, hd);
+                for (int u = 0; u < 4; u++) prefetch_ahead(kbase, table, p0 + j + u, ctx, bs, blk_stride, hd);
                 const float *k0 = k + (size_t)j * stride;
                 for (int x = 0; x < n; x++) {
                     const float *q = s->qkv + (size_t)(t0 + x / rep) * qkv_n + (size_t)(kv * rep + x % rep) * hd;
@@ -464,7 +467,7 @@ static void attention_task(step_t *s, int job, int tid) {
             }
 #endif
         for (k += (size_t)j * stride; j < end; j++, k += stride) {
-            prefetch_ahead(kbase, table, p0 + j, ctx, bs, stride, hd);
+            prefetch_ahead(kbase, table, p0 + j, ctx, bs, blk_stride, hd);
             for (int i = p0 + j > first ? p0 + j - first : 0; i < g; i++) {
                 const float *q = s->qkv + (size_t)(t0 + i) * qkv_n + (size_t)kv * rep * hd;
                 for (int r = 0; r < rep; r++) {
@@ -494,7 +497,7 @@ static void attention_task(step_t *s, int job, int tid) {
     }
     memset(acc, 0, sizeof(float) * n * hd);
     for (int p0 = 0, blk = 0; p0 < ctx; p0 += bs, blk++) {
-        const float *v = vbase + (size_t)table[blk] * bs * stride;
+        const float *v = vbase + (size_t)table[blk] * blk_stride;
         for (int x = 0; x < n; x++) {
             const int len = first + x / rep + 1;
             const int end = len - p0 < bs ? len - p0 : bs;
@@ -505,7 +508,7 @@ static void attention_task(step_t *s, int job, int tid) {
 #if STEP_SIMD
             /* 64 lanes at a time, then 32, then 8: eight multiply-add chains in flight; the
                first pass over a block fetches the rows ahead */
-            const ahead_t pf = {vbase, table, p0, ctx, bs, stride, hd}, *first_pf = x == 0 ? &pf : NULL;
+            const ahead_t pf = {vbase, table, p0, ctx, bs, blk_stride, hd}, *first_pf = x == 0 ? &pf : NULL;
             for (; i + 64 <= hd; i += 64) weighted_v(a + i, v + i, sc, end, stride, 8, i == 0 ? first_pf : NULL);
             for (; i + 32 <= hd; i += 32) weighted_v(a + i, v + i, sc, end, stride, 4, i == 0 ? first_pf : NULL);
             for (; i + 8 <= hd; i += 8) weighted_v(a + i, v + i, sc, end, stride, 1, NULL);
@@ -569,13 +572,16 @@ static void rotary_task(step_t *s, int chunk, int tid) {
     const float *c = s->cos + (size_t)s->pos[chunk] * hd, *sn = s->sin + (size_t)s->pos[chunk] * hd;
     rotate(q, s->heads, hd, c, sn);
     rotate(k, kvh, hd, c, sn);
-    const size_t at = (size_t)s->slots[chunk] * kvh * hd;
-    if (s->attention_bf16) { /* the values the attention rounds them to, in half the bytes */
-        gnosis_attention_store_bf16(k, kvh * hd, (uint16_t *)s->cur->kv.k + at);
-        gnosis_attention_store_bf16(v, kvh * hd, (uint16_t *)s->cur->kv.v + at);
-    } else {
-        memcpy((float *)s->cur->kv.k + at, k, sizeof(float) * kvh * hd);
-        memcpy((float *)s->cur->kv.v + at, v, sizeof(float) * kvh * hd);
+    const int bs = s->block_size;
+    for (int h = 0; h < kvh; h++) { /* head h's row of the slot's block */
+        const size_t at = (((size_t)(s->slots[chunk] / bs) * kvh + h) * bs + s->slots[chunk] % bs) * hd;
+        if (s->attention_bf16) { /* the values the attention rounds them to, in half the bytes */
+            gnosis_attention_store_bf16(k + h * hd, hd, (uint16_t *)s->cur->kv.k + at);
+            gnosis_attention_store_bf16(v + h * hd, hd, (uint16_t *)s->cur->kv.v + at);
+        } else {
+            memcpy((float *)s->cur->kv.k + at, k + h * hd, sizeof(float) * hd);
+            memcpy((float *)s->cur->kv.v + at, v + h * hd, sizeof(float) * hd);
+        }
     }
 }
 

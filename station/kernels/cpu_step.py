@@ -187,8 +187,10 @@ class StepWeights:
         partial sums (cpu_step.c's rms_norm; before 2026-12-08 one running sum), so KV an
         older station saved is not served as this one's. ``q4-int16-row-scale``: one
         activation scale per row, a group's integer sum shifted to it (cpu_q4.c; before
-        2026-12-08 ``q4-int16-tiles``, a scale per group)."""
-        return "q4-int16-row-scale,norm-16-sums," + ATTENTION_ARITHMETIC[self.attention_kind]
+        2026-12-08 ``q4-int16-tiles``, a scale per group). ``kv-head-major``: a pool block holds
+        its rows head by head (cpu_abi.h's gnosis_kv_layer_t; before, position by position),
+        so a block another station wrote is not read as this one's."""
+        return "q4-int16-row-scale,norm-16-sums,kv-head-major," + ATTENTION_ARITHMETIC[self.attention_kind]
 
     def kernels(self) -> str:
         """What this machine's build computes the step with, for the decode plan."""

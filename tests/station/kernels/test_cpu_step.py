@@ -269,9 +269,9 @@ def test_bfloat16_attention_is_taken_where_the_cpu_has_it_and_named_in_the_finge
     float32 = _load(tiny["llama"], tmp_path, cpu_attention="float32")
     has_bf16 = auto.weights.step.lib.gnosis_attention_takes(auto.weights.step.head_dim) == 2
     assert auto.weights.step.attention_bf16 == has_bf16 and not float32.weights.step.attention_bf16
-    assert float32.weights.step.arithmetic() == "q4-int16-row-scale,norm-16-sums,attention-vector"
-    assert auto.weights.step.arithmetic() == ("q4-int16-row-scale,norm-16-sums,attention-vector-bf16" if has_bf16
-                                              else "q4-int16-row-scale,norm-16-sums,attention-vector")
+    common = "q4-int16-row-scale,norm-16-sums,kv-head-major,"
+    assert float32.weights.step.arithmetic() == common + "attention-vector"
+    assert auto.weights.step.arithmetic() == common + ("attention-vector-bf16" if has_bf16 else "attention-vector")
     # KV of one attention arithmetic is never served to the other
     assert (auto.fingerprint != float32.fingerprint) == has_bf16
 
