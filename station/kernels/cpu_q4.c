@@ -19,9 +19,9 @@
    the AVX-512 VNNI build (vpdpwssd, 32 products an instruction into 16 outputs' sums), the
    AVX2 build (vpmaddwd) and the plain C one give the same bits. Beside the float32 forward
    on the same 4-bit values, the only added rounding is the activations' to 15 bits of their
-   row's largest (up to 22 for a group 128 times smaller; torch's int4 kernels round them
-   to bfloat16, 8 bits; int8 activations, tried, were 4x further from the float forward
-   than bfloat16 on the test models). */
+   row's largest, or of their group's own where that is up to 128 times smaller (torch's
+   int4 kernels round them to bfloat16, 8 bits; int8 activations, tried, were 4x further
+   from the float forward than bfloat16 on the test models). */
 
 #include <math.h>
 #include <stdint.h>
