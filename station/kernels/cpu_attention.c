@@ -230,20 +230,13 @@ static inline int vectors_in_block(int left) { return left == 4 ? 2 : left < MAX
 static inline __attribute__((always_inline)) void store_scores(
         const gnosis_attention_scratch_t *s, int npad, int ctx, int see_all, int p, int np, int v0,
         const int nv, __m512 a[QK_POS_MAX][MAX_VEC], __m512 scale, const __m512i *len, __m512 *m) {
-    if (p + np <= see_all) {
-        for (int u = 0; u < np; u++)
-            for (int v = 0; v < nv; v++) {
-                const __m512 sc = _mm512_mul_ps(a[u][v], scale);
-                _mm512_storeu_ps(s->scores + (size_t)(p + u) * npad + (v0 + v) * 16, sc);
-                m[v] = _mm512_max_ps(m[v], sc);
-            }
-        return;
-    }
+    const int every = p + np <= see_all; /* the same for the whole block: the loop splits on it */
     for (int u = 0; u < np && p + u < ctx; u++)
         for (int v = 0; v < nv; v++) {
             const __m512 sc = _mm512_mul_ps(a[u][v], scale);
             _mm512_storeu_ps(s->scores + (size_t)(p + u) * npad + (v0 + v) * 16, sc);
-            m[v] = _mm512_mask_max_ps(m[v], pairs_seeing(len[v0 + v], p + u), m[v], sc);
+            m[v] = every ? _mm512_max_ps(m[v], sc)
+                         : _mm512_mask_max_ps(m[v], pairs_seeing(len[v0 + v], p + u), m[v], sc);
         }
 }
 
